@@ -1,0 +1,31 @@
+"""cpdoctor: finds and fixes silent context-parallel attention bugs in diffusers.
+
+Public API (imported lazily, so `import cpdoctor` and `cpdoctor --help` stay free of torch/diffusers):
+`check_attention`, `preflight`, `patch`, `unpatch`, `patched`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "check_attention": ("cpdoctor.api", "check_attention"),
+    "preflight": ("cpdoctor.api", "preflight"),
+    "patch": ("cpdoctor.fix.patch", "apply"),
+    "unpatch": ("cpdoctor.fix.patch", "revert"),
+    "patched": ("cpdoctor.fix.patch", "patched"),
+    "AttentionRequest": ("cpdoctor.request", "AttentionRequest"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'cpdoctor' has no attribute {name!r}")

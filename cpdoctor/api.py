@@ -1,0 +1,114 @@
+"""The Python API: the same examinations as the CLI, returning a `Report` instead of printing.
+
+    import cpdoctor
+    report = cpdoctor.check_attention(ring=4)          # spawns 4 ranks (or joins torchrun's world)
+    assert report.verdict == "PASS", report.findings[0].diagnosis
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from typing import Any, Callable
+
+from cpdoctor import launch
+from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.report import Report, RunResult
+from cpdoctor.request import AttentionRequest
+from cpdoctor.verdict import Finding, attention_finding, describe_attention, failure_findings, overall
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_SEQ = 512
+
+
+def default_seq(world_size: int) -> int:
+    """512 rounded up to a multiple of the CP world size, so `--ring 3` works without choosing a length."""
+    return -(-DEFAULT_SEQ // world_size) * world_size
+
+
+def _installed_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _fallback_environment(world_size: int) -> dict[str, Any]:
+    """What the parent knows without importing torch (used when no rank got far enough to report)."""
+    return {
+        "torch": _installed_version("torch"),
+        "diffusers": _installed_version("diffusers"),
+        "python": platform.python_version(),
+        "world_size": world_size,
+    }
+
+
+def build_request(**fields: Any) -> AttentionRequest:
+    """An AttentionRequest from keyword fields; seq defaults to 512 rounded up to divide the world size."""
+    ring, ulysses = fields.get("ring"), fields.get("ulysses")
+    if ring is None:
+        fields["ring"] = 1 if ulysses not in (None, 1) else 2
+    if ulysses is None:
+        fields["ulysses"] = 1
+    if fields.get("seq") is None:
+        fields["seq"] = default_seq(max(1, fields["ring"] * fields["ulysses"]))
+    return AttentionRequest.from_dict({k: v for k, v in fields.items() if v is not None}).validate()
+
+
+def run_cases(kind: str, cases: list[dict], world_size: int, timeout_s: float, device: str, on_tick: Callable[[], None] | None = None) -> Any:
+    """Launch one job; raise BadInput / CannotExamine for what the ranks refused. None on torchrun ranks ≠ 0."""
+    result = launch.run({"kind": kind, "cases": cases, "device": device}, world_size, timeout_s, on_tick)
+    if result is None:
+        return None
+    if result.bad_input:
+        raise BadInput(result.bad_input)
+    if result.cannot_examine:
+        raise CannotExamine(result.cannot_examine)
+    for item in result.results or []:
+        if "rank_payloads" in item:
+            stopped = launch.failures_from_payloads(item["rank_payloads"])
+            if stopped.bad_input:
+                raise BadInput(stopped.bad_input)
+            if stopped.cannot_examine:
+                raise CannotExamine(stopped.cannot_examine)
+    return result
+
+
+def _case_findings(item: dict, timeout_s: float) -> list[Finding]:
+    req = item["case"]["request"]
+    if "evaluated" in item:
+        return [attention_finding(req, item["evaluated"])]
+    stopped = launch.failures_from_payloads(item["rank_payloads"])
+    return failure_findings(describe_attention(req, req["backend"]), stopped.failures, timeout_s)
+
+
+def check_attention(
+    request: AttentionRequest | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_tick: Callable[[], None] | None = None,
+    **fields: Any,
+) -> Report | None:
+    """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix.
+
+    Returns None on torchrun ranks other than 0 (rank 0 holds the report)."""
+    req = request.validate() if request is not None else build_request(**fields)
+    cases = [{"request": req.to_dict(), "patched": False}]
+    if req.patch:
+        cases.append({"request": req.to_dict(), "patched": True})
+    result = run_cases("attention", cases, req.world_size, timeout_s, req.device, on_tick)
+    if result is None:
+        return None
+    runs: list[RunResult] = []
+    environment = _fallback_environment(req.world_size)
+    if result.failures:
+        findings = failure_findings(describe_attention(req.to_dict(), req.backend), result.failures, timeout_s)
+        runs.append(RunResult(overall(findings)[0], findings))
+    for item in result.results or []:
+        environment = item.get("evaluated", {}).get("environment", environment)
+        findings = _case_findings(item, timeout_s)
+        runs.append(RunResult(overall(findings)[0], findings))
+    final = runs[-1]
+    verdict, code = overall(final.findings)
+    before = runs[0] if req.patch and len(runs) > 1 else None
+    return Report(verdict, code, environment, req.to_dict(), final.findings, before=before, wall_s=result.wall_s)

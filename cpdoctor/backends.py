@@ -1,0 +1,157 @@
+"""What each diffusers attention backend can do here, found by asking the registry and trying it.
+
+Nothing in this module is a hard-coded list of capabilities. For a backend name it establishes, on this
+device and dtype, with tiny tensors and in one process:
+- whether it is registered at all and registered as CP-capable;
+- whether diffusers' requirement check passes (packages such as flash-attn);
+- whether, given a parallel config, it routes into diffusers' templated CP attention at all (a spy replaces
+  `_templated_context_parallel_attention` for the call and records the forward/backward ops it is handed),
+  or silently computes local attention (`_native_math` does: it ignores the parallel config);
+- whether its forward op runs here, returns an LSE (ring attention needs one) and has a backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from cpdoctor import diffusers_compat as compat
+
+AUTO = "auto"
+PREFERENCE = ("_native_flash", "_native_cudnn", "flash", "flash_hub", "_flash_3", "cpdoctor_cpu")
+"""Order in which `--backend auto` considers the backends that pass every test below."""
+
+
+@dataclass
+class BackendFacts:
+    name: str
+    registered: bool
+    cp_registered: bool = False
+    requirement_error: str | None = None
+    routes_cp: bool | None = None
+    forward_op: str | None = None
+    backward_op: str | None = None
+    runs_here: bool = False
+    run_error: str | None = None
+    returns_lse: bool | None = None
+    lse_error: str | None = None
+    has_backward: bool | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def unsupported_reason(self, ring: int) -> str | None:
+        """Why a CP examination with this ring degree cannot run here, or None when it can."""
+        if not self.registered:
+            return f"{self.name} is not a registered attention backend in this diffusers"
+        if self.requirement_error:
+            return self.requirement_error
+        if not self.runs_here:
+            return f"{self.name} does not run here: {self.run_error}"
+        if ring > 1 and self.routes_cp and self.returns_lse is False:
+            return f"{self.name} has no LSE, and ring attention needs one to merge blocks ({self.lse_error})"
+        return None
+
+
+class _Captured(Exception):
+    def __init__(self, forward_op: Callable, backward_op: Callable):
+        super().__init__("captured")
+        self.forward_op = forward_op
+        self.backward_op = backward_op
+
+
+class _OpCtx:
+    """Stands in for an autograd ctx when calling a forward op outside autograd."""
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def discover_ops(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> tuple[bool | None, Callable | None, Callable | None, str | None]:
+    """(routes_cp, forward_op, backward_op, error): call the backend with a parallel config while a spy
+    stands in for diffusers' templated CP attention. Nothing is computed when the backend routes to CP."""
+    import torch
+
+    def spy(*args: Any, forward_op: Callable, backward_op: Callable, **kwargs: Any) -> Any:
+        raise _Captured(forward_op, backward_op)
+
+    q = torch.randn(1, 8, heads, head_dim, device=device, dtype=dtype)
+    fn = compat.backend_function(name)
+    accepted = compat.accepted_kwargs(name)
+    if "_parallel_config" not in accepted:
+        return False, None, None, "does not accept a parallel config (dispatch_attention_fn drops it)"
+    kwargs = {"query": q, "key": q, "value": q, "_parallel_config": object()}
+    with compat.replaced_templated_attention(spy):
+        try:
+            fn(**kwargs)
+        except _Captured as cap:
+            return True, cap.forward_op, cap.backward_op, None
+        except Exception as exc:  # noqa: BLE001
+            return None, None, None, _first_line(exc)
+    return False, None, None, None
+
+
+def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool) -> tuple[Any, _OpCtx]:
+    ctx = _OpCtx()
+    out = forward_op(ctx, q, q, q, None, 0.0, False, None, False, return_lse, _save_ctx=True, _parallel_config=None)
+    return out, ctx
+
+
+def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> BackendFacts:
+    """All facts about one backend on this device and dtype (milliseconds; no second process)."""
+    import torch
+
+    if compat.backend_member(name) is None:
+        return BackendFacts(name, registered=False)
+    facts = BackendFacts(name, registered=True, cp_registered=compat.is_cp_registered(name))
+    facts.requirement_error = compat.requirement_error(name)
+    if facts.requirement_error:
+        return facts
+    routes, fwd, bwd, err = discover_ops(name, device, dtype, heads, head_dim)
+    facts.routes_cp = routes
+    facts.forward_op = getattr(fwd, "__name__", None)
+    facts.backward_op = getattr(bwd, "__name__", None)
+    q = torch.randn(1, 8, heads, head_dim, device=device, dtype=dtype)
+    if fwd is None:
+        # No CP path to test: does the backend run here at all (locally)?
+        try:
+            compat.backend_function(name)(query=q, key=q, value=q)
+            facts.runs_here = True
+        except Exception as exc:  # noqa: BLE001
+            facts.run_error = _first_line(exc) if err is None else err
+        return facts
+    try:
+        out, ctx = _try_forward_op(fwd, q, return_lse=False)
+        facts.runs_here = True
+    except Exception as exc:  # noqa: BLE001
+        facts.run_error = _first_line(exc)
+        return facts
+    try:
+        res, _ = _try_forward_op(fwd, q, return_lse=True)
+        facts.returns_lse = isinstance(res, tuple) and len(res) >= 2 and res[1] is not None
+    except Exception as exc:  # noqa: BLE001
+        facts.returns_lse = False
+        facts.lse_error = _first_line(exc)
+    try:
+        grads = bwd(ctx, torch.randn_like(out))
+        facts.has_backward = all(g is not None for g in grads[:3])
+    except Exception as exc:  # noqa: BLE001
+        facts.has_backward = False
+        facts.run_error = f"backward: {_first_line(exc)}"
+    return facts
+
+
+def resolve_auto(device: Any, dtype: Any, heads: int, head_dim: int, ring: int) -> tuple[str | None, list[BackendFacts]]:
+    """The first backend of PREFERENCE that can run CP here (ring needs an LSE), with the facts seen."""
+    seen = []
+    for name in PREFERENCE:
+        facts = examine_backend(name, device, dtype, heads, head_dim)
+        seen.append(facts)
+        if facts.cp_registered and facts.routes_cp and facts.has_backward and facts.unsupported_reason(ring) is None:
+            return name, seen
+    return None, seen

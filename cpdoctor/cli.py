@@ -1,0 +1,64 @@
+"""The `cpdoctor` command line: parsing and rendering only; the work is in api.py and the probes.
+
+Each command lives in cpdoctor/commands/<name>.py and registers itself. Nothing here imports torch or
+diffusers, so `cpdoctor --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cpdoctor.errors import BadInput, CannotExamine
+
+app = typer.Typer(
+    name="cpdoctor",
+    help="Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print cpdoctor's version and exit."),
+) -> None:
+    """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers."""
+    if version:
+        from cpdoctor import __version__
+
+        print(f"cpdoctor {__version__}")
+        raise typer.Exit(0)
+
+
+def _register_commands() -> None:
+    import importlib
+    import pkgutil
+
+    import cpdoctor.commands as commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"cpdoctor.commands.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(app)
+
+
+_register_commands()
+
+
+def main() -> None:
+    """Console-script entry: BadInput -> one line and exit 2; CannotExamine -> one line and exit 3."""
+    try:
+        app()
+    except BadInput as exc:
+        print(f"cpdoctor: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except CannotExamine as exc:
+        print(f"cpdoctor: cannot examine: {exc}", file=sys.stderr)
+        sys.exit(3)
+    except KeyboardInterrupt:
+        print("cpdoctor: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,48 @@
+"""`cpdoctor check`: op-level CP parity of diffusers' attention, forward and backward, on every rank."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from cpdoctor.commands.output import emit, waiting
+
+
+def check(
+    ring: Optional[int] = typer.Option(None, "--ring", help="Ring degree (default 2, or 1 when only --ulysses is given)."),
+    ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree (default 1)."),
+    backend: str = typer.Option("auto", "--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
+    batch: int = typer.Option(2, "--batch", help="Batch size."),
+    seq: Optional[int] = typer.Option(None, "--seq", help="Full sequence length (default 512, rounded up to divide ring × ulysses)."),
+    heads: int = typer.Option(8, "--heads", help="Attention heads."),
+    head_dim: int = typer.Option(64, "--head-dim", help="Head dimension."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    mask_pad: int = typer.Option(0, "--mask-pad", help="Mask out the last N keys of the sequence as padding."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+) -> None:
+    """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
+    a full-sequence reference. Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."""
+    from cpdoctor import api
+    from cpdoctor.errors import BadInput
+    from cpdoctor.report import render
+
+    if timeout <= 0:
+        raise BadInput(f"--timeout must be positive, got {timeout:g}")
+    request = api.build_request(
+        ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, batch=batch, seq=seq, heads=heads,
+        head_dim=head_dim, seed=seed, mask_pad=mask_pad, device=device, patch=patch,
+    )
+    with waiting(f"examining CP attention on {request.world_size} ranks", quiet=json_path == "-"):
+        report = api.check_attention(request, timeout_s=timeout)
+    if report is None:  # a torchrun rank other than 0: rank 0 reports
+        raise typer.Exit(0)
+    emit(report, json_path, render)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check")(check)

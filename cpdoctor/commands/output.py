@@ -1,0 +1,46 @@
+"""Shared by the commands: where the report goes (rich table, JSON file or stdout) and the exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import typer
+
+from cpdoctor.errors import BadInput
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # Piped into a log or CI, rich would wrap the tables at 80 columns; give them room instead.
+    return Console(stderr=stderr, highlight=False, width=None if stream.isatty() else 130)
+
+
+@contextlib.contextmanager
+def waiting(message: str, quiet: bool) -> Iterator[None]:
+    """A spinner on stderr while ranks run (nothing when JSON goes to stdout or stderr is not a terminal)."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    with console(stderr=True).status(message):
+        yield
+
+
+def emit(report: Any, json_path: str | None, render: Any) -> None:
+    """Render the table unless JSON goes to stdout; write JSON where asked; exit with the report's code."""
+    if json_path != "-":
+        render(report, console())
+    if json_path:
+        text = report.to_json()
+        if json_path == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            try:
+                with open(json_path, "w") as fh:
+                    fh.write(text + "\n")
+            except OSError as exc:
+                raise BadInput(f"cannot write --json {json_path}: {exc.strerror}") from exc
+    raise typer.Exit(report.exit_code)

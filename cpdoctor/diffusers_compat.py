@@ -1,0 +1,192 @@
+"""Every use of diffusers' private API, in one place, chosen by feature detection.
+
+cpdoctor must work on every diffusers release with context parallelism (0.36.0 onward). Private names move
+and signatures change between releases, so each difference is detected here (attribute presence,
+`inspect.signature`, dataclass fields), never by comparing version strings. Other modules ask this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from typing import Any, Callable, Iterator
+
+from cpdoctor.errors import CannotExamine
+
+
+def dispatch_module() -> Any:
+    """diffusers.models.attention_dispatch, or CannotExamine when diffusers (or its CP support) is missing."""
+    try:
+        from diffusers.models import attention_dispatch
+    except ImportError as exc:
+        raise CannotExamine(f"diffusers is not installed or does not import ({exc}); pip install diffusers") from exc
+    if not hasattr(attention_dispatch, "_templated_context_parallel_attention"):
+        raise CannotExamine("this diffusers has no context parallelism (it arrived in 0.36.0); upgrade diffusers")
+    return attention_dispatch
+
+
+def diffusers_version() -> str:
+    try:
+        import diffusers
+    except ImportError:
+        return "not installed"
+    return getattr(diffusers, "__version__", "unknown")
+
+
+def registry() -> Any:
+    return dispatch_module()._AttentionBackendRegistry
+
+
+def backend_enum() -> Any:
+    return dispatch_module().AttentionBackendName
+
+
+def registered_backend_names() -> list[str]:
+    return [getattr(b, "value", str(b)) for b in registry()._backends]
+
+
+def backend_member(name: str) -> Any | None:
+    """The AttentionBackendName member for `name`, or None when this release has no such backend."""
+    enum = backend_enum()
+    try:
+        member = enum(name)
+    except ValueError:
+        return None
+    return member if member in registry()._backends else None
+
+
+def backend_function(name: str) -> Callable:
+    return registry()._backends[backend_member(name)]
+
+
+def is_cp_registered(name: str) -> bool:
+    """Registered with supports_context_parallel=True (what enable_parallelism checks)."""
+    supports = getattr(registry(), "_supports_context_parallel", set())
+    return name in supports or backend_member(name) in supports
+
+
+def accepted_kwargs(name: str) -> set[str]:
+    """The keyword names dispatch_attention_fn will pass to the backend (it drops the others silently)."""
+    reg = registry()
+    names = getattr(reg, "_supported_arg_names", {}).get(backend_member(name))
+    return set(names) if names is not None else set(inspect.signature(backend_function(name)).parameters)
+
+
+def requirement_error(name: str) -> str | None:
+    """diffusers' own check that the packages behind a backend are importable (flash-attn, sage, ...)."""
+    check = getattr(dispatch_module(), "_check_attention_backend_requirements", None)
+    if check is None:
+        return None
+    try:
+        check(backend_member(name))
+    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot run here"
+        return str(exc).splitlines()[0]
+    return None
+
+
+def add_backend(name: str, fn: Callable, supports_context_parallel: bool) -> None:
+    """Register `fn` under a new AttentionBackendName member `name` (the registry only takes members)."""
+    enum = backend_enum()
+    if name not in enum._value2member_map_:
+        member = str.__new__(enum, name)
+        member._name_ = name.upper()
+        member._value_ = name
+        with contextlib.suppress(AttributeError):
+            member.__objclass__ = enum
+        enum._value2member_map_[name] = member
+        enum._member_map_[member._name_] = member
+        enum._member_names_.append(member._name_)
+        type.__setattr__(enum, member._name_, member)
+    member = enum(name)
+    reg = registry()
+    params = inspect.signature(reg.register).parameters
+    kwargs: dict[str, Any] = {"constraints": []}
+    if "supports_context_parallel" in params:
+        kwargs["supports_context_parallel"] = supports_context_parallel
+    reg.register(member, **kwargs)(fn)
+
+
+def templated_attention() -> Callable:
+    """The module global every CP backend calls, looked up now (patches and spies replace it)."""
+    return dispatch_module()._templated_context_parallel_attention
+
+
+@contextlib.contextmanager
+def replaced_templated_attention(fn: Callable) -> Iterator[None]:
+    """Temporarily replace the module global `_templated_context_parallel_attention` (used to discover a
+    backend's forward/backward ops without running them)."""
+    mod = dispatch_module()
+    original = mod._templated_context_parallel_attention
+    mod._templated_context_parallel_attention = fn
+    try:
+        yield
+    finally:
+        mod._templated_context_parallel_attention = original
+
+
+def parallel_config_classes() -> tuple[Any, Any]:
+    try:
+        from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    except ImportError as exc:
+        raise CannotExamine(f"this diffusers has no ContextParallelConfig ({exc}); upgrade diffusers") from exc
+    return ContextParallelConfig, ParallelConfig
+
+
+def context_parallel_config(ring: int, ulysses: int, **extra: Any) -> Any:
+    """ContextParallelConfig by keywords (field order changed between releases); unknown extras dropped."""
+    cp_cls, _ = parallel_config_classes()
+    fields = {f.name for f in dataclasses.fields(cp_cls)}
+    kwargs = {"ring_degree": ring, "ulysses_degree": ulysses, **{k: v for k, v in extra.items() if k in fields}}
+    return cp_cls(**kwargs)
+
+
+def context_parallel_fields() -> set[str]:
+    cp_cls, _ = parallel_config_classes()
+    return {f.name for f in dataclasses.fields(cp_cls)}
+
+
+def setup_parallel_config(ring: int, ulysses: int, rank: int, world_size: int, device: Any, mesh: Any) -> Any:
+    """A ParallelConfig set up on an existing (ring, ulysses) mesh, as the model hooks would have it."""
+    _, pc_cls = parallel_config_classes()
+    config = pc_cls(context_parallel_config=context_parallel_config(ring, ulysses))
+    setup = config.setup
+    params = inspect.signature(setup).parameters
+    if "mesh" in params:
+        setup(rank, world_size, device, mesh=mesh)
+    else:
+        setup(rank, world_size, device)
+    return config
+
+
+def flat_cp_rank(parallel_config: Any) -> int:
+    """This rank's index among the sequence shards (what the model hooks use to pick its chunk)."""
+    cp = parallel_config.context_parallel_config
+    flat = getattr(cp, "_flattened_mesh", None)
+    if flat is not None:
+        return flat.get_local_rank()
+    return cp._ring_local_rank * cp.ulysses_degree + cp._ulysses_local_rank
+
+
+@contextlib.contextmanager
+def accelerator_count_at_least_one() -> Iterator[None]:
+    """Some releases' enable_parallelism divide by torch.accelerator.device_count(), which is 0 on a CPU-only
+    host (ZeroDivisionError). Scope it to return at least 1 while they run; a no-op where it is not needed."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    original = getattr(acc, "device_count", None)
+    if original is None or original() > 0:
+        yield
+        return
+    acc.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        acc.device_count = original
+
+
+def ring_attention_class_names() -> list[str]:
+    """Names of the module globals the fixed ring replaces (present ones only)."""
+    mod = dispatch_module()
+    return [n for n in ("TemplatedRingAttention",) if hasattr(mod, n)]
