@@ -39,6 +39,15 @@ first collective, so that the tests can prove the launcher reports it (see tests
 GRACE_AFTER_FAILURE_S = 3.0
 """How long the survivors of a failed rank get to report before they are killed."""
 
+COLLECTIVE_TIMEOUT_SHARE = 0.8
+"""A rank's collectives time out at this share of the examination's timeout, so a rank that waited for a
+hung peer says so before the deadline, and the rank that never reported is the one named as hung."""
+
+
+def is_collective_timeout(message: str) -> bool:
+    """A collective that gave up waiting for a peer (gloo / NCCL wording), as opposed to a rank's own error."""
+    return "timed out" in message.lower() or "timeout" in message.lower()
+
 
 def under_torchrun() -> bool:
     """True when torchrun (or any launcher with its conventions) started this process as one rank."""
@@ -110,13 +119,15 @@ class DistContext:
         else:
             device = torch.device("cpu")
             pg_backend = "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=max(1.0, timeout_s * COLLECTIVE_TIMEOUT_SHARE))
         if not dist.is_initialized():
             kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout}
             if pg_backend == "nccl":
                 kwargs["device_id"] = device
             dist.init_process_group(**kwargs)
-        report_group = dist.new_group(backend="gloo", timeout=timeout * 2) if pg_backend != "gloo" else None
+        # A group of its own for reports: a rank that failed early gathers there while its peers may still be
+        # inside a collective of the examination on the default group, and the two must never pair up.
+        report_group = dist.new_group(backend="gloo", timeout=timeout * 2)
         return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group)
 
     def cp_mesh(self, ring: int, ulysses: int) -> Any:
@@ -201,7 +212,13 @@ def execute_job(job: dict, ctx: DistContext, on_local_error: Callable[[dict], No
             payload = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             if on_local_error is not None:
                 on_local_error(payload)
-        gathered = ctx.gather_to_root(payload)
+        try:
+            gathered = ctx.gather_to_root(payload)
+        except Exception as exc:  # noqa: BLE001 - a peer never reported (torchrun: no supervisor to say so)
+            if ctx.rank != 0:
+                return None
+            hung = {"error": f"did not report: {type(exc).__name__}", "hang": True}
+            return results + [{"case": case, "rank_payloads": [payload] + [hung] * (ctx.world_size - 1)}]
         if ctx.rank != 0:
             if "ok" not in payload:
                 return None
@@ -341,7 +358,7 @@ def run_spawned(job: dict, world_size: int, timeout_s: float, on_tick: Callable[
 
 def _supervise(procs: list[subprocess.Popen], out_dir: str, deadline: float, on_tick: Callable[[], None] | None) -> LaunchResult:
     world_size = len(procs)
-    status: dict[int, dict] = {}
+    status: dict[int, dict] = {}  # insertion order = the order in which ranks reported
     first_failure_at: float | None = None
     result_path = os.path.join(out_dir, "result.pkl")
     while True:
@@ -354,7 +371,7 @@ def _supervise(procs: list[subprocess.Popen], out_dir: str, deadline: float, on_
             code = p.poll()
             if rank not in status and code not in (None, 0):
                 status[rank] = {"error": f"rank {rank} died with exit code {code}", "traceback": _tail(os.path.join(out_dir, f"rank{rank}.log"))}
-        if any(("error" in s) for s in status.values()) and first_failure_at is None:
+        if any(("error" in s and not is_collective_timeout(s["error"])) for s in status.values()) and first_failure_at is None:
             first_failure_at = now
         all_exited = all(p.poll() is not None for p in procs)
         if all_exited and os.path.exists(result_path):
@@ -372,9 +389,11 @@ def _supervise(procs: list[subprocess.Popen], out_dir: str, deadline: float, on_
         time.sleep(0.05)
     _kill_all(procs)
     failures = []
-    for rank in range(world_size):
+    for rank in list(status) + [r for r in range(world_size) if r not in status]:
         s = status.get(rank)
-        if s is not None and "error" in s:
+        if s is not None and "error" in s and first_failure_at is None and is_collective_timeout(s["error"]):
+            failures.append(RankFailure(rank, "STOPPED", "gave up waiting for a peer in a collective", s.get("traceback", "")))
+        elif s is not None and "error" in s:
             failures.append(RankFailure(rank, "CRASH", s["error"], s.get("traceback", "")))
         elif first_failure_at is None:
             failures.append(RankFailure(rank, "HANG", "did not finish within the timeout", _tail(os.path.join(out_dir, f"rank{rank}.log"))))
@@ -405,7 +424,9 @@ def failures_from_payloads(payloads: list[dict]) -> LaunchResult:
             return LaunchResult(bad_input=p["bad_input"])
         if "cannot_examine" in p:
             return LaunchResult(cannot_examine=p["cannot_examine"])
-        if "error" in p:
+        if p.get("hang"):
+            failures.append(RankFailure(rank, "HANG", p["error"]))
+        elif "error" in p:
             failures.append(RankFailure(rank, "CRASH", p["error"], p.get("traceback", "")))
     return LaunchResult(failures=failures)
 

@@ -162,14 +162,15 @@ def failure_findings(probe: str, failures: list[Any], timeout_s: float) -> list[
     hung = [f for f in failures if f.kind == "HANG"]
     findings = []
     if crashed:
-        first = crashed[0]
+        first, later = crashed[0], crashed[1:]
         stopped = [f.rank for f in failures if f.kind == "STOPPED"]
-        tail = f"; rank(s) {', '.join(map(str, stopped))} were waiting in a collective and were stopped" if stopped else ""
+        tail = f"; then rank {', '.join(str(f.rank) for f in later)} failed too" if later else ""
+        tail += f"; rank {', '.join(map(str, stopped))} was waiting in a collective and was stopped" if stopped else ""
         findings.append(
             Finding(
                 probe,
                 CRASH,
-                f"rank {', '.join(str(f.rank) for f in crashed)} raised: {first.message}{tail}",
+                f"rank {first.rank} raised: {first.message}{tail}",
                 "read the traceback below; an AssertionError about divisibility means an uneven sequence shard (`cpdoctor plan`)",
                 details={"tracebacks": {str(f.rank): f.traceback for f in crashed}},
             )

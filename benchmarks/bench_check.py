@@ -1,0 +1,61 @@
+"""Wall time of `cpdoctor check --ring 2` vs a bare hand-written torchrun script doing the same comparison
+once (benchmarks/bare_ring_check.py), measured side by side, alternating, on this machine.
+
+Target (issue 2): cpdoctor ≤ 1.25 × the bare script. Writes benchmarks/results/check_speed.json.
+Usage: python benchmarks/bench_check.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    import diffusers  # noqa: F401 - only to record the version
+    import torch
+
+    bare = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533", os.path.join(HERE, "bare_ring_check.py")]
+    ours = [sys.executable, "-m", "cpdoctor", "check", "--ring", "2", "--json", os.devnull]
+    timed(bare), timed(ours)  # warm the file cache for both
+    t_bare, t_ours = [], []
+    for _ in range(args.repeats):
+        t_bare.append(timed(bare))
+        t_ours.append(timed(ours))
+    result = {
+        "bare_torchrun_s": [round(t, 3) for t in t_bare],
+        "cpdoctor_check_s": [round(t, 3) for t in t_ours],
+        "median_bare_s": round(statistics.median(t_bare), 3),
+        "median_cpdoctor_s": round(statistics.median(t_ours), 3),
+        "ratio": round(statistics.median(t_ours) / statistics.median(t_bare), 3),
+        "target_ratio": 1.25,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "check_speed.json"), "w") as fh:
+        json.dump(result, fh, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

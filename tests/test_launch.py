@@ -1,0 +1,124 @@
+"""The launcher: a rank that raises, dies or hangs becomes a finding within the timeout, with that rank's
+traceback, and no process is left behind; torchrun's world is joined, on one node and on two."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import run_cli
+
+
+TAG = f"CPDOCTOR_TEST_TAG={uuid.uuid4().hex}"
+
+
+def _workers_alive() -> list[int]:
+    """Processes started by this module's runs (they inherit TAG in their environment), still alive."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if TAG.encode() in fh.read().split(b"\0"):
+                    alive.append(int(pid))
+        except OSError:
+            continue
+    return alive
+
+
+def run_tagged(*args: str, env: dict | None = None):
+    key, value = TAG.split("=")
+    return run_cli(*args, env={**(env or {}), key: value})
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    deadline = time.monotonic() + 5
+    while _workers_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _workers_alive(), "processes left behind"
+
+
+def test_a_rank_that_raises_is_a_crash_with_its_traceback():
+    start = time.monotonic()
+    run = run_tagged("check", "--ring", "2", "--timeout", "120", "--json", "-", env={"CPDOCTOR_INJECT_FAULT": "raise@1"})
+    assert run.code == 1
+    (finding,) = run.json["findings"]
+    assert finding["verdict"] == "CRASH"
+    assert finding["diagnosis"].startswith("rank 1 raised: RuntimeError: fault injected into rank 1")
+    assert "Traceback" in finding["details"]["tracebacks"]["1"]
+    assert time.monotonic() - start < 60  # reported long before the 120 s timeout
+
+
+def test_a_rank_that_dies_is_a_crash():
+    run = run_tagged("check", "--ring", "2", "--json", "-", env={"CPDOCTOR_INJECT_FAULT": "exit@0"})
+    assert run.code == 1
+    (finding,) = run.json["findings"]
+    assert finding["verdict"] == "CRASH" and "rank 0" in finding["diagnosis"] and "exit code 17" in finding["diagnosis"]
+
+
+def test_a_rank_that_hangs_is_a_hang_within_the_timeout():
+    start = time.monotonic()
+    run = run_tagged("check", "--ring", "2", "--timeout", "25", "--json", "-", env={"CPDOCTOR_INJECT_FAULT": "hang@1"})
+    elapsed = time.monotonic() - start
+    assert run.code == 1
+    verdicts = {f["verdict"]: f for f in run.json["findings"]}
+    assert "HANG" in verdicts and "rank 1" in verdicts["HANG"]["diagnosis"]
+    assert elapsed < 25 + 15
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "cpdoctor"]
+
+
+def test_under_torchrun_rank0_reports(tmp_path, has_stale_kv_backward):
+    out = tmp_path / "r.json"
+    cmd = _torchrun("--nproc-per-node", "2", "--master-port", str(_free_port())) + ["check", "--ring", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["environment"]["world_size"] == 2
+    assert data["verdict"] == ("FAIL" if has_stale_kv_backward else "PASS")
+    assert sum(line.startswith("verdict ") for line in proc.stdout.splitlines()) == 1  # only rank 0 prints
+
+
+def test_two_torchrun_nodes(tmp_path):
+    port = str(_free_port())
+    outs = [tmp_path / f"node{n}.json" for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            _torchrun("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port)
+            + ["check", "--ulysses", "2", "--json", str(outs[n])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert outs[0].exists(), logs
+    assert not outs[1].exists()  # rank 1 lives on node 1 and does not report
+    import json
+
+    data = json.loads(outs[0].read_text())
+    assert data["verdict"] == "PASS" and data["environment"]["world_size"] == 2
+
+
+def test_torchrun_world_must_match_the_degrees():
+    cmd = _torchrun("--nproc-per-node", "2", "--master-port", str(_free_port())) + ["check", "--ring", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "torchrun started 2 processes but ring × ulysses = 4" in proc.stdout + proc.stderr
