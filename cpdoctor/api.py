@@ -56,10 +56,8 @@ def build_request(**fields: Any) -> AttentionRequest:
 
 
 def run_cases(kind: str, cases: list[dict], world_size: int, timeout_s: float, device: str, on_tick: Callable[[], None] | None = None) -> Any:
-    """Launch one job; raise BadInput / CannotExamine for what the ranks refused. None on torchrun ranks ≠ 0."""
+    """Launch one job; raise BadInput / CannotExamine for what the ranks refused."""
     result = launch.run({"kind": kind, "cases": cases, "device": device}, world_size, timeout_s, on_tick)
-    if result is None:
-        return None
     if result.bad_input:
         raise BadInput(result.bad_input)
     if result.cannot_examine:
@@ -88,17 +86,15 @@ def check_attention(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_tick: Callable[[], None] | None = None,
     **fields: Any,
-) -> Report | None:
+) -> Report:
     """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix.
 
-    Returns None on torchrun ranks other than 0 (rank 0 holds the report)."""
+    Under torchrun every rank returns the same report (rank 0's)."""
     req = request.validate() if request is not None else build_request(**fields)
     cases = [{"request": req.to_dict(), "patched": False}]
     if req.patch:
         cases.append({"request": req.to_dict(), "patched": True})
     result = run_cases("attention", cases, req.world_size, timeout_s, req.device, on_tick)
-    if result is None:
-        return None
     runs: list[RunResult] = []
     environment = _fallback_environment(req.world_size)
     if result.failures:

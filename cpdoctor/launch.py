@@ -96,6 +96,7 @@ class DistContext:
     timeout_s: float
     _report_group: Any = None
     _meshes: dict = field(default_factory=dict)
+    owns_group: bool = True
 
     @classmethod
     def join(cls, timeout_s: float, device_pref: str = "auto") -> "DistContext":
@@ -120,15 +121,18 @@ class DistContext:
             device = torch.device("cpu")
             pg_backend = "gloo"
         timeout = datetime.timedelta(seconds=max(1.0, timeout_s * COLLECTIVE_TIMEOUT_SHARE))
-        if not dist.is_initialized():
+        owns_group = not dist.is_initialized()  # a training script's own group is joined, never destroyed
+        if owns_group:
             kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout}
             if pg_backend == "nccl":
                 kwargs["device_id"] = device
             dist.init_process_group(**kwargs)
+        else:
+            pg_backend = dist.get_backend()
         # A group of its own for reports: a rank that failed early gathers there while its peers may still be
         # inside a collective of the examination on the default group, and the two must never pair up.
         report_group = dist.new_group(backend="gloo", timeout=timeout * 2)
-        return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group)
+        return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group)
 
     def cp_mesh(self, ring: int, ulysses: int) -> Any:
         """The (ring, ulysses) device mesh diffusers' ParallelConfig.setup expects."""
@@ -156,12 +160,25 @@ class DistContext:
         dist.all_reduce(t)
         return t.cpu()
 
-    def close(self) -> None:
+    def broadcast_from_root(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (so every rank of a training script takes the same decision)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._report_group)
+        return box[0]
+
+    def close(self) -> None:
+        """Destroy what this context created: the report group always, the default group only if ours."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        with contextlib.suppress(Exception):
+            if self.owns_group:
                 dist.destroy_process_group()
+            elif self._report_group is not None:
+                dist.destroy_process_group(self._report_group)
 
 
 JobRunner = Callable[[dict, DistContext], Any]
@@ -402,18 +419,29 @@ def _supervise(procs: list[subprocess.Popen], out_dir: str, deadline: float, on_
     return LaunchResult(failures=failures)
 
 
-def run_in_this_process(job: dict, timeout_s: float) -> LaunchResult | None:
-    """Under torchrun: this process is one rank. Returns the result on rank 0, None on the others."""
+def run_in_this_process(job: dict, timeout_s: float) -> LaunchResult:
+    """Under torchrun (or inside a training script's process group): this process is one rank. Every rank
+    gets rank 0's result, so every rank can act on it alike; `is_reporting_rank()` says who prints."""
     start = time.monotonic()
     job = dict(job, timeout=timeout_s)
     ctx = DistContext.join(timeout_s, job.get("device", "auto"))
     try:
         results = execute_job(job, ctx)
+        peer_hung = ctx.rank == 0 and any(p.get("hang") for item in results for p in item.get("rank_payloads", []))
+        if not peer_hung:  # a hung peer would never join the broadcast
+            try:
+                results = ctx.broadcast_from_root(results)
+            except Exception as exc:  # noqa: BLE001 - rank 0 saw a hung peer and did not share
+                failure = RankFailure(0, "HANG", f"rank 0 did not share the result ({type(exc).__name__})")
+                return LaunchResult(failures=[failure], wall_s=time.monotonic() - start)
     finally:
         ctx.close()
-    if ctx.rank != 0:
-        return None
     return LaunchResult(results=results, wall_s=time.monotonic() - start)
+
+
+def is_reporting_rank() -> bool:
+    """Only rank 0 of a torchrun world prints; a spawning parent always does."""
+    return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
 def failures_from_payloads(payloads: list[dict]) -> LaunchResult:
@@ -431,8 +459,8 @@ def failures_from_payloads(payloads: list[dict]) -> LaunchResult:
     return LaunchResult(failures=failures)
 
 
-def run(job: dict, world_size: int, timeout_s: float, on_tick: Callable[[], None] | None = None) -> LaunchResult | None:
-    """Join torchrun's world when there is one (None on ranks other than 0), else spawn the ranks."""
+def run(job: dict, world_size: int, timeout_s: float, on_tick: Callable[[], None] | None = None) -> LaunchResult:
+    """Join torchrun's world when there is one, else spawn the ranks."""
     if under_torchrun():
         if torchrun_world_size() != world_size:
             raise BadInput(f"torchrun started {torchrun_world_size()} processes but ring × ulysses = {world_size}")

@@ -39,8 +39,6 @@ def check(
     )
     with waiting(f"examining CP attention on {request.world_size} ranks", quiet=json_path == "-"):
         report = api.check_attention(request, timeout_s=timeout)
-    if report is None:  # a torchrun rank other than 0: rank 0 reports
-        raise typer.Exit(0)
     emit(report, json_path, render)
 
 

@@ -30,7 +30,12 @@ def waiting(message: str, quiet: bool) -> Iterator[None]:
 
 
 def emit(report: Any, json_path: str | None, render: Any) -> None:
-    """Render the table unless JSON goes to stdout; write JSON where asked; exit with the report's code."""
+    """Render the table unless JSON goes to stdout; write JSON where asked; exit with the report's code.
+    Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
+    from cpdoctor.launch import is_reporting_rank
+
+    if not is_reporting_rank():
+        raise typer.Exit(report.exit_code)
     if json_path != "-":
         render(report, console())
     if json_path:
