@@ -12,17 +12,18 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Iterator
 
-from cpdoctor.errors import CannotExamine
+from cpdoctor.errors import BadInput
 
 
 def dispatch_module() -> Any:
-    """diffusers.models.attention_dispatch, or CannotExamine when diffusers (or its CP support) is missing."""
+    """diffusers.models.attention_dispatch, or BadInput (a missing package: exit 2) when diffusers or its CP
+    support is missing."""
     try:
         from diffusers.models import attention_dispatch
     except ImportError as exc:
-        raise CannotExamine(f"diffusers is not installed or does not import ({exc}); pip install diffusers") from exc
+        raise BadInput(f"diffusers is not installed or does not import ({exc}); pip install diffusers") from exc
     if not hasattr(attention_dispatch, "_templated_context_parallel_attention"):
-        raise CannotExamine("this diffusers has no context parallelism (it arrived in 0.36.0); upgrade diffusers")
+        raise BadInput("this diffusers has no context parallelism (it arrived in 0.36.0); upgrade diffusers")
     return attention_dispatch
 
 
@@ -129,7 +130,7 @@ def parallel_config_classes() -> tuple[Any, Any]:
     try:
         from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
     except ImportError as exc:
-        raise CannotExamine(f"this diffusers has no ContextParallelConfig ({exc}); upgrade diffusers") from exc
+        raise BadInput(f"this diffusers has no ContextParallelConfig ({exc}); upgrade diffusers") from exc
     return ContextParallelConfig, ParallelConfig
 
 

@@ -6,8 +6,11 @@ Both carry a one-line message meant for the user verbatim; the CLI maps them to 
 
 
 class BadInput(Exception):
-    """The request itself is wrong (degrees, shapes, names, files): exit code 2."""
+    """The request or the install is wrong (degrees, shapes, names, files, a missing required package such as
+    diffusers): exit code 2."""
 
 
 class CannotExamine(Exception):
-    """The request is fine but this machine cannot run it (missing package, no device): exit code 3."""
+    """The request is fine but nothing of it can be examined here (e.g. --device cuda without a GPU, a model
+    family without an input builder): exit code 3. A backend whose optional package is missing is not this:
+    it is an UNSUPPORTED finding (also exit 3 when it is the only one)."""

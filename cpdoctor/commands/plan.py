@@ -1,0 +1,155 @@
+"""`cpdoctor plan MODEL`: will every context-parallel split of MODEL divide at this resolution and prompt length?
+
+Parsing and rendering only; the measuring is `cpdoctor.probes.plan.plan_model`. torch and diffusers are
+imported inside the command so that `cpdoctor --help` stays fast.
+"""
+
+import json
+import sys
+from typing import Any, Optional
+
+import typer
+
+PLAN_HELP = (
+    "Measure every tensor diffusers splits for context parallelism (from the model's own _cp_plan and forward, "
+    "run on the meta device: no weights, no compute) and say whether it divides over ring x ulysses ranks; "
+    "for each problem, list the measured ways out. Exit 0 all divide, 1 a problem, 2 bad input, 3 cannot examine."
+)
+
+
+def _write_json(doc: Any, target: str) -> None:
+    from cpdoctor.errors import BadInput
+
+    text = json.dumps(doc, indent=2) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise BadInput(f"cannot write --json {target}: {exc.strerror}") from exc
+
+
+def _mark(ok: Optional[bool]) -> str:
+    if ok is None:
+        return "[dim]-[/dim]"
+    return "[green]yes[/green]" if ok else "[bold red]NO[/bold red]"
+
+
+def render_list(entries: list, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="diffusers models with a context-parallel plan (_cp_plan)", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("class")
+    table.add_column("inputs")
+    table.add_column("plan entries", justify="right")
+    for e in entries:
+        table.add_row(
+            e.short_name,
+            e.class_name,
+            e.builder or "[yellow]no input builder[/yellow]",
+            str(e.cp_plan_entries),
+        )
+    console.print(table)
+    console.print(
+        "[dim]Found by scanning diffusers.models for classes with a non-empty _cp_plan; "
+        "MODEL may also be the class name or a checkpoint directory.[/dim]"
+    )
+
+
+def render_plan(result: Any, console: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    s, m = result.settings, result.model
+    frames = "" if s.get("frames") is None else f", {s['frames']} frames"
+    title = (
+        f"{m['short_name']} ({m['class_name']}) {s['height']}x{s['width']}{frames}, text {s['text_len']}, "
+        f"ring {s['ring']} x ulysses {s['ulysses']} = {s['world_size']} ranks"
+    )
+    console.print(f"[bold]{escape(title)}[/bold]")
+    table = Table()
+    table.add_column("tensor")
+    table.add_column("split dim", justify="right")
+    table.add_column("length", justify="right")
+    table.add_column("per rank", justify="right")
+    table.add_column("divides", justify="center")
+    for t in result.tensors:
+        name = escape(t.name) + (" [dim](gathered)[/dim]" if t.kind == "gather" else "")
+        if t.calls > 1:
+            name += f" [dim]x{t.calls}[/dim]"
+        table.add_row(name, str(t.split_dim), str(t.length), str(t.per_rank), _mark(t.divisible))
+    for h in result.heads:
+        kv = "" if h.kv_heads == h.heads else f"/{h.kv_heads}"
+        per = h.heads // h.ulysses if h.divisible else round(h.heads / h.ulysses, 2)
+        table.add_row(
+            f"attention heads{' (q/kv)' if kv else ''} [dim]over ulysses[/dim]",
+            "-",
+            f"{h.heads}{kv}",
+            str(per),
+            _mark(h.divisible),
+        )
+    console.print(table)
+    for sk in result.skipped:
+        console.print(f"[dim]not split: {escape(sk.name)}: {escape(sk.reason)}[/dim]")
+    for i, p in enumerate(result.problems, 1):
+        console.print(f"[bold red]problem {i}:[/bold red] {escape(p.what)}")
+        for r in p.remedies:
+            tag = "" if r.measured else " [dim](predicted)[/dim]"
+            console.print(f"  [cyan]-> {r.kind}:[/cyan] {escape(r.text)}{tag}")
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+    if result.problems:
+        console.print(
+            f"[bold red]FAIL[/bold red]: {len(result.problems)} problem(s) at {s['world_size']} ranks "
+            f"[dim]({s['forwards']} meta forwards, {result.seconds:.1f} s)[/dim]"
+        )
+    else:
+        console.print(
+            f"[bold green]PASS[/bold green]: every split divides over {s['world_size']} ranks"
+            f"{'' if s['ulysses'] == 1 else ' and the heads over ulysses ' + str(s['ulysses'])} "
+            f"[dim]({s['forwards']} meta forward(s), {result.seconds:.1f} s)[/dim]"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan", help=PLAN_HELP)
+    def plan(
+        model: Optional[str] = typer.Argument(
+            None, help="short name (flux, qwen-image, wan, ...), class name, or a local checkpoint directory"
+        ),
+        height: Optional[int] = typer.Option(None, "--height", help="image height in pixels (default: the pipeline's)"),
+        width: Optional[int] = typer.Option(None, "--width", help="image width in pixels (default: the pipeline's)"),
+        text_len: Optional[int] = typer.Option(
+            None, "--text-len", help="text tokens the transformer receives (default: the pipeline's max_sequence_length)"
+        ),
+        ring: int = typer.Option(1, "--ring", help="ring degree"),
+        ulysses: int = typer.Option(1, "--ulysses", help="Ulysses degree"),
+        frames: Optional[int] = typer.Option(None, "--frames", help="video frames, video models only (default: the pipeline's)"),
+        list_models_: bool = typer.Option(False, "--list", help="list the models cpdoctor can plan and exit"),
+        json_out: Optional[str] = typer.Option(
+            None, "--json", metavar="FILE", help="also write the result as JSON to FILE ('-': stdout, no table)"
+        ),
+    ) -> None:
+        from cpdoctor.commands.output import console, emit
+        from cpdoctor.errors import BadInput
+
+        try:
+            from cpdoctor.probes import plan as planner
+        except ImportError as exc:  # torch or diffusers missing
+            raise BadInput(f"missing package: {exc}") from exc
+        if list_models_:
+            entries = planner.list_models()
+            if json_out != "-":
+                render_list(entries, console())
+            if json_out:
+                _write_json({"models": [e.to_dict() for e in entries]}, json_out)
+            raise typer.Exit(0)
+        if not model:
+            raise BadInput("give a MODEL (see `cpdoctor plan --list`)")
+        result = planner.plan_model(
+            model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames
+        )
+        emit(result, json_out, render_plan)
