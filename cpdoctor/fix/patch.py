@@ -1,0 +1,176 @@
+"""Apply / revert / detect the fixed ring attention in an imported diffusers (in memory only, never files).
+
+diffusers looks `TemplatedRingAttention` up as a module global of `diffusers.models.attention_dispatch` each
+time ring (and ring × Ulysses) attention runs, so replacing that global with `cpdoctor.fix.ring.RingAttention`
+is the whole patch, and putting the original object back is the whole revert. Code that does not look like
+the class the fix was written against (missing, another `forward` signature, nobody looking it up by name)
+is refused with `PatchRefused` unless `force=True`.
+
+    from cpdoctor.fix import patch
+    report = patch.apply()          # idempotent
+    with patch.patched(): ...       # scoped
+    patch.revert()                  # the original objects, by identity
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+from cpdoctor import diffusers_compat as compat
+from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.fix import compat_check as cc
+
+
+class PatchRefused(CannotExamine):
+    """The installed diffusers does not have the private API the fix replaces, in the shape it expects
+    (a CannotExamine: the CLI's exit code 3)."""
+
+
+@dataclass
+class Replacement:
+    module: str
+    name: str
+    original: str
+    replacement: str
+
+
+@dataclass
+class PatchReport:
+    """What `apply()` did and why (plain data: `to_dict()` for JSON)."""
+
+    diffusers: str
+    replaced: list[Replacement] = field(default_factory=list)
+    already_patched: bool = False
+    forced: bool = False
+    problem: str | None = None
+    original_backward_passes_tensors: bool | None = None
+    original_sends_dkv_to_next: bool | None = None
+    original_gathers_mask: bool | None = None
+    callers: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        names = ", ".join(f"{r.module}.{r.name}" for r in self.replaced) or "nothing"
+        state = "already patched: " if self.already_patched else ""
+        forced = " (forced past: " + self.problem + ")" if self.forced and self.problem else ""
+        return f"cpdoctor: {state}replaced {names} with the fixed ring attention (diffusers {self.diffusers}){forced}"
+
+
+_originals: dict[tuple[str, str], Any] = {}
+"""(module name, attribute) -> the object the patch replaced; empty when not patched."""
+_last_report: PatchReport | None = None
+
+
+def _replacement() -> Any:
+    from cpdoctor.fix.ring import RingAttention
+
+    return RingAttention
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def is_patched() -> bool:
+    """True when diffusers' module global is cpdoctor's ring right now."""
+    try:
+        mod = compat.dispatch_module()
+    except Exception:  # noqa: BLE001 - no diffusers: nothing is patched
+        return False
+    return getattr(mod, cc.RING_CLASS, None) is _replacement()
+
+
+def apply(force: bool = False) -> PatchReport:
+    """Replace diffusers' ring attention with the fixed one (idempotent). Raises PatchRefused for code it
+    does not recognise unless `force`, and when diffusers or its CP support is missing (force or not)."""
+    global _last_report
+    try:
+        mod = compat.dispatch_module()
+    except (BadInput, CannotExamine) as exc:
+        raise PatchRefused(f"cpdoctor cannot patch: {exc}") from exc
+    replacement = _replacement()
+    report = PatchReport(diffusers=compat.diffusers_version(), callers=cc.callers_of_ring(mod))
+    current = getattr(mod, cc.RING_CLASS, None)
+    if current is replacement:
+        previous = _last_report
+        report.already_patched = True
+        if previous is not None:
+            report.replaced, report.forced, report.problem = previous.replaced, previous.forced, previous.problem
+            for name in ("original_backward_passes_tensors", "original_sends_dkv_to_next", "original_gathers_mask", "reasons"):
+                setattr(report, name, getattr(previous, name))
+        return report
+    problem = cc.ring_class_problem(mod)
+    if problem and not force:
+        raise PatchRefused(f"cpdoctor will not patch this diffusers ({report.diffusers}): {problem}. Pass force=True to patch anyway.")
+    report.forced = bool(problem)
+    report.problem = problem
+    if current is not None:
+        report.original_backward_passes_tensors = cc.backward_passes_tensors(current)
+        report.original_sends_dkv_to_next = cc.backward_sends_dkv_to_next(current)
+        report.original_gathers_mask = cc.forward_gathers_mask(current)
+    report.reasons = _reasons(report)
+    _originals[(mod.__name__, cc.RING_CLASS)] = current
+    setattr(mod, cc.RING_CLASS, replacement)
+    report.replaced.append(Replacement(mod.__name__, cc.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement)))
+    _last_report = report
+    return report
+
+
+def _reasons(report: PatchReport) -> list[str]:
+    """What the replaced code does wrong, as read from its source (nothing when it cannot be read)."""
+    reasons = []
+    if report.original_backward_passes_tensors is False:
+        reasons.append("its backward calls backward_op(ctx, grad_out) without the rotated chunk: every step recomputes against the step-0 K/V (stale KV)")
+    if report.original_sends_dkv_to_next:
+        reasons.append("its dK/dV accumulator travels to rank r+1, right only for ring degree 2 (the fix sends it to r−1, where its keys go next)")
+    if report.original_gathers_mask is False:
+        reasons.append("it hands the local attention mask to every rotated KV chunk (the fix gathers the mask with the keys)")
+    return reasons
+
+
+def revert() -> bool:
+    """Put the original objects back (identity). Returns True when something was restored."""
+    global _last_report
+    if not _originals:
+        return False
+    import importlib
+
+    for (module_name, attr), original in list(_originals.items()):
+        mod = importlib.import_module(module_name)
+        if original is None:
+            with contextlib.suppress(AttributeError):
+                delattr(mod, attr)
+        else:
+            setattr(mod, attr, original)
+        del _originals[(module_name, attr)]
+    _last_report = None
+    return True
+
+
+def set_patched(flag: bool) -> None:
+    """Patched or not, whatever the state was (used by the probes; idempotent)."""
+    if flag:
+        apply()
+    else:
+        revert()
+
+
+def last_report() -> PatchReport | None:
+    return _last_report
+
+
+@contextlib.contextmanager
+def patched(force: bool = False) -> Iterator[PatchReport]:
+    """The fix in place for the duration of the block; the previous state afterwards."""
+    was = is_patched()
+    report = apply(force=force)
+    try:
+        yield report
+    finally:
+        if not was:
+            revert()

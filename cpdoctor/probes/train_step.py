@@ -1,0 +1,200 @@
+"""One training step of a tiny attention model under CP vs the same step in one process.
+
+The model is two attention layers (qkv projection, diffusers' `dispatch_attention_fn` with the parallel
+config, output projection, residual). Every rank builds identical parameters and full inputs from the seed,
+runs its sequence shard forward and backward (loss = Σ out ⊙ target), and reports its output shard, its input
+gradient shard and every parameter gradient summed over the CP group (each rank back-propagates only its own
+tokens). Rank 0 runs the same step on the full sequence without CP and measures the difference. With
+`compare_original` each rank also reruns the forward with diffusers' own ring (patch reverted for the call)
+and reports how far the two forwards are apart. Numbers only.
+
+A case: {"ring": 2, "ulysses": 1, "patched": true, "mask": null | "bool4d" | "bool2d" | "additive",
+"mask_pad": 3, "seq": 64, "batch": 2, "heads": 2, "head_dim": 16, "dim": 32, "dtype": "fp32", "seed": 0,
+"backend": "cpdoctor_cpu", "compare_original": false}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULTS = {
+    "ring": 2,
+    "ulysses": 1,
+    "patched": False,
+    "mask": None,
+    "mask_pad": 3,
+    "seq": 64,
+    "batch": 2,
+    "heads": 2,
+    "head_dim": 16,
+    "dim": 32,
+    "layers": 2,
+    "dtype": "fp32",
+    "seed": 0,
+    "backend": "cpdoctor_cpu",
+    "compare_original": False,
+}
+
+
+def _case(case: dict) -> dict:
+    from cpdoctor.errors import BadInput
+
+    unknown = set(case) - set(DEFAULTS)
+    if unknown:
+        raise BadInput(f"unknown train-step case keys: {', '.join(sorted(unknown))}")
+    c = {**DEFAULTS, **case}
+    if c["seq"] % (c["ring"] * c["ulysses"]) or c["heads"] % c["ulysses"]:
+        raise BadInput("train step: seq must divide by ring × ulysses and heads by ulysses")
+    if c["mask"] not in (None, "bool4d", "bool2d", "additive"):
+        raise BadInput(f"train step: unknown mask kind {c['mask']!r}")
+    return c
+
+
+def _model(c: dict) -> Any:
+    import torch
+
+    from cpdoctor import diffusers_compat as compat
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            inner = c["heads"] * c["head_dim"]
+            self.to_qkv = torch.nn.Linear(c["dim"], 3 * inner)
+            self.to_out = torch.nn.Linear(inner, c["dim"])
+
+        def forward(self, x: Any, mask: Any, parallel_config: Any) -> Any:
+            b, s, _ = x.shape
+            q, k, v = self.to_qkv(x).view(b, s, 3, c["heads"], c["head_dim"]).unbind(2)
+            o = compat.dispatch_module().dispatch_attention_fn(q, k, v, attn_mask=mask, backend=c["backend"], parallel_config=parallel_config)
+            return x + self.to_out(o.flatten(2))
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(c["layers"]))
+
+        def forward(self, x: Any, mask: Any = None, parallel_config: Any = None) -> Any:
+            for layer in self.layers:
+                x = layer(x, mask, parallel_config)
+            return x
+
+    from cpdoctor.probes.attention import torch_dtype
+
+    torch.manual_seed(c["seed"])
+    return Tiny().to(torch_dtype(c["dtype"]))
+
+
+def _inputs(c: dict) -> dict:
+    import torch
+
+    from cpdoctor.probes.attention import torch_dtype
+
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    dtype = torch_dtype(c["dtype"])
+    shape = (c["batch"], c["seq"], c["dim"])
+    x, target = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    mask = None
+    if c["mask"]:
+        keep = torch.ones(c["batch"], c["seq"], dtype=torch.bool)
+        keep[:, c["seq"] - c["mask_pad"] :] = False
+        if c["mask"] == "bool2d":
+            mask = keep
+        elif c["mask"] == "bool4d":
+            mask = keep[:, None, None, :]
+        else:
+            mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))[:, None, None, :]
+    return {"x": x, "target": target, "mask": mask}
+
+
+def _step(model: Any, x: Any, target: Any, mask: Any, parallel_config: Any) -> tuple[Any, Any]:
+    x = x.clone().requires_grad_(True)
+    out = model(x, mask, parallel_config)
+    (out.float() * target.float()).sum().backward()
+    return out.detach(), x.grad.detach()
+
+
+def _rng_states() -> list:
+    """The CPU generator's state and every CUDA generator's (an attention step at dropout 0 moves none)."""
+    import torch
+
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return states
+
+
+def run_rank(case: dict, ctx: Any) -> dict:
+    import torch
+
+    from cpdoctor import cpu_backend
+    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.fix import patch as fix_patch
+
+    c = _case(case)
+    cpu_backend.register()
+    fix_patch.set_patched(c["patched"])
+    mesh = ctx.cp_mesh(c["ring"], c["ulysses"])
+    config = compat.setup_parallel_config(c["ring"], c["ulysses"], ctx.rank, ctx.world_size, ctx.device, mesh)
+    flat = compat.flat_cp_rank(config)
+    world = c["ring"] * c["ulysses"]
+    inputs = _inputs(c)
+
+    def shard(t: Any) -> Any:
+        return None if t is None else t.chunk(world, dim=-1 if t is inputs["mask"] else 1)[flat].to(ctx.device)
+
+    model = _model(c).to(ctx.device)
+    x, target, mask = shard(inputs["x"]), shard(inputs["target"]), shard(inputs["mask"])
+    rng_before = _rng_states()
+    out, x_grad = _step(model, x, target, mask, config)
+    rng_untouched = all(torch.equal(a, b) for a, b in zip(rng_before, _rng_states()))
+    grads = {n: ctx.all_sum_cpu(p.grad.detach()) for n, p in model.named_parameters()}
+    payload = {
+        "flat_rank": flat,
+        "out": out.cpu(),
+        "x_grad": x_grad.cpu(),
+        "grads": grads if ctx.rank == 0 else None,
+        "rng_untouched": rng_untouched,
+    }
+    if c["compare_original"]:
+        was = fix_patch.is_patched()
+        fix_patch.set_patched(not was)
+        try:
+            with torch.no_grad():
+                other = model(x, mask, config)
+        finally:
+            fix_patch.set_patched(was)
+        diff = (other.double() - out.double()).norm().item() / (out.double().norm().item() or 1.0)
+        payload["forward_vs_other"] = diff
+    return payload
+
+
+def _rel(x: Any, ref: Any) -> float:
+    ref = ref.double()
+    return (x.double() - ref).norm().item() / (ref.norm().item() or 1.0)
+
+
+def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
+    """Rank 0: the CP step against the single-process step (relative L2 errors, worst parameter named)."""
+    import torch
+
+    c = _case(case)
+    inputs = _inputs(c)
+    model = _model(c).to(ctx.device)
+    out, x_grad = _step(model, inputs["x"].to(ctx.device), inputs["target"].to(ctx.device), None if inputs["mask"] is None else inputs["mask"].to(ctx.device), None)
+    order = sorted(range(len(payloads)), key=lambda r: payloads[r]["flat_rank"])
+    cp_out = torch.cat([payloads[r]["out"] for r in order], dim=1)
+    cp_x_grad = torch.cat([payloads[r]["x_grad"] for r in order], dim=1)
+    grads = payloads[0]["grads"]
+    param_errs = {n: _rel(grads[n], p.grad.cpu()) for n, p in model.named_parameters()}
+    worst = max(param_errs, key=param_errs.get)
+    result = {
+        "out_rel_err": _rel(cp_out, out.cpu()),
+        "x_grad_rel_err": _rel(cp_x_grad, x_grad.cpu()),
+        "param_rel_err": param_errs,
+        "worst_param": worst,
+        "worst_param_rel_err": param_errs[worst],
+        "rng_untouched": all(p["rng_untouched"] for p in payloads),
+    }
+    if c["compare_original"]:
+        result["forward_vs_other"] = max(p["forward_vs_other"] for p in payloads)
+    return result
