@@ -1,0 +1,199 @@
+"""`cpdoctor env`: what is installed, which attention backends can do CP here, and what the installed diffusers
+gets wrong, in one process and a few seconds. Rendering only; the examination is `cpdoctor.probes.env`.
+torch and diffusers are imported inside the command so that `cpdoctor --help` stays fast."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import typer
+
+ENV_HELP = (
+    "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
+    "per diffusers attention backend (installed, CP-capable, runs here, LSE, backward, LSE saved for training, RNG, "
+    "and whether ring, Ulysses and training can use it here: found by trying each on tiny tensors), and the "
+    "defects of the installed diffusers, each with its remedy and the `cpdoctor check` command that settles it. "
+    "One process, no ranks. Exit 0 nothing wrong (warnings included), 1 a FAIL finding, 2 bad input, 3 cannot examine."
+)
+
+STYLE = {"PASS": "bold green", "FAIL": "bold red", "WARN": "bold yellow", "INFO": "bold cyan"}
+MARK = {True: "✓", False: "✗", None: "–"}
+COLUMNS = ("backend", "installed", "CP", "runs here", "LSE", "backward", "saves LSE", "RNG", "ring", "Ulysses", "training", "note")
+
+
+def _cell_values(row: dict) -> list[tuple[Optional[bool], str]]:
+    """(ok, text) per table column after the name; ok None renders dim."""
+    facts, op = row["facts"], row.get("op") or None
+    meta = bool(op and op.get("measured_on") == "meta")
+    star = "*" if meta else ""
+    installed = (row["installed"], MARK[row["installed"]])
+    cp = (row["cp_capable"], MARK[row["cp_capable"]])
+    runs: tuple[Optional[bool], str] = (row["runs_here"], MARK[row["runs_here"]]) if row["installed"] else (None, "–")
+    lse: tuple[Optional[bool], str] = (None, "–")
+    backward: tuple[Optional[bool], str] = (None, "–")
+    saves: tuple[Optional[bool], str] = (None, "–")
+    rng: tuple[Optional[bool], str] = (None, "–")
+    if row["runs_here"] and facts.get("routes_cp"):
+        lse = (row["returns_lse"], MARK[row["returns_lse"]])
+    if op and not op.get("error"):
+        ok = _backward_ok(op)
+        backward = (ok, MARK[ok] + star)
+        if meta:
+            if op.get("lse_not_requested"):
+                saves = (False, "✗*")
+        elif op.get("saved_lse"):
+            saves = (True, "✓")
+        else:
+            saves = (None if ok else False, "recomputes" if ok else "✗")
+        if op.get("rng_advanced") or op.get("forced_dropout"):
+            rng = (False, "advances" + star)
+        elif not meta:
+            rng = (True, "steady")
+    whys: list[str] = []
+    for key in ("ulysses", "ring", "training"):
+        cell = row[key]
+        if cell["ok"] is False and cell["why"] and cell["why"] not in whys:
+            whys.append(cell["why"])
+    note = "; ".join(whys)
+    cells = [installed, cp, runs, lse, backward, saves, rng]
+    cells += [(row[k]["ok"], MARK[row[k]["ok"]]) for k in ("ring", "ulysses", "training")]
+    return cells + [(None, note)]
+
+
+def _backward_ok(op: dict) -> Optional[bool]:
+    if op.get("error") or op.get("backward_error") or op.get("grad_shapes_ok") is False or op.get("lse_not_requested"):
+        return False
+    if op.get("rel_err") and op.get("tolerance") is not None:
+        return max(op["rel_err"].values()) <= op["tolerance"]
+    return op.get("grad_shapes_ok")
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return "; ".join(map(str, value)) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) if value else "none set"
+    return str(value)
+
+
+def _env_lines(env: dict) -> list[tuple[str, str]]:
+    """(label, value) lines of the environment list, in report order."""
+    lines = []
+    for key, value in env.items():
+        if key == "attention_packages" and isinstance(value, dict):
+            lines += [(name, str(v)) for name, v in value.items()]
+        elif key == "world" and isinstance(value, dict):
+            lines.append(("world", value.get("summary", "")))
+            if value.get("variables"):
+                lines.append(("world variables", _fmt_value(value["variables"])))
+        else:
+            lines.append((key.replace("_", " "), _fmt_value(value)))
+    return lines
+
+
+def render(report: Any, console: Any) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    data = report.to_dict()
+    console.print("[bold]cpdoctor env[/]")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", justify="right")
+    grid.add_column()
+    for label, value in _env_lines(data["environment"]):
+        style = "yellow" if value == "could not collect" else ("dim" if value in ("not installed", "not available") else "")
+        grid.add_row(escape(label), f"[{style}]{escape(value)}[/]" if style else escape(value))
+    console.print(grid)
+
+    table = Table(
+        title=f"attention backends on {data['environment'].get('probe_device')} ({data['environment'].get('probe_dtype')})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in COLUMNS[:-1]:
+        table.add_column(col, justify="left" if col == "backend" else "center", no_wrap=True)
+    notes: dict[str, list[str]] = {}
+    for row in data["backends"]:
+        *values, (_, note) = _cell_values(row)
+        cells = []
+        for ok, text in values:
+            style = "green" if ok is True else "red" if ok is False else "dim"
+            if text.startswith("advances"):
+                style = "yellow"
+            cells.append(f"[{style}]{escape(text)}[/]")
+        table.add_row(escape(row["name"]), *cells)
+        if note:
+            notes.setdefault(note, []).append(row["name"])
+    console.print(table)
+    for note, names in notes.items():
+        console.print(f"  [dim]✗ {escape(', '.join(names))}: {escape(note)}[/]")
+    console.print(
+        "[dim]ring / Ulysses / training: whether the backend can do that here (ring needs an LSE; training needs a "
+        "backward that is right after a forward not asked for an LSE). Defects of diffusers' ring template apply to "
+        "every backend: they are among the findings below. * measured on the meta device (no kernel here): shapes "
+        "and kernel arguments only.[/]\n"
+    )
+    for f in data["findings"]:
+        console.print(f"[{STYLE.get(f['verdict'], 'bold')}]{f['verdict']}[/] [bold]{escape(f['probe'])}[/] — {escape(f['diagnosis'])}")
+        if f.get("remedy"):
+            console.print(f"    [bold]remedy:[/] {escape(f['remedy'])}")
+        if f.get("command"):
+            console.print(f"    [bold]settle:[/] [cyan]{escape(f['command'])}[/]")
+    console.print(f"\nverdict [{STYLE.get(data['verdict'], 'bold')}]{data['verdict']}[/]  (exit {data['exit_code']}, {data['wall_s']:.1f} s)")
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(report: Any) -> str:
+    """The report as a Markdown block to paste into a bug report."""
+    data = report.to_dict()
+    out = [f"### `cpdoctor env`: {data['verdict']} (exit {data['exit_code']})", "", "| fact | value |", "|---|---|"]
+    out += [f"| {_md(label)} | {_md(value)} |" for label, value in _env_lines(data["environment"])]
+    out += ["", f"Attention backends on {data['environment'].get('probe_device')} ({data['environment'].get('probe_dtype')}):", ""]
+    out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in data["backends"]:
+        out.append("| " + " | ".join([f"`{row['name']}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")
+    out += ["", "Findings:", ""]
+    for f in data["findings"]:
+        line = f"- **{f['verdict']}** {_md(f['probe'])}: {_md(f['diagnosis']).rstrip('.')}."
+        if f.get("remedy"):
+            line += f" Remedy: {_md(f['remedy'])}."
+        if f.get("command"):
+            line += f" Settle: `{f['command']}`."
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("env", help=ENV_HELP)
+    def env(
+        device: str = typer.Option("auto", "--device", help="auto (this rank's CUDA device, else cpu), cpu or cuda."),
+        dtype: str = typer.Option("auto", "--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
+        json_path: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+        as_markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."),
+    ) -> None:
+        from cpdoctor.commands.output import emit, waiting
+        from cpdoctor.errors import BadInput
+        from cpdoctor.probes import env as probe
+
+        if as_markdown and json_path == "-":
+            raise BadInput("--markdown and --json - both write to stdout; give --json a FILE")
+        with waiting("examining the environment and the attention backends", quiet=json_path == "-"):
+            report = probe.examine(device=device, dtype=dtype)
+        if probe.rank_of_this_process() != 0:  # under torchrun every rank examines its device; rank 0 reports
+            raise typer.Exit(report.exit_code)
+
+        def show(rep: Any, console: Any) -> None:
+            if as_markdown:
+                sys.stdout.write(markdown(rep))
+            else:
+                render(rep, console)
+
+        emit(report, json_path, show)
