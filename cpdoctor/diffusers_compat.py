@@ -191,3 +191,37 @@ def ring_attention_class_names() -> list[str]:
     """Names of the module globals the fixed ring replaces (present ones only)."""
     mod = dispatch_module()
     return [n for n in ("TemplatedRingAttention",) if hasattr(mod, n)]
+
+
+def meshless_parallel_config(ring: int, ulysses: int, device: Any = None) -> Any:
+    """A ParallelConfig as diffusers' CP templates hand it to a backend's forward op on rank 0, but without a
+    process group or mesh: the identity fields `setup()` fills (`_rank`, `_world_size`, `_ring_local_rank`,
+    `_ulysses_local_rank`, `_device`) are set where this release has them. For calling forward ops in one
+    process: some ops read `context_parallel_config._world_size` to decide what CP needs (whether to compute an
+    LSE, whether to force dropout); anything that needs a collective fails, as it should."""
+    _, pc_cls = parallel_config_classes()
+    cp = context_parallel_config(ring, ulysses)
+    fields = {f.name for f in dataclasses.fields(cp)}
+    for name, value in (
+        ("_rank", 0),
+        ("_world_size", ring * ulysses),
+        ("_ring_local_rank", 0),
+        ("_ulysses_local_rank", 0),
+        ("_device", device),
+    ):
+        if name in fields or hasattr(cp, name):
+            setattr(cp, name, value)
+    return pc_cls(context_parallel_config=cp)
+
+
+@contextlib.contextmanager
+def preserved_active_backend() -> Iterator[None]:
+    """`model.set_attention_backend` also sets diffusers' process-wide active backend; put it back afterwards,
+    so an examination run inside a training script leaves that script's choice alone."""
+    reg = registry()
+    saved = getattr(reg, "_active_backend", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            reg._active_backend = saved

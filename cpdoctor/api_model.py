@@ -1,0 +1,88 @@
+"""`check_model`: CP parity of a real diffusers model class, output and parameter gradients, as a `Report`.
+
+    import cpdoctor
+    report = cpdoctor.check_model(model="flux", ring=2)          # tiny Flux, 2 ranks
+    report = cpdoctor.check_model(model="/ckpt/transformer", ring=2, ulysses=2, dtype="bf16")
+
+The parent resolves the model and fills the shapes first (it imports diffusers: unknown names, a missing tiny
+config or safetensors, a text mask the model does not take and uneven top-level shards are bad input before
+any process starts), then launches the ranks through the same `run_cases` as `check_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from cpdoctor.api import DEFAULT_TIMEOUT_S, _fallback_environment, build_request, run_cases
+from cpdoctor.errors import BadInput
+from cpdoctor.model_request import ModelRequest
+from cpdoctor.report import Report, RunResult
+
+
+def build_model_request(**fields: Any) -> ModelRequest:
+    """A ModelRequest from keyword fields (None = default); ring defaults to 2, or 1 when only ulysses is given."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    ring, ulysses = fields.get("ring"), fields.get("ulysses")
+    if ring is None:
+        fields["ring"] = 1 if ulysses not in (None, 1) else 2
+    if ulysses is None:
+        fields["ulysses"] = 1
+    return ModelRequest.from_dict(fields).validate()
+
+
+def op_level_cases(req: ModelRequest) -> list[dict]:
+    """The op-level cross-checks run at the same layout: exactly what `cpdoctor check --ring R --ulysses U
+    [--dtype D] [--backend B]` runs, and again with `--mask-pad N` when the model's text is padded."""
+    common = dict(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device)
+    cases = [{"request": build_request(**common).to_dict()}]
+    if req.mask_pad:
+        cases.append({"request": build_request(**common, mask_pad=req.mask_pad).to_dict()})
+    return cases
+
+
+def prepare_request(request: ModelRequest | None = None, **fields: Any) -> ModelRequest:
+    """Validate, resolve the model and fill the default shapes (imports diffusers; BadInput on bad input)."""
+    from cpdoctor.probes import model as probe
+
+    req = request.validate() if request is not None else build_model_request(**fields)
+    try:
+        prepared, _ = probe.prepare(req)
+    except ImportError as exc:  # torch or diffusers missing
+        raise BadInput(f"missing package: {exc}") from exc
+    return prepared
+
+
+def check_model(
+    request: ModelRequest | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_tick: Callable[[], None] | None = None,
+    **fields: Any,
+) -> Report:
+    """Model-level CP parity of a diffusers model class through its own `enable_parallelism`: the gathered
+    output and every parameter gradient (summed over the CP group) against the same model in one process in
+    fp64; with `patch=True`, before and after cpdoctor's fixed ring. Under torchrun every rank returns the
+    same report (rank 0's)."""
+    from cpdoctor.verdict import overall
+    from cpdoctor.verdict_model import model_case_findings, model_failure_findings
+
+    req = prepare_request(request, **fields)
+    ops = op_level_cases(req)
+    cases = [{"request": req.to_dict(), "patched": False, "op_cases": ops}]
+    if req.patch:
+        cases.append({"request": req.to_dict(), "patched": True, "op_cases": ops})
+    result = run_cases("model", cases, req.world_size, timeout_s, req.device, on_tick)
+    runs: list[RunResult] = []
+    environment = _fallback_environment(req.world_size)
+    if result.failures:
+        findings = model_failure_findings(req.to_dict(), result.failures, timeout_s)
+        runs.append(RunResult(overall(findings)[0], findings))
+    for item in result.results or []:
+        evaluated = item.get("evaluated", {})
+        environment = evaluated.get("environment", environment)
+        findings = model_case_findings(item, timeout_s)
+        runs.append(RunResult(overall(findings)[0], findings))
+    final = runs[-1]
+    verdict, code = overall(final.findings)
+    before = runs[0] if req.patch and len(runs) > 1 else None
+    return Report(verdict, code, environment, req.to_dict(), final.findings, before=before, wall_s=result.wall_s)
