@@ -1,7 +1,7 @@
 """cpdoctor: finds and fixes silent context-parallel attention bugs in diffusers.
 
 Public API (imported lazily, so `import cpdoctor` and `cpdoctor --help` stay free of torch/diffusers):
-`check_attention`, `preflight`, `patch`, `unpatch`, `patched`.
+`check_attention`, `check_model`, `preflight`, `patch`, `unpatch`, `patched`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "check_attention": ("cpdoctor.api", "check_attention"),
+    "check_model": ("cpdoctor.api_model", "check_model"),
     "preflight": ("cpdoctor.api", "preflight"),
+    "PreflightFailed": ("cpdoctor.api", "PreflightFailed"),
     "patch": ("cpdoctor.fix.patch", "apply"),
     "unpatch": ("cpdoctor.fix.patch", "revert"),
     "patched": ("cpdoctor.fix.patch", "patched"),

@@ -108,3 +108,52 @@ def check_attention(
     verdict, code = overall(final.findings)
     before = runs[0] if req.patch and len(runs) > 1 else None
     return Report(verdict, code, environment, req.to_dict(), final.findings, before=before, wall_s=result.wall_s)
+
+
+class PreflightFailed(RuntimeError):
+    """Raised by `preflight` when CP attention is wrong here and the fix does not (or may not) repair it."""
+
+    def __init__(self, report: Report):
+        finding = report.findings[0] if report.findings else None
+        detail = f"{finding.verdict}: {finding.diagnosis}" if finding else report.verdict
+        super().__init__(f"cpdoctor preflight: context-parallel attention is not safe to train with here — {detail}")
+        self.report = report
+
+
+def _degrees_from(parallel_config: Any) -> tuple[int, int]:
+    cp = getattr(parallel_config, "context_parallel_config", None) or parallel_config
+    return int(getattr(cp, "ring_degree", None) or 1), int(getattr(cp, "ulysses_degree", None) or 1)
+
+
+def preflight(
+    ring: int | None = None,
+    ulysses: int | None = None,
+    *,
+    parallel_config: Any = None,
+    fix: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **fields: Any,
+) -> Report:
+    """Call once at the top of a training script (on every rank under torchrun) before any CP training step.
+
+    Examines diffusers' CP attention with this job's degrees (from `parallel_config` when given), backend,
+    dtype and head shape (`heads=`, `head_dim=`, `seq=`, `mask_pad=`, `backend=`, `dtype=`), forward and
+    backward. If it is exact, nothing changes. If it is wrong and `fix` is true, cpdoctor's fixed ring
+    attention is examined too and, when it is exact, left patched into this process (every rank takes the
+    same decision: under torchrun all ranks see rank 0's report). Otherwise raises PreflightFailed with the
+    diagnosis, so the job stops before it learns from corrupted gradients. Returns the report."""
+    from cpdoctor.fix import patch as fix_patch
+
+    if parallel_config is not None:
+        ring, ulysses = _degrees_from(parallel_config)
+    was_patched = fix_patch.is_patched()
+    report = check_attention(timeout_s=timeout_s, ring=ring, ulysses=ulysses, patch=fix, **fields)
+    unpatched = report.before if report.before is not None else RunResult(report.verdict, report.findings)
+    if unpatched.verdict == "PASS":
+        fix_patch.set_patched(was_patched)
+        return report
+    if fix and report.verdict == "PASS":
+        fix_patch.apply()
+        return report
+    fix_patch.set_patched(was_patched)
+    raise PreflightFailed(report)
