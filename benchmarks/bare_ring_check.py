@@ -30,4 +30,5 @@ ref.backward(g)
 errs = [((a - b.chunk(world, dim=1)[rank]).norm() / b.chunk(world, dim=1)[rank].norm()).item()
         for a, b in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad))]
 print(f"rank {rank}: out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs))
+dist.barrier()
 dist.destroy_process_group()

@@ -117,6 +117,9 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
     facts.forward_op = getattr(fwd, "__name__", None)
     facts.backward_op = getattr(bwd, "__name__", None)
     q = torch.randn(1, 8, heads, head_dim, device=device, dtype=dtype)
+    if fwd is None and routes is False and err is None:
+        facts.runs_here = True  # the call above computed local attention here, ignoring the parallel config
+        return facts
     if fwd is None:
         # No CP path to test: does the backend run here at all (locally)?
         try:

@@ -168,12 +168,17 @@ class DistContext:
         dist.broadcast_object_list(box, src=0, group=self._report_group)
         return box[0]
 
-    def close(self) -> None:
-        """Destroy what this context created: the report group always, the default group only if ours."""
+    def close(self, sync: bool = True) -> None:
+        """Destroy what this context created: the report group always, the default group only if ours.
+        With `sync`, first wait until every rank is done with the report group (a rank that tears it down
+        while a peer still reads from it makes gloo abort the peer)."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
+        if sync:
+            with contextlib.suppress(Exception):
+                dist.barrier(group=self._report_group)
         with contextlib.suppress(Exception):
             if self.owns_group:
                 dist.destroy_process_group()
@@ -425,6 +430,7 @@ def run_in_this_process(job: dict, timeout_s: float) -> LaunchResult:
     start = time.monotonic()
     job = dict(job, timeout=timeout_s)
     ctx = DistContext.join(timeout_s, job.get("device", "auto"))
+    peer_hung = False
     try:
         results = execute_job(job, ctx)
         peer_hung = ctx.rank == 0 and any(p.get("hang") for item in results for p in item.get("rank_payloads", []))
@@ -433,9 +439,10 @@ def run_in_this_process(job: dict, timeout_s: float) -> LaunchResult:
                 results = ctx.broadcast_from_root(results)
             except Exception as exc:  # noqa: BLE001 - rank 0 saw a hung peer and did not share
                 failure = RankFailure(0, "HANG", f"rank 0 did not share the result ({type(exc).__name__})")
+                peer_hung = True
                 return LaunchResult(failures=[failure], wall_s=time.monotonic() - start)
     finally:
-        ctx.close()
+        ctx.close(sync=not peer_hung)
     return LaunchResult(results=results, wall_s=time.monotonic() - start)
 
 

@@ -81,6 +81,7 @@ def main() -> None:
     err = ((grads - reference).norm() / reference.norm()).item()
     if rank == 0:
         print(f"preflight: {report.verdict} (patched: {patched}); parameter-gradient rel err after one CP step: {err:.2e}")
+    dist.barrier()  # every rank done with every group before any of them is torn down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

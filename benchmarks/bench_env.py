@@ -1,0 +1,57 @@
+"""Wall time of `cpdoctor env` (target: under 3 s on the 2-core development machine), median of N runs,
+next to the bare cost of `import torch, diffusers` measured in the same run.
+
+Usage: python benchmarks/bench_env.py [--repeats 5]   -> benchmarks/results/env_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    env_cmd = [sys.executable, "-m", "cpdoctor", "env", "--json", os.devnull]
+    import_cmd = [sys.executable, "-c", "import torch, diffusers.models.attention_dispatch"]
+    timed(env_cmd)
+    t_env, t_import = [], []
+    for _ in range(args.repeats):
+        t_env.append(timed(env_cmd))
+        t_import.append(timed(import_cmd))
+    import diffusers
+    import torch
+
+    result = {
+        "cpdoctor_env_s": [round(t, 3) for t in t_env],
+        "import_torch_diffusers_s": [round(t, 3) for t in t_import],
+        "median_env_s": round(statistics.median(t_env), 3),
+        "median_import_s": round(statistics.median(t_import), 3),
+        "target_s": 3.0,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "cpus": os.cpu_count(),
+    }
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", f"env_speed_{diffusers.__version__}.json"), "w") as fh:
+        json.dump(result, fh, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
