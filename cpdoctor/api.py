@@ -43,13 +43,19 @@ def _fallback_environment(world_size: int) -> dict[str, Any]:
     }
 
 
-def build_request(**fields: Any) -> AttentionRequest:
-    """An AttentionRequest from keyword fields; seq defaults to 512 rounded up to divide the world size."""
+def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
+    """Fill ring/ulysses left unset: ring 2, or ring 1 when only a Ulysses degree is given; Ulysses 1."""
     ring, ulysses = fields.get("ring"), fields.get("ulysses")
     if ring is None:
         fields["ring"] = 1 if ulysses not in (None, 1) else 2
     if ulysses is None:
         fields["ulysses"] = 1
+    return fields
+
+
+def build_request(**fields: Any) -> AttentionRequest:
+    """An AttentionRequest from keyword fields; seq defaults to 512 rounded up to divide the world size."""
+    default_degrees(fields)
     if fields.get("seq") is None:
         fields["seq"] = default_seq(max(1, fields["ring"] * fields["ulysses"]))
     return AttentionRequest.from_dict({k: v for k, v in fields.items() if v is not None}).validate()
@@ -94,15 +100,33 @@ def check_attention(
     cases = [{"request": req.to_dict(), "patched": False}]
     if req.patch:
         cases.append({"request": req.to_dict(), "patched": True})
-    result = run_cases("attention", cases, req.world_size, timeout_s, req.device, on_tick)
+
+    def launch_failures(failures: list) -> list[Finding]:
+        return failure_findings(describe_attention(req.to_dict(), req.backend), failures, timeout_s)
+
+    return examine("attention", req, cases, timeout_s, launch_failures, lambda item: _case_findings(item, timeout_s), on_tick)
+
+
+def examine(
+    kind: str,
+    req: Any,
+    cases: list[dict],
+    timeout_s: float,
+    launch_failures: Callable[[list], list[Finding]],
+    case_findings: Callable[[dict], list[Finding]],
+    on_tick: Callable[[], None] | None = None,
+) -> Report:
+    """Run the cases of one examination (unpatched, then patched with `req.patch`) and assemble the Report:
+    the exit code and top-level verdict are the last run's; with --patch the unpatched run is `before`."""
+    result = run_cases(kind, cases, req.world_size, timeout_s, req.device, on_tick)
     runs: list[RunResult] = []
     environment = _fallback_environment(req.world_size)
     if result.failures:
-        findings = failure_findings(describe_attention(req.to_dict(), req.backend), result.failures, timeout_s)
+        findings = launch_failures(result.failures)
         runs.append(RunResult(overall(findings)[0], findings))
     for item in result.results or []:
         environment = item.get("evaluated", {}).get("environment", environment)
-        findings = _case_findings(item, timeout_s)
+        findings = case_findings(item)
         runs.append(RunResult(overall(findings)[0], findings))
     final = runs[-1]
     verdict, code = overall(final.findings)

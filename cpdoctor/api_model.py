@@ -13,20 +13,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from cpdoctor.api import DEFAULT_TIMEOUT_S, _fallback_environment, build_request, run_cases
+from cpdoctor.api import DEFAULT_TIMEOUT_S, build_request, default_degrees, examine
 from cpdoctor.errors import BadInput
 from cpdoctor.model_request import ModelRequest
-from cpdoctor.report import Report, RunResult
+from cpdoctor.report import Report
 
 
 def build_model_request(**fields: Any) -> ModelRequest:
     """A ModelRequest from keyword fields (None = default); ring defaults to 2, or 1 when only ulysses is given."""
-    fields = {k: v for k, v in fields.items() if v is not None}
-    ring, ulysses = fields.get("ring"), fields.get("ulysses")
-    if ring is None:
-        fields["ring"] = 1 if ulysses not in (None, 1) else 2
-    if ulysses is None:
-        fields["ulysses"] = 1
+    fields = default_degrees({k: v for k, v in fields.items() if v is not None})
     return ModelRequest.from_dict(fields).validate()
 
 
@@ -63,7 +58,6 @@ def check_model(
     output and every parameter gradient (summed over the CP group) against the same model in one process in
     fp64; with `patch=True`, before and after cpdoctor's fixed ring. Under torchrun every rank returns the
     same report (rank 0's)."""
-    from cpdoctor.verdict import overall
     from cpdoctor.verdict_model import model_case_findings, model_failure_findings
 
     req = prepare_request(request, **fields)
@@ -71,18 +65,12 @@ def check_model(
     cases = [{"request": req.to_dict(), "patched": False, "op_cases": ops}]
     if req.patch:
         cases.append({"request": req.to_dict(), "patched": True, "op_cases": ops})
-    result = run_cases("model", cases, req.world_size, timeout_s, req.device, on_tick)
-    runs: list[RunResult] = []
-    environment = _fallback_environment(req.world_size)
-    if result.failures:
-        findings = model_failure_findings(req.to_dict(), result.failures, timeout_s)
-        runs.append(RunResult(overall(findings)[0], findings))
-    for item in result.results or []:
-        evaluated = item.get("evaluated", {})
-        environment = evaluated.get("environment", environment)
-        findings = model_case_findings(item, timeout_s)
-        runs.append(RunResult(overall(findings)[0], findings))
-    final = runs[-1]
-    verdict, code = overall(final.findings)
-    before = runs[0] if req.patch and len(runs) > 1 else None
-    return Report(verdict, code, environment, req.to_dict(), final.findings, before=before, wall_s=result.wall_s)
+    return examine(
+        "model",
+        req,
+        cases,
+        timeout_s,
+        lambda failures: model_failure_findings(req.to_dict(), failures, timeout_s),
+        lambda item: model_case_findings(item, timeout_s),
+        on_tick,
+    )

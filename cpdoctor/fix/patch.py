@@ -20,7 +20,6 @@ from typing import Any, Iterator
 
 from cpdoctor import diffusers_compat as compat
 from cpdoctor.errors import BadInput, CannotExamine
-from cpdoctor.fix import compat_check as cc
 
 
 class PatchRefused(CannotExamine):
@@ -82,7 +81,7 @@ def is_patched() -> bool:
         mod = compat.dispatch_module()
     except Exception:  # noqa: BLE001 - no diffusers: nothing is patched
         return False
-    return getattr(mod, cc.RING_CLASS, None) is _replacement()
+    return getattr(mod, compat.RING_CLASS, None) is _replacement()
 
 
 def apply(force: bool = False) -> PatchReport:
@@ -94,8 +93,8 @@ def apply(force: bool = False) -> PatchReport:
     except (BadInput, CannotExamine) as exc:
         raise PatchRefused(f"cpdoctor cannot patch: {exc}") from exc
     replacement = _replacement()
-    report = PatchReport(diffusers=compat.diffusers_version(), callers=cc.callers_of_ring(mod))
-    current = getattr(mod, cc.RING_CLASS, None)
+    report = PatchReport(diffusers=compat.diffusers_version(), callers=compat.callers_of_ring(mod))
+    current = getattr(mod, compat.RING_CLASS, None)
     if current is replacement:
         previous = _last_report
         report.already_patched = True
@@ -104,19 +103,19 @@ def apply(force: bool = False) -> PatchReport:
             for name in ("original_backward_passes_tensors", "original_sends_dkv_to_next", "original_gathers_mask", "reasons"):
                 setattr(report, name, getattr(previous, name))
         return report
-    problem = cc.ring_class_problem(mod)
+    problem = compat.ring_class_problem(mod)
     if problem and not force:
         raise PatchRefused(f"cpdoctor will not patch this diffusers ({report.diffusers}): {problem}. Pass force=True to patch anyway.")
     report.forced = bool(problem)
     report.problem = problem
     if current is not None:
-        report.original_backward_passes_tensors = cc.backward_passes_tensors(current)
-        report.original_sends_dkv_to_next = cc.backward_sends_dkv_to_next(current)
-        report.original_gathers_mask = cc.forward_gathers_mask(current)
+        report.original_backward_passes_tensors = compat.backward_passes_tensors(current)
+        report.original_sends_dkv_to_next = compat.backward_sends_dkv_to_next(current)
+        report.original_gathers_mask = compat.forward_gathers_mask(current)
     report.reasons = _reasons(report)
-    _originals[(mod.__name__, cc.RING_CLASS)] = current
-    setattr(mod, cc.RING_CLASS, replacement)
-    report.replaced.append(Replacement(mod.__name__, cc.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement)))
+    _originals[(mod.__name__, compat.RING_CLASS)] = current
+    setattr(mod, compat.RING_CLASS, replacement)
+    report.replaced.append(Replacement(mod.__name__, compat.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement)))
     _last_report = report
     return report
 

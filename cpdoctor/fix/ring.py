@@ -37,7 +37,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from cpdoctor.fix import compat_check as cc
+from cpdoctor import diffusers_compat as compat
 from cpdoctor.fix import kernels
 
 DKV_METHODS = ("reduce_scatter", "ring")
@@ -74,7 +74,7 @@ class _Masks:
         self.empty: torch.Tensor | None = None
         if attn_mask is None:
             return
-        world = cc.ring_degree(parallel_config)
+        world = compat.ring_degree(parallel_config)
         m = attn_mask
         if m.ndim == 2:
             m = m[:, None, None, :]
@@ -89,14 +89,14 @@ class _Masks:
                     f"ring attention: a mask with a query dimension ({tuple(attn_mask.shape)}) must cover all "
                     f"{world * chunk_len} keys; a per-shard one cannot be rotated with the keys"
                 )
-            ulysses = cc.ulysses_degree(parallel_config)
+            ulysses = compat.ulysses_degree(parallel_config)
             if ulysses > 1 and length * ulysses == chunk_len:
                 # ring × Ulysses: the Ulysses all-to-all gathered the keys of this ring rank, not the mask
-                m = _all_gather_last(m, cc.ulysses_group(parallel_config), ulysses)
+                m = _all_gather_last(m, compat.ulysses_group(parallel_config), ulysses)
                 length = m.shape[-1]
             if length != chunk_len:
                 raise ValueError(f"ring attention: the mask covers {length} keys but this rank holds {chunk_len}")
-            m = _all_gather_last(m, cc.ring_group(parallel_config), world)
+            m = _all_gather_last(m, compat.ring_group(parallel_config), world)
         self.full = m
         allowed = m if m.dtype == torch.bool else m != float("-inf")
         empty = ~allowed.unflatten(-1, (world, chunk_len)).any(-1)  # (B|1, H|1, Sq|1, W)
@@ -193,14 +193,14 @@ class RingAttention(torch.autograd.Function):
             raise ValueError("cpdoctor's ring attention does not implement causal attention")
         if enable_gqa:
             raise ValueError("cpdoctor's ring attention does not implement GQA")
-        group = cc.ring_group(_parallel_config)
-        world = cc.ring_degree(_parallel_config)
-        rank = cc.ring_rank(_parallel_config)
+        group = compat.ring_group(_parallel_config)
+        world = compat.ring_degree(_parallel_config)
+        rank = compat.ring_rank(_parallel_config)
         kernel = kernels.select(forward_op, _parallel_config)
         scale = kernels.default_scale(query.shape[-1], scale)
         # Like the original: convert_to_fp32 merges in fp32; without it the merge follows type promotion with
         # the fp32 lse (so it is fp32 too for half inputs), while the backward accumulates in the grad dtype.
-        to_fp32 = cc.convert_to_fp32(_parallel_config)
+        to_fp32 = compat.convert_to_fp32(_parallel_config)
         acc_dtype = torch.float32 if to_fp32 else torch.promote_types(query.dtype, torch.float32)
         sd = kernel.seq_dim
 
@@ -249,7 +249,7 @@ class RingAttention(torch.autograd.Function):
         kernel: kernels.BlockKernel = ctx.kernel
         masks: _Masks = ctx.masks
         pc = ctx.parallel_config
-        group, world, rank = cc.ring_group(pc), cc.ring_degree(pc), cc.ring_rank(pc)
+        group, world, rank = compat.ring_group(pc), compat.ring_degree(pc), compat.ring_rank(pc)
         acc_dtype = ctx.acc_dtype
 
         kv = _KV(kernel, key, value, group, world)

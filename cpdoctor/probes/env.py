@@ -188,7 +188,7 @@ def ring_class() -> str:
     """Which TemplatedRingAttention this process would run (cpdoctor's fixed one when it is patched in)."""
     from cpdoctor import diffusers_compat as compat
 
-    cls = getattr(compat.dispatch_module(), "TemplatedRingAttention", None)
+    cls = getattr(compat.dispatch_module(), compat.RING_CLASS, None)
     if cls is None:
         return "absent"
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -551,10 +551,9 @@ def _ring_source_facts() -> dict[str, Any]:
     """What the installed TemplatedRingAttention does, read from its code (None where it cannot be read). When
     cpdoctor's fixed ring is patched into this process, the class it replaced is the one described."""
     from cpdoctor import diffusers_compat as compat
-    from cpdoctor.fix import compat_check as cc
 
     mod = compat.dispatch_module()
-    cls = getattr(mod, cc.RING_CLASS, None)
+    cls = getattr(mod, compat.RING_CLASS, None)
     patched = False
     with contextlib.suppress(Exception):
         from cpdoctor.fix import patch
@@ -567,16 +566,16 @@ def _ring_source_facts() -> dict[str, Any]:
                 "passes_tensors": getattr(last, "original_backward_passes_tensors", None),
                 "sends_to_next": getattr(last, "original_sends_dkv_to_next", None),
                 "gathers_mask": getattr(last, "original_gathers_mask", None),
-                "callers": cc.callers_of_ring(mod),
+                "callers": compat.callers_of_ring(mod),
             }
     if cls is None:
         return {"patched": patched, "absent": True}
     return {
         "patched": False,
-        "passes_tensors": cc.backward_passes_tensors(cls),
-        "sends_to_next": cc.backward_sends_dkv_to_next(cls),
-        "gathers_mask": cc.forward_gathers_mask(cls),
-        "callers": cc.callers_of_ring(mod),
+        "passes_tensors": compat.backward_passes_tensors(cls),
+        "sends_to_next": compat.backward_sends_dkv_to_next(cls),
+        "gathers_mask": compat.forward_gathers_mask(cls),
+        "callers": compat.callers_of_ring(mod),
     }
 
 
@@ -801,11 +800,9 @@ def anything_finding() -> Finding:
     modes = [m for m in ("ulysses_anything", "ring_anything") if m in fields]
     if not modes:
         return _finding("uneven sequence lengths", INFO, "ContextParallelConfig has no ulysses_anything/ring_anything: every split length must divide ring × ulysses", "", "cpdoctor plan MODEL --ring R --ulysses U")
-    mod = compat.dispatch_module()
     scopes = []
     for mode in modes:
-        cls_name = {"ulysses_anything": "TemplatedUlyssesAnythingAttention", "ring_anything": "TemplatedRingAnythingAttention"}[mode]
-        raises = _backward_raises(getattr(mod, cls_name, None))
+        raises = compat.anything_backward_refused(mode)
         scopes.append(f"{mode} ({'inference only: its backward raises NotImplementedError' if raises else 'backward not refused' if raises is False else 'no class found'})")
     return _finding(
         "uneven sequence lengths",
@@ -815,21 +812,6 @@ def anything_finding() -> Finding:
         "cpdoctor plan MODEL --ring R --ulysses U",
         modes=modes,
     )
-
-
-def _backward_raises(fn_cls: Any) -> bool | None:
-    import inspect
-
-    if fn_cls is None:
-        return None
-    params = [p for p in inspect.signature(fn_cls.backward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    try:
-        fn_cls.backward(*([None] * len(params)))
-    except NotImplementedError:
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-    return False
 
 
 @contextlib.contextmanager

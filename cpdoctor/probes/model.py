@@ -273,8 +273,6 @@ def _output(result: Any) -> Any:
 
 def step(model: Any, kwargs: dict[str, Any], req: ModelRequest, device: Any, dtype: Any) -> tuple[Any, Any]:
     """Forward and backward with the seeded upstream gradient: (output on CPU, flat fp32 parameter grads)."""
-    import torch
-
     out = _output(model(**cast_inputs(kwargs, dtype, device)))
     grad = upstream_grad(tuple(out.shape), req).to(device=device, dtype=out.dtype)
     out.backward(grad)

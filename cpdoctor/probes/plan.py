@@ -516,44 +516,21 @@ def _cp_config_accepts(ring: int, ulysses: int, **flags: Any) -> str | None:
     return None
 
 
-def _backward_raises(class_name: str) -> bool | None:
-    """Call the anything-mode autograd Function's backward with placeholder arguments: True when it raises
-    NotImplementedError (inference only), False when it does something else, None when there is no such class."""
+def _anything_remedies(world: int, ring: int, ulysses: int, fields: set[str], heads_problem: bool) -> list[Remedy]:
     from cpdoctor import diffusers_compat
 
-    try:
-        fn_cls = getattr(diffusers_compat.dispatch_module(), class_name, None)
-    except CannotExamine:
-        return None
-    if fn_cls is None:
-        return None
-    params = [
-        p
-        for p in inspect.signature(fn_cls.backward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    try:
-        fn_cls.backward(*([None] * len(params)))
-    except NotImplementedError:
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-    return False
-
-
-def _anything_remedies(world: int, ring: int, ulysses: int, fields: set[str], heads_problem: bool) -> list[Remedy]:
     out = []
-    modes = [("ulysses_anything", "TemplatedUlyssesAnythingAttention", 1, world)]
+    modes = [("ulysses_anything", 1, world)]
     if not heads_problem:
-        modes.append(("ring_anything", "TemplatedRingAnythingAttention", world, 1))
-    for field, fn_cls, r, u in modes:
+        modes.append(("ring_anything", world, 1))
+    for field, r, u in modes:
         if field not in fields:
             continue
         error = _cp_config_accepts(ring, ulysses, **{field: True})
         use_r, use_u = (ring, ulysses) if error is None else (r, u)
         if error is not None and _cp_config_accepts(r, u, **{field: True}) is not None:
             continue
-        backward = _backward_raises(fn_cls)
+        backward = diffusers_compat.anything_backward_refused(field)
         scope = (
             "inference only: its backward raises NotImplementedError"
             if backward
