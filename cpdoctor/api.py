@@ -78,7 +78,8 @@ def run_cases(kind: str, cases: list[dict], world_size: int, timeout_s: float, d
     return result
 
 
-def _case_findings(item: dict, timeout_s: float) -> list[Finding]:
+def attention_case_findings(item: dict, timeout_s: float) -> list[Finding]:
+    """Findings of one launched attention case: the evaluated finding, or CRASH / HANG from the ranks that stopped."""
     req = item["case"]["request"]
     if "evaluated" in item:
         return [attention_finding(req, item["evaluated"])]
@@ -104,7 +105,7 @@ def check_attention(
     def launch_failures(failures: list) -> list[Finding]:
         return failure_findings(describe_attention(req.to_dict(), req.backend), failures, timeout_s)
 
-    return examine("attention", req, cases, timeout_s, launch_failures, lambda item: _case_findings(item, timeout_s), on_tick)
+    return examine("attention", req, cases, timeout_s, launch_failures, lambda item: attention_case_findings(item, timeout_s), on_tick)
 
 
 def examine(

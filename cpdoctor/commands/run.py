@@ -1,0 +1,84 @@
+"""`cpdoctor run SUITE`: every examination of a YAML suite (shipped: quick, training, flux, qwen-image)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+
+from cpdoctor.commands.output import console, emit, waiting
+
+
+def _worst(finding: Any) -> str:
+    """The tensor furthest from the reference, as 'name rel-err' (– when nothing was measured)."""
+    if not finding.tensors:
+        return "–"
+    name, t = max(finding.tensors.items(), key=lambda kv: kv[1].get("rel_err") or 0.0)
+    return f"{name} {t['rel_err']:.2e}"
+
+
+def render_suite(report: Any, out: Any) -> None:
+    """One row per check; then the diagnosis and remedy of every check that did not pass."""
+    from rich.table import Table
+
+    from cpdoctor.report import _styled, environment_line
+
+    out.print(f"[dim]{environment_line(report.environment)}[/]")
+    befores = report.before.findings if report.before is not None else None
+    table = Table(title=f"suite {report.request['suite']} ({report.request['source']})", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("check")
+    if befores is not None:
+        table.add_column("before", justify="center")
+        table.add_column("before: worst", justify="right")
+    table.add_column("verdict", justify="center")
+    table.add_column("worst rel err", justify="right")
+    for i, finding in enumerate(report.findings, 1):
+        row = [str(i), finding.probe]
+        if befores is not None:
+            b = befores[i - 1] if i - 1 < len(befores) else None
+            row += [_styled(b.verdict) if b else "–", _worst(b) if b else "–"]
+        row += [_styled(finding.verdict), _worst(finding)]
+        table.add_row(*row)
+    out.print(table)
+    for i, finding in enumerate(report.findings, 1):
+        if finding.verdict != "PASS":
+            out.print(f"{i}. {_styled(finding.verdict)} — {finding.diagnosis}")
+            if finding.remedy:
+                out.print(f"   [bold]remedy:[/] {finding.remedy}")
+    label = "after the patch: " if befores is not None else ""
+    out.print(f"\n{label}verdict {_styled(report.verdict)}  (exit {report.exit_code}, {report.wall_s:.1f} s in ranks)")
+
+
+def run(
+    suite: Optional[str] = typer.Argument(None, help="A shipped suite name (see --list) or a YAML file."),
+    patch: bool = typer.Option(False, "--patch", help="Run every check before and after cpdoctor's fixed ring attention."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds per launch before a rank is reported as HANG."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    list_suites: bool = typer.Option(False, "--list", help="List the shipped suites and exit."),
+) -> None:
+    """Run a suite of examinations; checks of the same kind and world size share one launch.
+    Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input (a malformed suite too), 3 cannot examine."""
+    from cpdoctor import suite as suites
+    from cpdoctor.errors import BadInput
+
+    if list_suites:
+        out = console()
+        for name, path in suites.shipped().items():
+            s = suites.load(path)
+            out.print(f"[bold]{name}[/] ({len(s.checks)} checks): {s.description}")
+        raise typer.Exit(0)
+    if suite is None:
+        raise BadInput("give a SUITE: a shipped name (cpdoctor run --list) or a YAML file")
+    if timeout <= 0:
+        raise BadInput(f"--timeout must be positive, got {timeout:g}")
+    from cpdoctor.api_suite import run_suite
+
+    loaded = suites.load(suite)
+    with waiting(f"running suite {loaded.name} ({len(loaded.checks)} checks)", quiet=json_path == "-"):
+        report = run_suite(loaded, patch=patch, timeout_s=timeout)
+    emit(report, json_path, render_suite)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)

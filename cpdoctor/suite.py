@@ -1,0 +1,103 @@
+"""YAML suites: a named list of examinations, shipped in cpdoctor/suites/ or written by the user.
+
+    name: quick
+    description: what it is for
+    checks:
+      - attention: {ring: 2}
+      - attention: {ring: 2, mask_pad: 3, dtype: bf16}
+      - model: {model: flux, ring: 2}
+
+Each check is a one-key mapping: the kind of examination (`attention`, the op-level `cpdoctor check`; `model`,
+`cpdoctor model`) and the same fields as the Python API and the CLI options. Loading validates every check
+into its request, so a malformed suite is one line of bad input before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpdoctor.errors import BadInput
+
+SUITES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suites")
+KINDS = ("attention", "model")
+
+
+@dataclass
+class Suite:
+    name: str
+    description: str
+    source: str
+    checks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+def shipped() -> dict[str, str]:
+    """Suites that come with cpdoctor: name -> path."""
+    return {f[: -len(".yaml")]: os.path.join(SUITES_DIR, f) for f in sorted(os.listdir(SUITES_DIR)) if f.endswith(".yaml")}
+
+
+def _resolve(name_or_path: str) -> str:
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    suites = shipped()
+    if name_or_path in suites:
+        return suites[name_or_path]
+    import difflib
+
+    close = difflib.get_close_matches(name_or_path, list(suites), n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else f"shipped suites: {', '.join(suites)}"
+    raise BadInput(f"no suite file or shipped suite named {name_or_path!r} ({hint})")
+
+
+def load(name_or_path: str) -> Suite:
+    """Read and validate a suite (BadInput with the file and the check at fault)."""
+    import yaml
+
+    path = _resolve(name_or_path)
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise BadInput(f"suite {path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from exc
+    except OSError as exc:
+        raise BadInput(f"suite {path}: cannot read it ({exc.strerror})") from exc
+    unknown = set(data) - {"name", "description", "checks"} if isinstance(data, dict) else set()
+    if unknown:
+        raise BadInput(f"suite {path}: unknown top-level keys {', '.join(sorted(unknown))} (name, description, checks)")
+    if not isinstance(data, dict) or not isinstance(data.get("checks"), list) or not data["checks"]:
+        raise BadInput(f"suite {path}: expected a mapping with a non-empty list under 'checks'")
+    suite = Suite(str(data.get("name") or os.path.basename(path)), str(data.get("description") or ""), path)
+    for i, check in enumerate(data["checks"], 1):
+        if not (isinstance(check, dict) and len(check) == 1):
+            raise BadInput(f"suite {path}: check {i} must be one mapping like `attention: {{ring: 2}}`, got {check!r}")
+        (kind, fields), = check.items()
+        if kind not in KINDS:
+            raise BadInput(f"suite {path}: check {i}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
+        if not isinstance(fields, dict):
+            raise BadInput(f"suite {path}: check {i}: the fields of {kind} must be a mapping, got {fields!r}")
+        suite.checks.append((kind, dict(fields)))
+    return suite
+
+
+def build_requests(suite: Suite, patch: bool) -> list[tuple[str, Any]]:
+    """Each check as its validated request (model checks are resolved: the parent imports diffusers)."""
+    from cpdoctor.api import build_request
+
+    requests = []
+    for i, (kind, fields) in enumerate(suite.checks, 1):
+        fields = dict(fields, patch=bool(fields.get("patch", patch)))
+        try:
+            if kind == "attention":
+                requests.append((kind, build_request(**fields)))
+            else:
+                from cpdoctor.api_model import prepare_request
+
+                requests.append((kind, prepare_request(**fields)))
+        except BadInput as exc:
+            raise BadInput(f"suite {suite.source}: check {i} ({kind}): {exc}") from exc
+        except TypeError as exc:  # an unknown field name
+            raise BadInput(f"suite {suite.source}: check {i} ({kind}): {exc}") from exc
+    return requests
