@@ -167,28 +167,15 @@ def worker(spec: dict) -> None:
 
 def spawn(world: int, spec: dict, extra_env: dict | None = None) -> list[dict]:
     """Run `world` workers of this script with torchrun's environment; rank 0's gathered results."""
-    import socket
+    from cpdoctor.launch import free_port, rank_environment
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         spec = dict(spec, out=os.path.join(tmp, "out.json"))
         threads = str(max(1, (os.cpu_count() or 1) // world))
         procs = []
         for rank in range(world):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS=threads,
-                PYTHONWARNINGS="ignore::FutureWarning",
-                **(extra_env or {}),
-            )
+            env = rank_environment(rank, world, port, OMP_NUM_THREADS=threads, PYTHONWARNINGS="ignore::FutureWarning", **(extra_env or {}))
             procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env))
         codes = [p.wait() for p in procs]
         if any(codes):

@@ -303,7 +303,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -311,6 +311,23 @@ def _free_port() -> int:
 
 def _threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def rank_environment(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment of one single-node rank, torchrun's variables included, with the cores shared out
+    (OMP_NUM_THREADS as the user set it, else cores / ranks)."""
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(_threads_per_rank(world_size))),
+    )
+    env.update(extra)
+    return env
 
 
 def _tail(path: str, n: int = 4000) -> str:
@@ -342,23 +359,11 @@ def run_spawned(job: dict, world_size: int, timeout_s: float, on_tick: Callable[
         job_path = os.path.join(out_dir, "job.json")
         with open(job_path, "w") as fh:
             json.dump(job, fh)
-        port = _free_port()
-        threads = str(_threads_per_rank(world_size))
+        port = free_port()
         procs: list[subprocess.Popen] = []
         try:
             for rank in range(world_size):
-                env = dict(
-                    os.environ,
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(world_size),
-                    LOCAL_WORLD_SIZE=str(world_size),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    CPDOCTOR_SPAWNED="1",
-                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
-                    PYTHONUNBUFFERED="1",
-                )
+                env = rank_environment(rank, world_size, port, CPDOCTOR_SPAWNED="1", PYTHONUNBUFFERED="1")
                 log = open(os.path.join(out_dir, f"rank{rank}.log"), "wb")
                 procs.append(
                     subprocess.Popen(

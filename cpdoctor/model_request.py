@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from cpdoctor.errors import BadInput
-from cpdoctor.request import DTYPES
+from cpdoctor.request import validate_layout
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,13 @@ class ModelRequest:
     def validate(self) -> "ModelRequest":
         if not isinstance(self.model, str) or not self.model.strip():
             raise BadInput("give a MODEL: a short name (see `cpdoctor plan --list`), a class name or a checkpoint directory")
-        for name in ("ring", "ulysses", "batch"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+        validate_layout(self.ring, self.ulysses, self.dtype, self.device)
+        if self.batch < 1:
+            raise BadInput(f"--batch must be at least 1, got {self.batch}")
         for name in ("height", "width", "text_len", "frames"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if self.world_size < 2:
-            raise BadInput("context parallelism needs ring × ulysses ≥ 2 (got ring 1 × ulysses 1)")
-        if self.dtype not in DTYPES:
-            raise BadInput(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise BadInput(f"unknown device {self.device!r}; choose auto, cpu or cuda")
         if self.mask_pad < 0:
             raise BadInput(f"--mask-pad must be at least 0, got {self.mask_pad}")
         if self.text_len is not None and self.mask_pad >= self.text_len:

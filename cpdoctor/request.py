@@ -8,6 +8,20 @@ from dataclasses import asdict, dataclass, fields
 from cpdoctor.errors import BadInput
 
 DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
+    """The checks every request shares: CP degrees, dtype and device names (BadInput, one line)."""
+    for name, value in (("ring", ring), ("ulysses", ulysses)):
+        if value < 1:
+            raise BadInput(f"--{name} must be at least 1, got {value}")
+    if ring * ulysses < 2:
+        raise BadInput("context parallelism needs ring × ulysses ≥ 2 (got ring 1 × ulysses 1)")
+    if dtype not in DTYPES:
+        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if device not in DEVICES:
+        raise BadInput(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
 
 
 @dataclass(frozen=True)
@@ -32,15 +46,10 @@ class AttentionRequest:
         return self.ring * self.ulysses
 
     def validate(self) -> "AttentionRequest":
-        for name in ("ring", "ulysses", "batch", "seq", "heads", "head_dim"):
+        validate_layout(self.ring, self.ulysses, self.dtype, self.device)
+        for name in ("batch", "seq", "heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.world_size < 2:
-            raise BadInput("context parallelism needs ring × ulysses ≥ 2 (got ring 1 × ulysses 1)")
-        if self.dtype not in DTYPES:
-            raise BadInput(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise BadInput(f"unknown device {self.device!r}; choose auto, cpu or cuda")
         if self.seq % self.world_size:
             lo = self.seq - self.seq % self.world_size
             raise BadInput(
