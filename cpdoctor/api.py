@@ -14,7 +14,7 @@ from typing import Any, Callable
 from cpdoctor import launch
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.report import Report, RunResult
-from cpdoctor.request import AttentionRequest
+from cpdoctor.request import AttentionRequest, validate_timeout
 from cpdoctor.verdict import Finding, attention_finding, describe_attention, failure_findings, overall
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -33,14 +33,19 @@ def _installed_version(package: str) -> str:
         return "not installed"
 
 
-def _fallback_environment(world_size: int) -> dict[str, Any]:
-    """What the parent knows without importing torch (used when no rank got far enough to report)."""
-    return {
+def _fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
+    """What the parent knows without importing torch (used when no rank got far enough to report): the
+    versions installed, and the layout asked for (device and backend as requested, e.g. "auto")."""
+    env: dict[str, Any] = {
         "torch": _installed_version("torch"),
         "diffusers": _installed_version("diffusers"),
         "python": platform.python_version(),
         "world_size": world_size,
     }
+    for key in ("device", "backend", "ring", "ulysses", "dtype"):
+        if req is not None and hasattr(req, key):
+            env[key] = getattr(req, key)
+    return env
 
 
 def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
@@ -119,9 +124,10 @@ def examine(
 ) -> Report:
     """Run the cases of one examination (unpatched, then patched with `req.patch`) and assemble the Report:
     the exit code and top-level verdict are the last run's; with --patch the unpatched run is `before`."""
+    validate_timeout(timeout_s)
     result = run_cases(kind, cases, req.world_size, timeout_s, req.device, on_tick)
     runs: list[RunResult] = []
-    environment = _fallback_environment(req.world_size)
+    environment = _fallback_environment(req.world_size, req)
     if result.failures:
         findings = launch_failures(result.failures)
         runs.append(RunResult(overall(findings)[0], findings))

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from cpdoctor.api import DEFAULT_TIMEOUT_S, _fallback_environment, attention_case_findings, run_cases
 from cpdoctor.report import Report, RunResult
+from cpdoctor.request import validate_timeout
 from cpdoctor.suite import Suite, build_requests
 from cpdoctor.verdict import UNSUPPORTED, Finding, describe_attention, failure_findings, overall
 
@@ -45,6 +46,7 @@ def _item_findings(kind: str, item: dict, timeout_s: float) -> list[Finding]:
 
 def run_suite(suite: Suite, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Callable[[], None] | None = None) -> Report:
     """Run every check; findings in the suite's order (with `patch`, the unpatched ones under `before`)."""
+    validate_timeout(timeout_s)
     requests = build_requests(suite, patch)
     groups: dict[tuple, list[int]] = {}
     for i, (kind, req) in enumerate(requests):

@@ -48,6 +48,8 @@ class BackendFacts:
             return self.requirement_error
         if not self.runs_here:
             return f"{self.name} does not run here: {self.run_error}"
+        if self.has_backward is False:
+            return f"{self.name} has no backward here, and the examination back-propagates: {self.run_error}"
         if ring > 1 and self.routes_cp and self.returns_lse is False:
             return f"{self.name} has no LSE, and ring attention needs one to merge blocks ({self.lse_error})"
         return None
@@ -75,25 +77,31 @@ def _first_line(exc: BaseException) -> str:
 def discover_ops(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> tuple[bool | None, Callable | None, Callable | None, str | None]:
     """(routes_cp, forward_op, backward_op, error): call the backend with a parallel config while a spy
     stands in for diffusers' templated CP attention. Nothing is computed when the backend routes to CP."""
+    return _call_with_spy(name, device, dtype, heads, head_dim)[:4]
+
+
+def _call_with_spy(name: str, device: Any, dtype: Any, heads: int, head_dim: int) -> tuple[bool | None, Callable | None, Callable | None, str | None, Any]:
+    """discover_ops, plus the output when the backend computed local attention instead (a leaf that
+    requires grad went in, so its backward can be tried without a second forward)."""
     import torch
 
     def spy(*args: Any, forward_op: Callable, backward_op: Callable, **kwargs: Any) -> Any:
         raise _Captured(forward_op, backward_op)
 
-    q = torch.randn(1, 8, heads, head_dim, device=device, dtype=dtype)
+    q = torch.randn(1, 8, heads, head_dim, device=device, dtype=dtype).requires_grad_(True)
     fn = compat.backend_function(name)
     accepted = compat.accepted_kwargs(name)
     if "_parallel_config" not in accepted:
-        return False, None, None, "does not accept a parallel config (dispatch_attention_fn drops it)"
+        return False, None, None, "does not accept a parallel config (dispatch_attention_fn drops it)", None
     kwargs = {"query": q, "key": q, "value": q, "_parallel_config": object()}
     with compat.replaced_templated_attention(spy):
         try:
-            fn(**kwargs)
+            out = fn(**kwargs)
         except _Captured as cap:
-            return True, cap.forward_op, cap.backward_op, None
+            return True, cap.forward_op, cap.backward_op, None, None
         except Exception as exc:  # noqa: BLE001
-            return None, None, None, _first_line(exc)
-    return False, None, None, None
+            return None, None, None, _first_line(exc), None
+    return False, None, None, None, out
 
 
 def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool) -> tuple[Any, _OpCtx]:
@@ -112,20 +120,22 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
     facts.requirement_error = compat.requirement_error(name)
     if facts.requirement_error:
         return facts
-    routes, fwd, bwd, err = discover_ops(name, device, dtype, heads, head_dim)
+    routes, fwd, bwd, err, local_out = _call_with_spy(name, device, dtype, heads, head_dim)
     facts.routes_cp = routes
     facts.forward_op = getattr(fwd, "__name__", None)
     facts.backward_op = getattr(bwd, "__name__", None)
     q = torch.randn(1, 8, heads, head_dim, device=device, dtype=dtype)
-    if fwd is None and routes is False and err is None:
-        facts.runs_here = True  # the call above computed local attention here, ignoring the parallel config
-        return facts
     if fwd is None:
-        # No CP path to test: does the backend run here at all (locally)?
+        # No CP path to test (the backend ignores or drops the parallel config): does it run here at all,
+        # forward and backward? When it ignored the parallel config, the call above already ran the forward.
         try:
-            compat.backend_function(name)(query=q, key=q, value=q)
+            out = local_out if local_out is not None else compat.backend_function(name)(query=q.requires_grad_(True), key=q, value=q)
             facts.runs_here = True
+            out.float().sum().backward()
+            facts.has_backward = True
         except Exception as exc:  # noqa: BLE001
+            if facts.runs_here:
+                facts.has_backward = False
             facts.run_error = _first_line(exc) if err is None else err
         return facts
     try:

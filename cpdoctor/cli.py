@@ -21,16 +21,19 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(False, "--version", help="Print cpdoctor's version and exit."),
-) -> None:
-    """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers."""
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from cpdoctor import __version__
 
         print(f"cpdoctor {__version__}")
         raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print cpdoctor's version and exit."),
+) -> None:
+    """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers."""
 
 
 def _register_commands() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from cpdoctor.errors import BadInput
-from cpdoctor.request import validate_layout
+from cpdoctor.request import require_ints, validate_layout
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class ModelRequest:
         if not isinstance(self.model, str) or not self.model.strip():
             raise BadInput("give a MODEL: a short name (see `cpdoctor plan --list`), a class name or a checkpoint directory")
         validate_layout(self.ring, self.ulysses, self.dtype, self.device)
+        require_ints(self, ("batch", "height", "width", "text_len", "frames", "seed", "mask_pad"))
         if self.batch < 1:
             raise BadInput(f"--batch must be at least 1, got {self.batch}")
         for name in ("height", "width", "text_len", "frames"):

@@ -3,6 +3,7 @@ they cannot drift apart. A request validates itself (BadInput with one line) bef
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from cpdoctor.errors import BadInput
@@ -11,9 +12,25 @@ DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def validate_timeout(timeout_s: float) -> None:
+    """A positive, finite number of seconds (nan would never expire, inf overflows the process group)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise BadInput(f"--timeout must be a positive, finite number of seconds, got {timeout_s!r}")
+
+
+def require_ints(obj: object, names: tuple[str, ...]) -> None:
+    """Integer fields must be integers (a suite or an API call can pass 2.5 or "2")."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadInput(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
+
+
 def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
     """The checks every request shares: CP degrees, dtype and device names (BadInput, one line)."""
     for name, value in (("ring", ring), ("ulysses", ulysses)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadInput(f"--{name} must be an integer, got {value!r}")
         if value < 1:
             raise BadInput(f"--{name} must be at least 1, got {value}")
     if ring * ulysses < 2:
@@ -47,6 +64,7 @@ class AttentionRequest:
 
     def validate(self) -> "AttentionRequest":
         validate_layout(self.ring, self.ulysses, self.dtype, self.device)
+        require_ints(self, ("batch", "seq", "heads", "head_dim", "seed", "mask_pad"))
         for name in ("batch", "seq", "heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -33,6 +33,9 @@ def test_help_does_not_import_torch_or_diffusers():
         (["--dtype", "fp64"], "unknown dtype"),
         (["--mask-pad", "600"], "--mask-pad"),
         (["--timeout", "0"], "--timeout"),
+        (["--timeout", "nan"], "positive, finite"),
+        (["--timeout", "inf"], "positive, finite"),
+        (["--json", "/nonexistent-dir/r.json"], "cannot write --json"),
         (["--device", "tpu"], "unknown device"),
     ],
 )
@@ -84,3 +87,14 @@ def test_unsupported_backend_exits_3():
     assert run.code == 3
     assert run.json["verdict"] == "UNSUPPORTED"
     assert "flash-attn" in run.json["findings"][0]["diagnosis"]
+
+
+def test_version():
+    run = run_cli("--version", timeout=30)
+    assert run.code == 0 and run.stdout.startswith("cpdoctor ")
+
+
+def test_backend_without_a_backward_here_is_unsupported():
+    run = run_cli("check", "--backend", "flex", "--json", "-")
+    assert run.code == 3, run.stderr
+    assert run.json["verdict"] == "UNSUPPORTED"

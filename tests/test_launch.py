@@ -53,6 +53,9 @@ def test_a_rank_that_raises_is_a_crash_with_its_traceback():
     assert finding["verdict"] == "CRASH"
     assert finding["diagnosis"].startswith("rank 1 raised: RuntimeError: fault injected into rank 1")
     assert "Traceback" in finding["details"]["tracebacks"]["1"]
+    env = run.json["environment"]  # the JSON contract holds even when no rank got to report its environment
+    for key in ("torch", "diffusers", "device", "world_size", "backend"):
+        assert key in env
     assert time.monotonic() - start < 60  # reported long before the 120 s timeout
 
 

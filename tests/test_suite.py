@@ -43,6 +43,8 @@ def test_patched_suite_side_by_side(tmp_path):
         ("checks:\n  - attention: {ring: 3, seq: 100}\n", "does not divide"),
         ("checks:\n  - model: {model: fluxx, ring: 2}\n", "check 1 (model)"),
         ("name: x\nchekcs: []\n", "unknown top-level keys chekcs"),
+        ("checks:\n  - attention: {ring: 2.5}\n", "--ring must be an integer, got 2.5"),
+        ("checks:\n  - attention: {ring: 2, heads: 2.0}\n", "--heads must be an integer"),
     ],
 )
 def test_malformed_suite_is_one_line_and_exit_2(tmp_path, text, words):

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from cpdoctor.commands.output import emit, waiting
+from cpdoctor.commands.output import check_run_options, emit, waiting
 
 
 def check(
@@ -28,11 +28,9 @@ def check(
     """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
     a full-sequence reference. Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."""
     from cpdoctor import api
-    from cpdoctor.errors import BadInput
     from cpdoctor.report import render
 
-    if timeout <= 0:
-        raise BadInput(f"--timeout must be positive, got {timeout:g}")
+    check_run_options(timeout, json_path)
     request = api.build_request(
         ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, batch=batch, seq=seq, heads=heads,
         head_dim=head_dim, seed=seed, mask_pad=mask_pad, device=device, patch=patch,

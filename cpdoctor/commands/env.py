@@ -179,12 +179,13 @@ def register(app: typer.Typer) -> None:
         json_path: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."),
         as_markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."),
     ) -> None:
-        from cpdoctor.commands.output import emit, waiting
+        from cpdoctor.commands.output import check_run_options, emit, waiting
         from cpdoctor.errors import BadInput
         from cpdoctor.probes import env as probe
 
         if as_markdown and json_path == "-":
             raise BadInput("--markdown and --json - both write to stdout; give --json a FILE")
+        check_run_options(None, json_path)
         with waiting("examining the environment and the attention backends", quiet=json_path == "-"):
             report = probe.examine(device=device, dtype=dtype)
         if probe.rank_of_this_process() != 0:  # under torchrun every rank examines its device; rank 0 reports

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.commands.output import emit, waiting
+from cpdoctor.commands.output import check_run_options, emit, waiting
 
 MODEL_HELP = (
     "Run a real diffusers model class through its own enable_parallelism (ring / Ulysses) on every rank, forward "
@@ -57,10 +57,8 @@ def model(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
 ) -> None:
     from cpdoctor import api_model
-    from cpdoctor.errors import BadInput
 
-    if timeout <= 0:
-        raise BadInput(f"--timeout must be positive, got {timeout:g}")
+    check_run_options(timeout, json_path)
     request = api_model.prepare_request(
         model=model_name, ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, height=height, width=width,
         text_len=text_len, frames=frames, batch=batch, seed=seed, mask_pad=mask_pad, device=device, patch=patch,

@@ -29,6 +29,28 @@ def waiting(message: str, quiet: bool) -> Iterator[None]:
         yield
 
 
+def check_run_options(timeout: float | None, json_path: str | None) -> None:
+    """Bad options caught before any rank starts: a timeout that is not a positive finite number, and a
+    --json FILE that cannot be written (found after a long run, it would also hide the run's exit code)."""
+    if timeout is not None:
+        from cpdoctor.request import validate_timeout
+
+        validate_timeout(timeout)
+    from cpdoctor.launch import is_reporting_rank
+
+    if json_path and json_path != "-" and is_reporting_rank():
+        import os
+
+        existed = os.path.exists(json_path)
+        try:
+            with open(json_path, "a"):
+                pass
+        except OSError as exc:
+            raise BadInput(f"cannot write --json {json_path}: {exc.strerror}") from exc
+        if not existed:
+            os.remove(json_path)
+
+
 def emit(report: Any, json_path: str | None, render: Any) -> None:
     """Render the table unless JSON goes to stdout; write JSON where asked; exit with the report's code.
     Under torchrun only rank 0 prints and writes; every rank exits with the same code."""

@@ -133,8 +133,10 @@ def register(app: typer.Typer) -> None:
             None, "--json", metavar="FILE", help="also write the result as JSON to FILE ('-': stdout, no table)"
         ),
     ) -> None:
-        from cpdoctor.commands.output import console, emit
+        from cpdoctor.commands.output import check_run_options, console, emit
         from cpdoctor.errors import BadInput
+
+        check_run_options(None, json_out)
 
         try:
             from cpdoctor.probes import plan as planner

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.commands.output import console, emit, waiting
+from cpdoctor.commands.output import check_run_options, console, emit, waiting
 
 
 def _worst(finding: Any) -> str:
@@ -70,8 +70,7 @@ def run(
         raise typer.Exit(0)
     if suite is None:
         raise BadInput("give a SUITE: a shipped name (cpdoctor run --list) or a YAML file")
-    if timeout <= 0:
-        raise BadInput(f"--timeout must be positive, got {timeout:g}")
+    check_run_options(timeout, json_path)
     from cpdoctor.api_suite import run_suite
 
     loaded = suites.load(suite)
