@@ -12,17 +12,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
+
+from side_by_side import alternate  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def timed(cmd: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -34,11 +28,7 @@ def main() -> None:
 
     bare = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533", os.path.join(HERE, "bare_ring_check.py")]
     ours = [sys.executable, "-m", "cpdoctor", "check", "--ring", "2", "--json", os.devnull]
-    timed(bare), timed(ours)  # warm the file cache for both
-    t_bare, t_ours = [], []
-    for _ in range(args.repeats):
-        t_bare.append(timed(bare))
-        t_ours.append(timed(ours))
+    t_bare, t_ours = alternate(bare, ours, args.repeats)
     result = {
         "bare_torchrun_s": [round(t, 3) for t in t_bare],
         "cpdoctor_check_s": [round(t, 3) for t in t_ours],

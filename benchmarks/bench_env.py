@@ -10,17 +10,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
+
+from side_by_side import alternate  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def timed(cmd: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -29,11 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     env_cmd = [sys.executable, "-m", "cpdoctor", "env", "--json", os.devnull]
     import_cmd = [sys.executable, "-c", "import torch, diffusers.models.attention_dispatch"]
-    timed(env_cmd)
-    t_env, t_import = [], []
-    for _ in range(args.repeats):
-        t_env.append(timed(env_cmd))
-        t_import.append(timed(import_cmd))
+    t_env, t_import = alternate(env_cmd, import_cmd, args.repeats)
     import diffusers
     import torch
 
