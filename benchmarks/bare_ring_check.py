@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from diffusers.models import attention_dispatch as ad
 from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
-from cpdoctor import cpu_backend
+from cpdoctor.kernels import cpu_backend
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -84,8 +84,8 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpdoctor import cpu_backend
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import kernels, patch, ring
     from cpdoctor.launch import DistContext
 

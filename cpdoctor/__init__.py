@@ -18,7 +18,7 @@ _LAZY = {
     "patch": ("cpdoctor.fix.patch", "apply"),
     "unpatch": ("cpdoctor.fix.patch", "revert"),
     "patched": ("cpdoctor.fix.patch", "patched"),
-    "AttentionRequest": ("cpdoctor.request", "AttentionRequest"),
+    "AttentionRequest": ("cpdoctor.examinations.attention.request", "AttentionRequest"),
 }
 
 __all__ = sorted(_LAZY)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 from cpdoctor import launch
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.report import Report, RunResult
-from cpdoctor.request import AttentionRequest, validate_timeout
-from cpdoctor.verdict import Finding, attention_finding, describe_attention, failure_findings, overall
+from cpdoctor.examinations.attention.request import AttentionRequest, validate_timeout
+from cpdoctor.examinations.attention.judge import Finding, attention_finding, describe_attention, failure_findings, overall
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SEQ = 512

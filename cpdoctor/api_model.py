@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from cpdoctor.api import DEFAULT_TIMEOUT_S, build_request, default_degrees, examine
 from cpdoctor.errors import BadInput
-from cpdoctor.model_request import ModelRequest
+from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.report import Report
 
 
@@ -37,7 +37,7 @@ def op_level_cases(req: ModelRequest) -> list[dict]:
 
 def prepare_request(request: ModelRequest | None = None, **fields: Any) -> ModelRequest:
     """Validate, resolve the model and fill the default shapes (imports diffusers; BadInput on bad input)."""
-    from cpdoctor.probes import model as probe
+    from cpdoctor.examinations.model import probe
 
     req = request.validate() if request is not None else build_model_request(**fields)
     try:
@@ -58,7 +58,7 @@ def check_model(
     output and every parameter gradient (summed over the CP group) against the same model in one process in
     fp64; with `patch=True`, before and after cpdoctor's fixed ring. Under torchrun every rank returns the
     same report (rank 0's)."""
-    from cpdoctor.verdict_model import model_case_findings, model_failure_findings
+    from cpdoctor.examinations.model.judge import model_case_findings, model_failure_findings
 
     req = prepare_request(request, **fields)
     ops = op_level_cases(req)

@@ -11,15 +11,15 @@ from typing import Any, Callable
 
 from cpdoctor.api import DEFAULT_TIMEOUT_S, _fallback_environment, attention_case_findings, run_cases
 from cpdoctor.report import Report, RunResult
-from cpdoctor.request import validate_timeout
+from cpdoctor.examinations.attention.request import validate_timeout
 from cpdoctor.suite import Suite, build_requests
-from cpdoctor.verdict import UNSUPPORTED, Finding, describe_attention, failure_findings, overall
+from cpdoctor.examinations.attention.judge import UNSUPPORTED, Finding, describe_attention, failure_findings, overall
 
 
 def _describe(kind: str, req: Any) -> str:
     if kind == "attention":
         return describe_attention(req.to_dict(), req.backend)
-    from cpdoctor.verdict_model import describe_model
+    from cpdoctor.examinations.model.judge import describe_model
 
     return describe_model(req.to_dict())
 
@@ -39,7 +39,7 @@ def _cases(kind: str, req: Any) -> list[dict]:
 def _item_findings(kind: str, item: dict, timeout_s: float) -> list[Finding]:
     if kind == "attention":
         return attention_case_findings(item, timeout_s)
-    from cpdoctor.verdict_model import model_case_findings
+    from cpdoctor.examinations.model.judge import model_case_findings
 
     return model_case_findings(item, timeout_s)
 

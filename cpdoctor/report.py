@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpdoctor.verdict import TENSOR_LABELS, Finding
+from cpdoctor.examinations.attention.judge import TENSOR_LABELS, Finding
 
 STYLE = {"PASS": "bold green", "FAIL": "bold red", "CRASH": "bold red", "HANG": "bold red", "UNSUPPORTED": "bold yellow"}
 

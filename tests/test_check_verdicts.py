@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cpdoctor import api
-from cpdoctor.verdict import attention_finding
+from cpdoctor.examinations.attention.judge import attention_finding
 
 TIMEOUT = 240
 

@@ -62,7 +62,7 @@ def test_environment_facts(data):
 
 
 def test_one_row_per_registered_backend(rows):
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     assert set(rows) == set(compat.registered_backend_names()) | {"cpdoctor_cpu"}
 

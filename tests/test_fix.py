@@ -17,7 +17,7 @@ import torch
 
 from cpdoctor.errors import CannotExamine
 from cpdoctor.launch import run_spawned
-from cpdoctor.request import AttentionRequest
+from cpdoctor.examinations.attention.request import AttentionRequest
 
 TIMEOUT = 240
 FP32_EPS = 1e-6
@@ -242,7 +242,7 @@ def clean_patch():
 
 
 def test_apply_revert_identity_and_idempotence(clean_patch):
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix.ring import RingAttention
 
     patch = clean_patch
@@ -272,7 +272,7 @@ def test_apply_revert_identity_and_idempotence(clean_patch):
 
 
 def test_refuses_unrecognised_ring(clean_patch, monkeypatch):
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     patch = clean_patch
     mod = compat.dispatch_module()
@@ -320,7 +320,7 @@ def _block_inputs(dtype=torch.float32, sq=40, sk=24, masked_rows=False):
 
 
 def test_kernel_selection():
-    from cpdoctor import cpu_backend
+    from cpdoctor.kernels import cpu_backend
     from cpdoctor.fix import kernels
 
     def _native_flash_attention_forward_op(*a, **k):  # noqa: N802 - named like diffusers' op
@@ -353,7 +353,7 @@ def test_math_kernel_matches_cpu_flash_kernel():
 
 def test_backend_forward_kernel_uses_the_op_and_exact_math_backward():
     """The fallback for unknown backends: their forward op (model layout), the fp32 math backward."""
-    from cpdoctor import cpu_backend
+    from cpdoctor.kernels import cpu_backend
     from cpdoctor.fix import kernels
 
     q, k, v, do, mask = _block_inputs()

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli
 from cpdoctor import api, api_model
 from cpdoctor.errors import BadInput
-from cpdoctor.verdict_model import model_finding
+from cpdoctor.examinations.model.judge import model_finding
 
 TIMEOUT = 240
 
@@ -146,8 +146,8 @@ def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
 
-    from cpdoctor.model_catalog import resolve_model
-    from cpdoctor.probes.model import TINY_CONFIGS
+    from cpdoctor.models.catalog import resolve_model
+    from cpdoctor.examinations.model.probe import TINY_CONFIGS
 
     torch.manual_seed(3)
     model = resolve_model("flux").cls(**TINY_CONFIGS["flux"])

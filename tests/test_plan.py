@@ -16,7 +16,7 @@ pytest.importorskip("diffusers")
 
 from cpdoctor import model_catalog  # noqa: E402
 from cpdoctor.errors import BadInput, CannotExamine  # noqa: E402
-from cpdoctor.probes.plan import list_models, plan_model, resolve_model  # noqa: E402
+from cpdoctor.examinations.plan.probe import list_models, plan_model, resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -223,7 +223,7 @@ def test_model_without_input_builder_cannot_be_examined():
 
 def test_modules_do_not_import_torch():
     code = (
-        "import sys, cpdoctor.commands.plan, cpdoctor.model_catalog, cpdoctor.probes.plan; "
+        "import sys, cpdoctor.cli.plan, cpdoctor.models.catalog, cpdoctor.examinations.plan.probe; "
         "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'imported at module level'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -309,7 +309,7 @@ def _flash_attn_functions(mod: Any, hub: bool) -> tuple[Callable, Callable] | No
 
 
 def _is_cpdoctor_cpu(forward_op: Callable) -> bool:
-    from cpdoctor import cpu_backend
+    from cpdoctor.kernels import cpu_backend
 
     return forward_op is cpu_backend.forward_op
 

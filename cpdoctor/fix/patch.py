@@ -18,7 +18,7 @@ import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from cpdoctor import diffusers_compat as compat
+from cpdoctor.compat import diffusers as compat
 from cpdoctor.errors import BadInput, CannotExamine
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from cpdoctor import diffusers_compat as compat
+from cpdoctor.compat import diffusers as compat
 from cpdoctor.fix import kernels
 
 DKV_METHODS = ("reduce_scatter", "ring")

@@ -194,7 +194,7 @@ def _job_functions(kind: str) -> tuple[JobRunner, JobEvaluator]:
     """Probe modules are looked up by the job's kind, so a new examination is one new module."""
     import importlib
 
-    module = importlib.import_module(f"cpdoctor.probes.{kind}")
+    module = importlib.import_module(f"cpdoctor.examinations.{kind}.probe")
     return module.run_rank, module.evaluate
 
 
@@ -480,5 +480,3 @@ def run(job: dict, world_size: int, timeout_s: float, on_tick: Callable[[], None
     return run_spawned(job, world_size, timeout_s, on_tick)
 
 
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1], sys.argv[2]))

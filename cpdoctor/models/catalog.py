@@ -662,7 +662,7 @@ def builder_for(cls: type) -> InputBuilder:
     if key is None:
         raise CannotExamine(
             f"cpdoctor has no input builder for {cls.__name__} (it does not know how the pipeline shapes its "
-            "inputs); add one to cpdoctor/model_catalog.py FAMILIES"
+            "inputs); add one to cpdoctor/models/catalog.py FAMILIES"
         )
     return BUILDERS[key]
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from cpdoctor.errors import BadInput, CannotExamine
-from cpdoctor.verdict import EXIT_FOUND, EXIT_OK, FAIL, PASS, Finding, tolerance
+from cpdoctor.examinations.attention.judge import EXIT_FOUND, EXIT_OK, FAIL, PASS, Finding, tolerance
 
 WARN, INFO = "WARN", "INFO"
 NOT_COLLECTED = "could not collect"
@@ -186,7 +186,7 @@ def settings() -> dict[str, str]:
 
 def ring_class() -> str:
     """Which TemplatedRingAttention this process would run (cpdoctor's fixed one when it is patched in)."""
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     cls = getattr(compat.dispatch_module(), compat.RING_CLASS, None)
     if cls is None:
@@ -516,8 +516,8 @@ def judge(facts: dict, accepts_config: bool, op: OpProbe | None) -> tuple[Cell, 
 def examine_row(name: str, device: Any, dtype_name: str, config: Any) -> BackendRow:
     import torch
 
-    from cpdoctor import backends
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import backends
+    from cpdoctor.compat import diffusers as compat
 
     dtype = torch_dtype(dtype_name)
     facts = backends.examine_backend(name, device, dtype, heads=SHAPE[2], head_dim=SHAPE[3])
@@ -550,7 +550,7 @@ def _finding(probe: str, verdict: str, diagnosis: str, remedy: str = "", command
 def _ring_source_facts() -> dict[str, Any]:
     """What the installed TemplatedRingAttention does, read from its code (None where it cannot be read). When
     cpdoctor's fixed ring is patched into this process, the class it replaced is the one described."""
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     mod = compat.dispatch_module()
     cls = getattr(mod, compat.RING_CLASS, None)
@@ -639,7 +639,7 @@ def dispatch_finding(rows: list[BackendRow], device: Any, dtype_name: str, confi
     with such a backend that runs here."""
     import torch
 
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     local_only = [r for r in rows if r.facts.get("runs_here") and not r.facts.get("cp_registered")]
     ignoring = [r.name for r in local_only if r.accepts_parallel_config]
@@ -699,7 +699,7 @@ def _local_backward_runs(name: str, device: Any, dtype_name: str) -> bool:
     without a backward on this device, such as flex on the CPU, refuses them in the forward.)"""
     import torch
 
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     q = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2)).to(device, torch_dtype(dtype_name)).requires_grad_(True)
     try:
@@ -794,7 +794,7 @@ def default_backend_finding(rows: list[BackendRow]) -> Finding | None:
 
 def anything_finding() -> Finding:
     """Does this ContextParallelConfig have the uneven-length "anything" modes, and are they inference only?"""
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     fields = compat.context_parallel_fields()
     modes = [m for m in ("ulysses_anything", "ring_anything") if m in fields]
@@ -898,8 +898,8 @@ def examine(device: str = "auto", dtype: str = "auto") -> EnvReport:
     dev = resolve_device(device)
     dtype_name = resolve_dtype(dtype, dev)
     environment = collect_environment()
-    from cpdoctor import cpu_backend
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.compat import diffusers as compat
 
     compat.dispatch_module()  # BadInput (exit 2) when diffusers, or its CP support, is missing
     environment["probe_device"] = str(dev)

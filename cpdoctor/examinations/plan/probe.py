@@ -6,7 +6,7 @@ probe measures, without weights and without compute, the real length of every sp
 it builds the model on the meta device from its config, hooks the modules named in `_cp_plan` exactly where
 diffusers hooks them, and runs the model's own forward on meta tensors (shapes only). Attention head counts
 are read from the attention calls of that same forward. So the lengths come from diffusers' code; the only
-thing cpdoctor supplies is how a pipeline shapes the inputs (`cpdoctor.model_catalog` builders).
+thing cpdoctor supplies is how a pipeline shapes the inputs (`cpdoctor.models.catalog` builders).
 
 For every problem it then measures the ways out: the nearest resolutions, frame counts and text lengths that
 divide (by re-running the forward at those settings, on a one-block copy of the model when that copy is shown
@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cpdoctor.errors import BadInput, CannotExamine
-from cpdoctor.model_catalog import (
+from cpdoctor.models.catalog import (
     InputBuilder,
     ModelEntry,
     build_inputs,
@@ -496,7 +496,7 @@ def _degree_options(
 
 def _cp_config_fields() -> set[str]:
     """The fields of this diffusers' ContextParallelConfig (ulysses_anything / ring_anything are recent)."""
-    from cpdoctor import diffusers_compat
+    from cpdoctor.compat import diffusers as diffusers_compat
 
     try:
         return set(diffusers_compat.context_parallel_fields())
@@ -506,7 +506,7 @@ def _cp_config_fields() -> set[str]:
 
 def _cp_config_accepts(ring: int, ulysses: int, **flags: Any) -> str | None:
     """None when this diffusers' ContextParallelConfig accepts these degrees and flags, else its error."""
-    from cpdoctor import diffusers_compat
+    from cpdoctor.compat import diffusers as diffusers_compat
 
     try:
         cp_cls, _ = diffusers_compat.parallel_config_classes()
@@ -517,7 +517,7 @@ def _cp_config_accepts(ring: int, ulysses: int, **flags: Any) -> str | None:
 
 
 def _anything_remedies(world: int, ring: int, ulysses: int, fields: set[str], heads_problem: bool) -> list[Remedy]:
-    from cpdoctor import diffusers_compat
+    from cpdoctor.compat import diffusers as diffusers_compat
 
     out = []
     modes = [("ulysses_anything", 1, world)]

@@ -1,6 +1,6 @@
 """`cpdoctor plan MODEL`: will every context-parallel split of MODEL divide at this resolution and prompt length?
 
-Parsing and rendering only; the measuring is `cpdoctor.probes.plan.plan_model`. torch and diffusers are
+Parsing and rendering only; the measuring is `cpdoctor.examinations.plan.probe.plan_model`. torch and diffusers are
 imported inside the command so that `cpdoctor --help` stays fast.
 """
 
@@ -133,13 +133,13 @@ def register(app: typer.Typer) -> None:
             None, "--json", metavar="FILE", help="also write the result as JSON to FILE ('-': stdout, no table)"
         ),
     ) -> None:
-        from cpdoctor.commands.output import check_run_options, console, emit
+        from cpdoctor.cli.output import check_run_options, console, emit
         from cpdoctor.errors import BadInput
 
         check_run_options(None, json_out)
 
         try:
-            from cpdoctor.probes import plan as planner
+            from cpdoctor.examinations.plan import probe as planner
         except ImportError as exc:  # torch or diffusers missing
             raise BadInput(f"missing package: {exc}") from exc
         if list_models_:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.commands.output import check_run_options, emit, waiting
+from cpdoctor.cli.output import check_run_options, emit, waiting
 
 MODEL_HELP = (
     "Run a real diffusers model class through its own enable_parallelism (ring / Ulysses) on every rank, forward "
@@ -21,7 +21,7 @@ MODEL_HELP = (
 def _display(finding: Any) -> Any:
     """A copy of the finding for the table only: readable row labels ("all grads", "worst param", whose name the
     diagnosis gives), '–' for the rank of summed gradients. The JSON keeps the keys out / grads / worst_param."""
-    from cpdoctor.verdict_model import MODEL_LABELS
+    from cpdoctor.examinations.model.judge import MODEL_LABELS
 
     tensors = {}
     for key, row in finding.tensors.items():

@@ -1,6 +1,6 @@
 """The `cpdoctor` command line: parsing and rendering only; the work is in api.py and the probes.
 
-Each command lives in cpdoctor/commands/<name>.py and registers itself. Nothing here imports torch or
+Each command lives in cpdoctor/cli/<name>.py and registers itself (`register(app)`). Nothing here imports torch or
 diffusers, so `cpdoctor --help` answers at once.
 """
 
@@ -40,10 +40,8 @@ def _register_commands() -> None:
     import importlib
     import pkgutil
 
-    import cpdoctor.commands as commands
-
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"cpdoctor.commands.{info.name}")
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"cpdoctor.cli.{info.name}")
         register = getattr(module, "register", None)
         if register is not None:
             register(app)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from cpdoctor.commands.output import check_run_options, emit, waiting
+from cpdoctor.cli.output import check_run_options, emit, waiting
 
 
 def check(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpdoctor.verdict import (
+from cpdoctor.examinations.attention.judge import (
     FAIL,
     GRADS_FAR_WORSE,
     PASS,

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.commands.output import check_run_options, console, emit, waiting
+from cpdoctor.cli.output import check_run_options, console, emit, waiting
 
 
 def _worst(finding: Any) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from cpdoctor import diffusers_compat as compat
+from cpdoctor.compat import diffusers as compat
 
 AUTO = "auto"
 PREFERENCE = ("_native_flash", "_native_cudnn", "flash", "flash_hub", "_flash_3", "cpdoctor_cpu")

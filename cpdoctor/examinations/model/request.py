@@ -2,7 +2,7 @@
 
 Like `AttentionRequest` it validates itself (BadInput, one line) before any process starts. What depends on
 the model (a tiny config to build, safetensors to load, a text mask to pad, default shapes, divisibility) is
-checked by `cpdoctor.probes.model.prepare`, which needs diffusers; `validate()` here needs nothing.
+checked by `cpdoctor.examinations.model.probe.prepare`, which needs diffusers; `validate()` here needs nothing.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from cpdoctor.errors import BadInput
-from cpdoctor.request import require_ints, validate_layout
+from cpdoctor.examinations.attention.request import require_ints, validate_layout
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import warnings
 from typing import Any, Iterator
 
 from cpdoctor.errors import BadInput
-from cpdoctor.model_request import ModelRequest
+from cpdoctor.examinations.model.request import ModelRequest
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "flux": dict(
@@ -70,7 +70,7 @@ class ModelSpec:
         return None if self.source == TINY_SOURCE else self.source
 
     def full_config(self) -> dict[str, Any]:
-        from cpdoctor.model_catalog import full_config
+        from cpdoctor.models.catalog import full_config
 
         return full_config(self.cls, self.config)
 
@@ -89,7 +89,7 @@ def _safetensors_in(directory: str) -> list[str]:
 def resolve_spec(model: str) -> ModelSpec:
     """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a directory.
     BadInput for an unknown name, a family without a tiny config, or a directory without safetensors."""
-    from cpdoctor.model_catalog import builder_for, resolve_model
+    from cpdoctor.models.catalog import builder_for, resolve_model
 
     resolved = resolve_model(model)
     cls, entry = resolved.cls, resolved.entry
@@ -122,7 +122,7 @@ def prepare(req: ModelRequest) -> tuple[ModelRequest, ModelSpec]:
     """Fill the shapes left unset and check, before any process starts, what can be checked without weights:
     the model resolves, a text mask exists when --mask-pad asks for one, heads divide by Ulysses, and every
     input the model's `_cp_plan` splits at its top level divides by ring × ulysses."""
-    from cpdoctor.model_catalog import build_inputs
+    from cpdoctor.models.catalog import build_inputs
 
     req = req.validate()
     spec = resolve_spec(req.model)
@@ -185,7 +185,7 @@ def _indivisible(spec: ModelSpec, req: ModelRequest, what: str) -> str:
 
 
 def torch_dtype(name: str) -> Any:
-    from cpdoctor.probes.attention import torch_dtype as td
+    from cpdoctor.examinations.attention.probe import torch_dtype as td
 
     return td(name)
 
@@ -221,7 +221,7 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any) -> 
         except (OSError, ValueError) as exc:
             raise BadInput(f"cannot load {spec.checkpoint}: {str(exc).strip().splitlines()[0]}") from exc
     else:
-        from cpdoctor.model_catalog import build_model as catalog_build
+        from cpdoctor.models.catalog import build_model as catalog_build
 
         model = catalog_build(spec.cls, spec.config, device="cpu")
     model = model.to(dtype=torch.float32)
@@ -233,7 +233,7 @@ def make_inputs(spec: ModelSpec, req: ModelRequest, config: Any) -> dict[str, An
     mask applied, identical on every rank."""
     import torch
 
-    from cpdoctor.model_catalog import build_inputs
+    from cpdoctor.models.catalog import build_inputs
 
     gen = torch.Generator().manual_seed(req.seed + 1)
     inputs = build_inputs(
@@ -298,8 +298,8 @@ def param_layout(model: Any) -> list[tuple[str, int, bool]]:
 
 def select_backend(req: ModelRequest, spec: ModelSpec, device: Any) -> tuple[str, Any]:
     """The backend to examine with the model's own heads (per Ulysses rank) and head dim."""
-    from cpdoctor.probes import attention
-    from cpdoctor.request import AttentionRequest
+    from cpdoctor.examinations.attention import probe as attention
+    from cpdoctor.examinations.attention.request import AttentionRequest
 
     full = spec.full_config()
     heads = int(full.get("num_attention_heads") or 2)
@@ -320,10 +320,10 @@ def _is_split_assertion(exc: BaseException) -> bool:
 def run_rank(case: dict, ctx: Any) -> dict:
     """This rank's CP run of the model: its (gathered) output, the parameter gradients summed over the CP
     group (rank 0 keeps them), and the op-level payloads at the same layout."""
-    from cpdoctor import cpu_backend
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import patch as fix_patch
-    from cpdoctor.probes import attention
+    from cpdoctor.examinations.attention import probe as attention
 
     req = ModelRequest.from_dict(case["request"]).validate()
     fix_patch.set_patched(case.get("patched", False))
@@ -369,13 +369,13 @@ def run_rank(case: dict, ctx: Any) -> dict:
 
 
 def compare(x: Any, ref: Any) -> dict[str, float]:
-    from cpdoctor.probes.attention import compare as cmp
+    from cpdoctor.examinations.attention.probe import compare as cmp
 
     return cmp(x, ref)
 
 
 def environment(ctx: Any, backend: str, req: ModelRequest) -> dict[str, Any]:
-    from cpdoctor.probes import attention
+    from cpdoctor.examinations.attention import probe as attention
 
     env = attention.environment(ctx, backend, req)  # reads ring, ulysses and dtype only
     env["model"] = req.model
@@ -428,8 +428,8 @@ def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
     error in the probe dtype (the baseline), per parameter too, and the op-level cross-check."""
     import torch
 
-    from cpdoctor import diffusers_compat as compat
-    from cpdoctor.probes import attention
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.examinations.attention import probe as attention
 
     req = ModelRequest.from_dict(case["request"])
     first = payloads[0]

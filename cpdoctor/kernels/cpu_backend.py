@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from cpdoctor import diffusers_compat as compat
+from cpdoctor.compat import diffusers as compat
 
 NAME = "cpdoctor_cpu"
 

@@ -1,5 +1,5 @@
 """`cpdoctor env`: what is installed, which attention backends can do CP here, and what the installed diffusers
-gets wrong, in one process and a few seconds. Rendering only; the examination is `cpdoctor.probes.env`.
+gets wrong, in one process and a few seconds. Rendering only; the examination is `cpdoctor.examinations.env.probe`.
 torch and diffusers are imported inside the command so that `cpdoctor --help` stays fast."""
 
 from __future__ import annotations
@@ -179,9 +179,9 @@ def register(app: typer.Typer) -> None:
         json_path: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."),
         as_markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."),
     ) -> None:
-        from cpdoctor.commands.output import check_run_options, emit, waiting
+        from cpdoctor.cli.output import check_run_options, emit, waiting
         from cpdoctor.errors import BadInput
-        from cpdoctor.probes import env as probe
+        from cpdoctor.examinations.env import probe
 
         if as_markdown and json_path == "-":
             raise BadInput("--markdown and --json - both write to stdout; give --json a FILE")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.errors import BadInput
-from cpdoctor.request import AttentionRequest
+from cpdoctor.examinations.attention.request import AttentionRequest
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -45,8 +45,9 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     """The backend name to examine and its facts; BadInput for a name this diffusers does not know."""
     import difflib
 
-    from cpdoctor import backends, cpu_backend
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import backends
+    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.compat import diffusers as compat
 
     cpu_backend.register()
     dtype = torch_dtype(req.dtype)
@@ -69,7 +70,7 @@ def run_rank(case: dict, ctx: Any) -> dict:
     """This rank's shard of out/dQ/dK/dV through diffusers' CP attention (CPU tensors), or why it cannot run."""
     import torch
 
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import patch as fix_patch
 
     req = AttentionRequest.from_dict(case["request"]).validate()
@@ -108,7 +109,7 @@ def reference(inputs: dict[str, Any]) -> dict[str, Any]:
 
 def single_process(inputs: dict[str, Any], backend: str, device: Any) -> dict[str, Any]:
     """The same backend without CP, in the probe dtype, on the full sequence."""
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     q, k, v = (inputs[n].to(device).requires_grad_(True) for n in ("q", "k", "v"))
     mask = None if inputs["mask"] is None else inputs["mask"].to(device)
@@ -137,7 +138,7 @@ def environment(ctx: Any, backend: str, req: AttentionRequest) -> dict[str, Any]
 
     import torch
 
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     device = str(ctx.device)
     if ctx.device.type == "cuda":

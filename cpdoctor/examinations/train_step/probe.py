@@ -53,7 +53,7 @@ def _case(case: dict) -> dict:
 def _model(c: dict) -> Any:
     import torch
 
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.compat import diffusers as compat
 
     class Layer(torch.nn.Module):
         def __init__(self) -> None:
@@ -78,7 +78,7 @@ def _model(c: dict) -> Any:
                 x = layer(x, mask, parallel_config)
             return x
 
-    from cpdoctor.probes.attention import torch_dtype
+    from cpdoctor.examinations.attention.probe import torch_dtype
 
     torch.manual_seed(c["seed"])
     return Tiny().to(torch_dtype(c["dtype"]))
@@ -87,7 +87,7 @@ def _model(c: dict) -> Any:
 def _inputs(c: dict) -> dict:
     import torch
 
-    from cpdoctor.probes.attention import torch_dtype
+    from cpdoctor.examinations.attention.probe import torch_dtype
 
     gen = torch.Generator().manual_seed(c["seed"] + 1)
     dtype = torch_dtype(c["dtype"])
@@ -126,8 +126,8 @@ def _rng_states() -> list:
 def run_rank(case: dict, ctx: Any) -> dict:
     import torch
 
-    from cpdoctor import cpu_backend
-    from cpdoctor import diffusers_compat as compat
+    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import patch as fix_patch
 
     c = _case(case)
