@@ -21,7 +21,8 @@ def render_suite(report: Any, out: Any) -> None:
     """One row per check; then the diagnosis and remedy of every check that did not pass."""
     from rich.table import Table
 
-    from cpdoctor.report import _styled, environment_line
+    from cpdoctor.report import environment_line
+    from cpdoctor.report import styled as _styled
 
     out.print(f"[dim]{environment_line(report.environment)}[/]")
     befores = report.before.findings if report.before is not None else None

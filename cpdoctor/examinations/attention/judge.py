@@ -10,16 +10,16 @@ unrotated-mask bug shows 7.4e-2. Without a baseline (the backend has no local pa
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PASS, FAIL, CRASH, HANG, UNSUPPORTED = "PASS", "FAIL", "CRASH", "HANG", "UNSUPPORTED"
+from cpdoctor.report import TENSOR_LABELS, ExitCode, Finding, Verdict, overall
+
+PASS, FAIL, CRASH, HANG, UNSUPPORTED = Verdict.PASS, Verdict.FAIL, Verdict.CRASH, Verdict.HANG, Verdict.UNSUPPORTED
 EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
-TENSOR_LABELS = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV"}
 GRADS_FAR_WORSE = 10.0
 """A gradient whose error is this many times the forward's is wrong for a reason of its own."""
 
-EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_CANNOT_EXAMINE = 0, 1, 2, 3
+EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_CANNOT_EXAMINE = ExitCode.OK, ExitCode.FOUND, ExitCode.BAD_INPUT, ExitCode.CANNOT_EXAMINE
 
 
 def tolerance(dtype: str, baseline: float | None) -> float:
@@ -27,17 +27,6 @@ def tolerance(dtype: str, baseline: float | None) -> float:
     return 4 * eps if baseline is None else 2 * baseline + eps
 
 
-@dataclass
-class Finding:
-    probe: str
-    verdict: str
-    diagnosis: str
-    remedy: str
-    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _ranks_phrase(bad_ranks: list[int], world: int) -> str:
@@ -187,13 +176,3 @@ def failure_findings(probe: str, failures: list[Any], timeout_s: float) -> list[
         )
     return findings
 
-
-def overall(findings: list[Finding]) -> tuple[str, int]:
-    """The run's verdict and exit code: 1 on any corruption, crash or hang; 3 when nothing could be examined."""
-    verdicts = [f.verdict for f in findings]
-    for v in (CRASH, HANG, FAIL):
-        if v in verdicts:
-            return v, EXIT_FOUND
-    if verdicts and all(v == UNSUPPORTED for v in verdicts):
-        return UNSUPPORTED, EXIT_CANNOT_EXAMINE
-    return PASS, EXIT_OK
