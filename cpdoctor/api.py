@@ -188,3 +188,10 @@ def preflight(
         return report
     fix_patch.set_patched(was_patched)
     raise PreflightFailed(report)
+
+
+def run_suite(*args: Any, **kwargs: Any) -> Report:
+    """Every check of a YAML suite as one Report (see cpdoctor.suite)."""
+    from cpdoctor.api_suite import run_suite as _run_suite
+
+    return _run_suite(*args, **kwargs)

@@ -59,6 +59,7 @@ class Finding:
     remedy: str = ""
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    command: str | None = None  # the exact cpdoctor command that examines this more closely
 
     def __post_init__(self) -> None:
         self.verdict = Verdict(self.verdict)
