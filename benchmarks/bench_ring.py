@@ -87,7 +87,7 @@ def worker(spec: dict) -> None:
     from cpdoctor.kernels import cpu_backend
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import kernels, patch, ring
-    from cpdoctor.launch import DistContext
+    from cpdoctor.launch.context import DistContext
 
     ctx = DistContext.join(600)
     world, mode = ctx.world_size, spec["mode"]
@@ -100,7 +100,7 @@ def worker(spec: dict) -> None:
         # the patched ring: its kernel calls and its collective waits
         timers.wrap(kernels.CpuFlashKernel, "forward", "patched:kernel_fwd")
         timers.wrap(kernels.CpuFlashKernel, "backward", "patched:kernel_bwd")
-        timers.wrap(ring, "_wait", "patched:comm_wait")
+        timers.wrap(ring.RingComm, "wait", "patched:comm_wait")
         # the built-in ring: the ops it is handed (kernel + their layout copies) and its collective waits
         timers.wrap(cpu_backend, "forward_op", "builtin:op_fwd")
         timers.wrap(cpu_backend, "backward_op", "builtin:op_bwd")
@@ -129,23 +129,23 @@ def worker(spec: dict) -> None:
 
         per: dict = {impl: {} for impl in IMPLS}
         for impl in IMPLS:  # warm-up
-            patch.set_patched(impl == "patched")
+            patch.set_patched(impl == "patched", dkv=spec["dkv"])
             fwd_bwd()
         if mode == "time":
             for _ in range(spec["reps"]):
                 for impl in IMPLS:
-                    patch.set_patched(impl == "patched")
+                    patch.set_patched(impl == "patched", dkv=spec["dkv"])
                     fwd_bwd(per[impl])
         elif mode == "pieces":
             for impl in IMPLS:
-                patch.set_patched(impl == "patched")
+                patch.set_patched(impl == "patched", dkv=spec["dkv"])
                 timers.totals.clear()
                 rec: dict = {}
                 fwd_bwd(rec)
                 per[impl] = {"fwd": rec["fwd"], "bwd": rec["bwd"], **{k.split(":")[1]: v for k, v in timers.totals.items() if k.startswith(impl)}}
         else:  # memory
             for impl in IMPLS:
-                patch.set_patched(impl == "patched")
+                patch.set_patched(impl == "patched", dkv=spec["dkv"])
                 gc.collect()
                 _reset_peak()
                 base = _status("VmRSS:")
@@ -167,7 +167,7 @@ def worker(spec: dict) -> None:
 
 def spawn(world: int, spec: dict, extra_env: dict | None = None) -> list[dict]:
     """Run `world` workers of this script with torchrun's environment; rank 0's gathered results."""
-    from cpdoctor.launch import free_port, rank_environment
+    from cpdoctor.launch.spawn import free_port, rank_environment
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="*", default=[512, 4096, 16384])
     parser.add_argument("--ring4-seqs", type=int, nargs="*", default=[4096])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--compare-dkv", action=argparse.BooleanOptionalAction, default=True, help="also measure the other dK/dV method")
+    parser.add_argument("--compare-dkv", action=argparse.BooleanOptionalAction, default=True, help="also measure the other dK/dV strategy")
     parser.add_argument("--compare-max-seq", type=int, default=4096)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "ring_cpu.json"))
     args = parser.parse_args()
@@ -260,22 +260,22 @@ def main() -> None:
     from cpdoctor.fix import ring
 
     rows, alternative = [], []
-    other = [m for m in ring.DKV_METHODS if m != ring.DKV_METHOD]
-    for method in [ring.DKV_METHOD] + (other if args.compare_dkv else []):
+    default = ring.RingAttention.dkv.value  # the strategy patch.apply() chooses when not told
+    other = [s.value for s in ring.DkvStrategy if s.value != default]
+    for method in [default] + (other if args.compare_dkv else []):
         for world, seqs in ((2, args.seqs), (4, args.ring4_seqs)):
-            if method != ring.DKV_METHOD:  # the alternative only where it is cheap to measure
+            if method != default:  # the alternative only where it is cheap to measure
                 seqs = [s for s in seqs if s <= args.compare_max_seq]
             if not seqs:
                 continue
-            spec = {"seqs": seqs, "reps": args.reps}
-            env = {"CPDOCTOR_RING_DKV": method}
-            timing = spawn(world, dict(spec, mode="time"), env)
-            pieces = spawn(world, dict(spec, mode="pieces"), env)
-            memory = spawn(world, dict(spec, mode="memory"), {**env, "MALLOC_MMAP_THRESHOLD_": "65536"})
-            (rows if method == ring.DKV_METHOD else alternative).extend(summarise(world, seqs, timing, pieces, memory, args.reps, method))
+            spec = {"seqs": seqs, "reps": args.reps, "dkv": method}  # the workers patch with dkv=method
+            timing = spawn(world, dict(spec, mode="time"))
+            pieces = spawn(world, dict(spec, mode="pieces"))
+            memory = spawn(world, dict(spec, mode="memory"), {"MALLOC_MMAP_THRESHOLD_": "65536"})
+            (rows if method == default else alternative).extend(summarise(world, seqs, timing, pieces, memory, args.reps, method))
     doc = {
         "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64 fp32; built-in = diffusers' TemplatedRingAttention, patched = cpdoctor.fix.ring.RingAttention",
-        "dkv_method": ring.DKV_METHOD,
+        "dkv_method": default,
         "reps": args.reps,
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
@@ -288,7 +288,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)
-    for title, table in (("default dK/dV method: " + ring.DKV_METHOD, rows), ("alternative dK/dV method", alternative)):
+    for title, table in (("default dK/dV strategy: " + default, rows), ("alternative dK/dV strategy", alternative)):
         if not table:
             continue
         print(title)

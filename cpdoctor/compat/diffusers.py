@@ -288,14 +288,29 @@ def callers_of_ring(mod: Any) -> list[str]:
     return [name for name in CALLERS if RING_CLASS in global_names(getattr(mod, name, None))]
 
 
-def backward_passes_tensors(cls: Any) -> bool | None:
-    """Does the ring's backward hand its op the rotated chunk (`backward_op(ctx, grad_out, query=..., key=...)`)?
-    False is the stale-KV signature (the op recomputes every step from the tensors saved at step 0); None
-    when the source cannot be read."""
-    source = _source(cls.backward)
-    if source is None:
-        return None
+def passes_rotated_tensors(source: str) -> bool:
+    """Does this ring backward source hand its op the rotated chunk (`backward_op(ctx, grad_out, query=...,
+    key=..., value=...)`)? False is the stale-KV signature: `backward_op(ctx, grad_out)` recomputes every step
+    from the tensors saved at step 0."""
     return "key=" in source and "value=" in source
+
+
+def sends_dkv_to_next(source: str) -> bool:
+    """Does this ring backward source send its dK/dV accumulator to rank r+1 (`next_ranks = list(range(1, W)) +
+    [0]` then `permute_tensor`)? At step i rank r holds KV chunk r+i, so the accumulator belongs at r−1: r+1 is
+    right only for W = 2."""
+    return bool(re.search(r"list\(range\(1,\s*\w+\)\)\s*\+\s*\[0\]", source)) and "permute_tensor" in source
+
+
+def gathers_mask(source: str) -> bool:
+    """Does this ring forward source gather the attention mask with the keys (else every chunk gets the local mask)?"""
+    return bool(re.search(r"(all_gather|all_to_all)\w*\([^)]*mask", source))
+
+
+def backward_passes_tensors(cls: Any) -> bool | None:
+    """`passes_rotated_tensors` of the installed ring's backward; None when the source cannot be read."""
+    source = _source(cls.backward)
+    return None if source is None else passes_rotated_tensors(source)
 
 
 def _source(fn: Any) -> str | None:
@@ -306,20 +321,15 @@ def _source(fn: Any) -> str | None:
 
 
 def backward_sends_dkv_to_next(cls: Any) -> bool | None:
-    """Does the ring's backward send its dK/dV accumulator to rank r+1 (`next_ranks = list(range(1, W)) + [0]`)?
-    At step i rank r holds KV chunk r+i, so the accumulator belongs at r−1: r+1 is right only for W = 2."""
+    """`sends_dkv_to_next` of the installed ring's backward; None when the source cannot be read."""
     source = _source(cls.backward)
-    if source is None:
-        return None
-    return bool(re.search(r"list\(range\(1,\s*\w+\)\)\s*\+\s*\[0\]", source)) and "permute_tensor" in source
+    return None if source is None else sends_dkv_to_next(source)
 
 
 def forward_gathers_mask(cls: Any) -> bool | None:
-    """Does the ring's forward gather the attention mask with the keys (else every chunk gets the local mask)?"""
+    """`gathers_mask` of the installed ring's forward; None when the source cannot be read."""
     source = _source(cls.forward)
-    if source is None:
-        return None
-    return bool(re.search(r"(all_gather|all_to_all)\w*\([^)]*mask", source))
+    return None if source is None else gathers_mask(source)
 
 
 def cp_config(parallel_config: Any) -> Any:
@@ -375,3 +385,81 @@ def anything_backward_refused(mode: str) -> bool | None:
     except Exception:  # noqa: BLE001 - anything else means the backward exists and did some work
         return False
     return False
+
+
+# --- the fix's view of backend ops (flash-attn wrappers, hub kernels) ---
+# cpdoctor.fix picks the fused kernel underneath the forward op diffusers' ring hands it, and for flash-attn
+# calls the same low-level functions diffusers wraps. Those are all private names of attention_dispatch (or
+# of flash-attn), so they are looked up here and nowhere in fix/.
+
+_FORWARD_OP_BACKENDS = {
+    "_native_flash_attention_forward_op": "_native_flash",
+    "_cudnn_attention_forward_op": "_native_cudnn",
+    "_native_efficient_attention_forward_op": "_native_efficient",
+    "_efficient_attention_forward_op": "_native_efficient",
+    "_native_attention_forward_op": "native",
+    "_flash_attention_forward_op": "flash",
+    "_flash_attention_hub_forward_op": "flash_hub",
+}
+"""A CP backend's forward op (function name in attention_dispatch) -> that backend's public name."""
+
+
+def forward_op_kind(forward_op: Any) -> str | None:
+    """Which backend's forward op `forward_op` is, as the backend's public name ("_native_flash",
+    "_native_cudnn", "_native_efficient", "native", "flash", "flash_hub"), or None for any other op.
+    Matched by `__name__`, not identity: the ring receives whatever object the backend passed, and a wrapper
+    made with functools.wraps (a profiler, a timer) still names the op it wraps."""
+    return _FORWARD_OP_BACKENDS.get(getattr(forward_op, "__name__", ""))
+
+
+def flash_attn_functions(forward_op: Any) -> tuple[Callable, Callable] | None:
+    """The low-level flash-attn forward/backward that `forward_op` (diffusers' "flash" or "flash_hub" op)
+    calls, so the fixed ring runs the very same kernels with explicit tensors; None when they are not here.
+
+    "flash_hub": the hub kernel's wrappers registered for FLASH_HUB (set once the kernel is loaded). "flash":
+    the `_wrapped_flash_attn_forward/_backward` globals of the op's module, else flash-attn's own interface."""
+    import sys
+
+    mod = sys.modules.get(getattr(forward_op, "__module__", ""), None)
+    if mod is None:
+        return None
+    if forward_op_kind(forward_op) == "flash_hub":
+        registry = getattr(mod, "_HUB_KERNELS_REGISTRY", None)
+        enum = getattr(mod, "AttentionBackendName", None)
+        config = registry.get(getattr(enum, "FLASH_HUB", None)) if registry is not None and enum is not None else None
+        fwd, bwd = getattr(config, "wrapped_forward_fn", None), getattr(config, "wrapped_backward_fn", None)
+    else:
+        fwd, bwd = getattr(mod, "_wrapped_flash_attn_forward", None), getattr(mod, "_wrapped_flash_attn_backward", None)
+        if fwd is None or bwd is None:
+            fns = _flash_attn_package_functions()
+            if fns is None:
+                return None
+            fwd, bwd = fns
+    return (fwd, bwd) if fwd is not None and bwd is not None else None
+
+
+def _flash_attn_package_functions() -> tuple[Callable | None, Callable | None] | None:
+    """flash-attn's own low-level forward/backward (renamed `_wrapped_*` when it registered torch custom
+    ops); None when flash-attn does not import."""
+    try:
+        from flash_attn import flash_attn_interface as fai
+    except ImportError:
+        return None
+    fwd = getattr(fai, "_wrapped_flash_attn_forward", None) or getattr(fai, "_flash_attn_forward", None)
+    bwd = getattr(fai, "_wrapped_flash_attn_backward", None) or getattr(fai, "_flash_attn_backward", None)
+    return fwd, bwd
+
+
+class _ScratchCtx:
+    """Stands in for an autograd ctx: an op called with `_save_ctx=False` must not need one, but may touch it."""
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        pass
+
+
+def call_forward_op(forward_op: Callable, q: Any, k: Any, v: Any, attn_mask: Any, scale: float, parallel_config: Any) -> Any:
+    """One attention block through a backend's forward op, in the op contract (model layout (B, S, H, D),
+    dropout 0, not causal, no GQA, return_lse=True) without saving anything for its backward
+    (`_save_ctx=False`, a scratch ctx): the fixed ring only borrows the op's forward. Returns what the op
+    returns, `(out, lse)` when the op honours return_lse."""
+    return forward_op(_ScratchCtx(), q, k, v, attn_mask, 0.0, False, scale, False, True, _save_ctx=False, _parallel_config=parallel_config)

@@ -3,18 +3,19 @@
 The fixed ring (ring.py) never goes through a backend's `backward_op` and its saved context: that is where
 diffusers' ring bugs live (0.39.0 recomputes every step from the tensors saved at step 0; some ops transpose
 twice or save no LSE; the flash-attn op forces dropout 1e-30 to get an LSE and so advances the RNG). Instead
-it asks this module for a `BlockKernel` chosen by the forward op it was handed (matched by `__name__`), and
-calls the fused kernel underneath with explicit q, k, v, out and LSE:
+it asks this module for a `BlockKernel` chosen by the forward op it was handed (which backend's op it is,
+as `compat.forward_op_kind` names it), and calls the fused kernel underneath with explicit q, k, v, out and
+LSE:
 
-| forward op                              | forward / backward                                                   |
-|-----------------------------------------|----------------------------------------------------------------------|
-| cpdoctor_cpu `forward_op`               | aten `_scaled_dot_product_flash_attention_for_cpu[_backward]`        |
-| `_native_flash_attention_forward_op`    | aten `_scaled_dot_product_flash_attention[_backward]`                |
-| `_cudnn_attention_forward_op`           | aten `_scaled_dot_product_cudnn_attention[_backward]`, LSE always on |
-| `_native_efficient_attention_forward_op`| aten `_efficient_attention_forward/_backward`, LSE always on         |
-| `_flash_attention_forward_op` (+ hub)   | flash-attn `_wrapped_flash_attn_forward/_backward`, dropout 0        |
-| `_native_attention_forward_op`          | exact math in fp32 (SDPA returns no LSE)                             |
-| anything else                           | the backend's own forward op (must return an LSE) + exact fp32 math  |
+| forward op of backend           | forward / backward                                                                  |
+|---------------------------------|-------------------------------------------------------------------------------------|
+| `cpdoctor_cpu` (cpdoctor's own) | aten `_scaled_dot_product_flash_attention_for_cpu[_backward]`                       |
+| `_native_flash`                 | aten `_scaled_dot_product_flash_attention[_backward]`                               |
+| `_native_cudnn`                 | aten `_scaled_dot_product_cudnn_attention[_backward]`, LSE always on                |
+| `_native_efficient`             | aten `_efficient_attention_forward/_backward`, LSE always on                        |
+| `flash`, `flash_hub`            | the flash-attn functions diffusers calls (`compat.flash_attn_functions`), dropout 0 |
+| `native`                        | exact math in fp32 (SDPA returns no LSE)                                            |
+| anything else                   | the backend's own forward op (must return an LSE) + exact fp32 math                 |
 
 Conventions: a kernel works in its own layout, (B, H, S, D) ("bhsd", `seq_dim` 2) or (B, S, H, D) ("bshd",
 `seq_dim` 1); its LSE is float32 and shaped like `out[..., 0]` in that layout. Masks arrive 4-D in SDPA's
@@ -31,6 +32,8 @@ import math
 from typing import Any, Callable
 
 import torch
+
+from cpdoctor.compat import diffusers as compat
 
 
 class KernelUnavailable(RuntimeError):
@@ -73,6 +76,10 @@ class BlockKernel:
     def to_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Model layout (B, S, H, D) -> this kernel's layout (a view; the same call maps it back)."""
         return x.transpose(1, 2) if self.seq_dim == 2 else x
+
+    def lse_to_layout(self, lse: torch.Tensor) -> torch.Tensor:
+        """An LSE in diffusers' (B, S, H) -> this kernel's (shaped like `out[..., 0]`), and back (a view)."""
+        return lse.transpose(1, 2) if self.seq_dim == 2 else lse
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -133,7 +140,7 @@ class BackendForwardKernel(MathKernel):
         self.name = f"{getattr(forward_op, '__name__', 'forward_op')} + math-fp32 backward"
 
     def forward(self, q, k, v, mask, scale):
-        result = self.forward_op(_Scratch(), q, k, v, mask, 0.0, False, scale, False, True, _save_ctx=False, _parallel_config=self.parallel_config)
+        result = compat.call_forward_op(self.forward_op, q, k, v, mask, scale, self.parallel_config)
         if not (isinstance(result, tuple) and len(result) >= 2 and result[1] is not None):
             raise ValueError(f"{self.name}: the backend's forward op returned no LSE, and ring attention needs one to merge blocks")
         out, lse = result[0], result[1]
@@ -146,13 +153,6 @@ class BackendForwardKernel(MathKernel):
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = MathKernel.backward(self, t(dout), t(q), t(k), t(v), t(out), lse.transpose(1, 2), mask, scale)
         return t(dq), t(dk), t(dv)
-
-
-class _Scratch:
-    """Stands in for an autograd ctx: an op called with `_save_ctx=False` must not need one, but may touch it."""
-
-    def save_for_backward(self, *tensors: Any) -> None:
-        pass
 
 
 class CpuFlashKernel(BlockKernel):
@@ -289,49 +289,31 @@ class FlashAttnKernel(BlockKernel):
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-def _flash_attn_functions(mod: Any, hub: bool) -> tuple[Callable, Callable] | None:
-    """The flash-attn forward/backward diffusers itself uses (module globals, or the hub kernel's)."""
-    if hub:
-        registry = getattr(mod, "_HUB_KERNELS_REGISTRY", None)
-        enum = getattr(mod, "AttentionBackendName", None)
-        config = registry.get(getattr(enum, "FLASH_HUB", None)) if registry is not None and enum is not None else None
-        fwd, bwd = getattr(config, "wrapped_forward_fn", None), getattr(config, "wrapped_backward_fn", None)
-    else:
-        fwd, bwd = getattr(mod, "_wrapped_flash_attn_forward", None), getattr(mod, "_wrapped_flash_attn_backward", None)
-        if fwd is None or bwd is None:
-            try:
-                from flash_attn import flash_attn_interface as fai
-            except ImportError:
-                return None
-            fwd = getattr(fai, "_wrapped_flash_attn_forward", None) or getattr(fai, "_flash_attn_forward", None)
-            bwd = getattr(fai, "_wrapped_flash_attn_backward", None) or getattr(fai, "_flash_attn_backward", None)
-    return (fwd, bwd) if fwd is not None and bwd is not None else None
-
-
 def _is_cpdoctor_cpu(forward_op: Callable) -> bool:
     from cpdoctor.kernels import cpu_backend
 
     return forward_op is cpu_backend.forward_op
 
 
+_KERNELS: dict[str, Callable[[], BlockKernel]] = {
+    "_native_flash": NativeFlashKernel,
+    "_native_cudnn": CudnnKernel,
+    "_native_efficient": EfficientKernel,
+    "native": MathKernel,
+}
+"""Backends whose fused kernel this module calls directly, by `compat.forward_op_kind`."""
+
+
 def select(forward_op: Callable, parallel_config: Any = None) -> BlockKernel:
     """The block kernel for the backend whose forward op the ring was handed."""
     if _is_cpdoctor_cpu(forward_op):
         return CpuFlashKernel()
-    name = getattr(forward_op, "__name__", "")
-    if name == "_native_flash_attention_forward_op":
-        return NativeFlashKernel()
-    if name == "_cudnn_attention_forward_op":
-        return CudnnKernel()
-    if name in ("_native_efficient_attention_forward_op", "_efficient_attention_forward_op"):
-        return EfficientKernel()
-    if name == "_native_attention_forward_op":
-        return MathKernel()
-    if name in ("_flash_attention_forward_op", "_flash_attention_hub_forward_op"):
-        import sys
-
-        mod = sys.modules.get(getattr(forward_op, "__module__", ""), None)
-        fns = _flash_attn_functions(mod, hub="hub" in name) if mod is not None else None
+    kind = compat.forward_op_kind(forward_op)
+    if kind in _KERNELS:
+        return _KERNELS[kind]()
+    if kind in ("flash", "flash_hub"):
+        name = getattr(forward_op, "__name__", kind)
+        fns = compat.flash_attn_functions(forward_op)
         if fns is None:
             raise KernelUnavailable(f"{name}: the flash-attn forward/backward functions are not available here (is flash-attn installed and importable?)")
         return FlashAttnKernel(*fns, name=f"flash-attn ({name})")

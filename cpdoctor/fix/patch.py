@@ -4,10 +4,11 @@ diffusers looks `TemplatedRingAttention` up as a module global of `diffusers.mod
 time ring (and ring × Ulysses) attention runs, so replacing that global with `cpdoctor.fix.ring.RingAttention`
 is the whole patch, and putting the original object back is the whole revert. Code that does not look like
 the class the fix was written against (missing, another `forward` signature, nobody looking it up by name)
-is refused with `PatchRefused` unless `force=True`.
+is refused with `PatchRefused` unless `force=True`. `dkv` chooses how the fixed ring's backward delivers
+dK/dV (`cpdoctor.fix.ring.DkvStrategy`: "ring", the default, or "reduce_scatter").
 
     from cpdoctor.fix import patch
-    report = patch.apply()          # idempotent
+    report = patch.apply()          # idempotent; patch.apply(dkv="reduce_scatter") for the other dK/dV strategy
     with patch.patched(): ...       # scoped
     patch.revert()                  # the original objects, by identity
 """
@@ -71,6 +72,22 @@ def _replacement() -> Any:
     return RingAttention
 
 
+def _dkv_strategy(dkv: str) -> Any:
+    """`dkv` as a `DkvStrategy`, or BadInput (exit code 2) naming the valid ones."""
+    from cpdoctor.fix.ring import DkvStrategy
+
+    try:
+        return DkvStrategy(dkv)
+    except ValueError as exc:
+        raise BadInput(f"unknown dK/dV strategy {dkv!r}: use one of {', '.join(s.value for s in DkvStrategy)}") from exc
+
+
+def _set_dkv(dkv: str) -> None:
+    """Store the strategy where the fixed ring reads it: a class attribute, because diffusers calls the class
+    itself, so one object is both what is patched in and what `is_patched` recognises."""
+    _replacement().dkv = _dkv_strategy(dkv)
+
+
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
@@ -84,10 +101,13 @@ def is_patched() -> bool:
     return getattr(mod, compat.RING_CLASS, None) is _replacement()
 
 
-def apply(force: bool = False) -> PatchReport:
+def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     """Replace diffusers' ring attention with the fixed one (idempotent). Raises PatchRefused for code it
-    does not recognise unless `force`, and when diffusers or its CP support is missing (force or not)."""
+    does not recognise unless `force`, and when diffusers or its CP support is missing (force or not).
+    `dkv`: the fixed ring's dK/dV strategy ("ring" or "reduce_scatter"; BadInput otherwise), applied also
+    when the fix is already in place."""
     global _last_report
+    strategy = _dkv_strategy(dkv)
     try:
         mod = compat.dispatch_module()
     except (BadInput, CannotExamine) as exc:
@@ -96,6 +116,7 @@ def apply(force: bool = False) -> PatchReport:
     report = PatchReport(diffusers=compat.diffusers_version(), callers=compat.callers_of_ring(mod))
     current = getattr(mod, compat.RING_CLASS, None)
     if current is replacement:
+        _set_dkv(strategy)
         previous = _last_report
         report.already_patched = True
         if previous is not None:
@@ -114,6 +135,7 @@ def apply(force: bool = False) -> PatchReport:
         report.original_gathers_mask = compat.forward_gathers_mask(current)
     report.reasons = _reasons(report)
     _originals[(mod.__name__, compat.RING_CLASS)] = current
+    _set_dkv(strategy)
     setattr(mod, compat.RING_CLASS, replacement)
     report.replaced.append(Replacement(mod.__name__, compat.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement)))
     _last_report = report
@@ -148,13 +170,15 @@ def revert() -> bool:
             setattr(mod, attr, original)
         del _originals[(module_name, attr)]
     _last_report = None
+    _set_dkv("ring")
     return True
 
 
-def set_patched(flag: bool) -> None:
-    """Patched or not, whatever the state was (used by the probes; idempotent)."""
+def set_patched(flag: bool, dkv: str | None = None) -> None:
+    """Patched or not, whatever the state was (used by the probes; idempotent). `dkv`: the dK/dV strategy
+    when patched (None: the default, "ring")."""
     if flag:
-        apply()
+        apply(dkv=dkv or "ring")
     else:
         revert()
 
@@ -164,12 +188,15 @@ def last_report() -> PatchReport | None:
 
 
 @contextlib.contextmanager
-def patched(force: bool = False) -> Iterator[PatchReport]:
-    """The fix in place for the duration of the block; the previous state afterwards."""
+def patched(force: bool = False, dkv: str = "ring") -> Iterator[PatchReport]:
+    """The fix in place for the duration of the block; the previous state (and dK/dV strategy) afterwards."""
     was = is_patched()
-    report = apply(force=force)
+    previous_dkv = _replacement().dkv
+    report = apply(force=force, dkv=dkv)
     try:
         yield report
     finally:
-        if not was:
+        if was:
+            _set_dkv(previous_dkv)
+        else:
             revert()

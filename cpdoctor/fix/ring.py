@@ -4,7 +4,10 @@ Same `apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
 backward_op, _parallel_config)` and the same outputs (out, or (out, lse) with lse (B, S, H)), so diffusers'
 ring and ring × Ulysses paths call it unchanged once patch.py has put it in place of the module global.
 
-The algorithm, per ring rank r of W (inputs are this rank's sequence shard, model layout (B, S, H, D)):
+The algorithm is three plain functions, each readable on its own: `ring_forward`, `ring_backward` and the
+LSE `merge`; `RingComm` is all the communication they do, and `RingAttention` (the autograd Function) only
+unpacks diffusers' arguments, calls them and saves what backward needs. Per ring rank r of W (inputs are
+this rank's sequence shard, model layout (B, S, H, D)):
 
 forward   all-gather K and V (one buffer, already in the kernel's layout, in flight while the local block
           runs); all-gather the key mask the same way, so KV chunk j is always paired with rank j's mask;
@@ -13,14 +16,15 @@ forward   all-gather K and V (one buffer, already in the kernel's layout, in fli
           lse -= logsigmoid(lse - lse_j).
 backward  re-gather K and V; for every chunk j compute the block's dQ, dK_j, dV_j from explicit tensors: q,
           the chunk, the GLOBAL merged out and fp32 lse (kernels.py; never the backend op's saved context);
-          sum dQ locally. dK_j/dV_j belong to rank j. Default (`DKV_METHOD = "ring"`): one fp32 accumulator
-          travels to rank r−1 after every step, the direction that follows the keys (at step i rank r holds
-          chunk r+i, which rank r−1 holds at step i+1), and one final hop brings each chunk's sum home; the
-          hop overlaps the next block's compute. `"reduce_scatter"` writes every chunk's dK/dV into a
-          (W, |K|+|V|) buffer and reduce-scatters it once: no direction at all, but O(W) memory and a
-          collective nothing hides. Both are exact at every W; measured (benchmarks/README.md, ring 2 and 4,
-          S 4096) the ring is as fast or faster and needs 0.81–0.84× the built-in ring's peak memory, the
-          reduce-scatter 0.95× at W = 2 but 1.11× at W = 4: hence the default.
+          sum dQ locally. dK_j/dV_j belong to rank j; a `DkvStrategy` gets them there. Default
+          (`DkvStrategy.RING`): one fp32 accumulator travels to rank r−1 after every step, the direction
+          that follows the keys (at step i rank r holds chunk r+i, which rank r−1 holds at step i+1), and one
+          final hop brings each chunk's sum home; the hop overlaps the next block's compute.
+          `DkvStrategy.REDUCE_SCATTER` writes every chunk's dK/dV into a (W, |K|+|V|) buffer and
+          reduce-scatters it once: no direction at all, but O(W) memory and a collective nothing hides. Both
+          are exact at every W; measured (benchmarks/README.md, ring 2 and 4, S 4096) the ring is as fast or
+          faster and needs 0.81–0.84× the built-in ring's peak memory, the reduce-scatter 0.95× at W = 2 but
+          1.11× at W = 4: hence the default. `cpdoctor.fix.patch.apply(dkv=...)` chooses.
 
 Chunks whose keys are all masked are skipped; rows with no allowed key in a chunk get lse = −inf for that
 block (the fused CPU kernel reports lse 0 and out 0 there, which would otherwise be merged as a real block).
@@ -30,51 +34,107 @@ by diffusers before the ring is reached.
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import enum
+from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from cpdoctor.compat import diffusers as compat
 from cpdoctor.fix import kernels
 
-DKV_METHODS = ("reduce_scatter", "ring")
-DKV_METHOD = os.environ.get("CPDOCTOR_RING_DKV", "ring")
-"""How the per-chunk dK/dV reach their owner (module attribute; the env var exists for the benchmark)."""
 
+class DkvStrategy(str, enum.Enum):
+    """How each KV chunk's dK/dV reach the rank that owns the chunk (see the module docstring)."""
+
+    RING = "ring"
+    """One accumulator per chunk travels to rank r−1 after every step, then one final hop (the default)."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """Every chunk's dK/dV in a (W, |K|+|V|) buffer, reduce-scattered once at the end."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Communication
+# ----------------------------------------------------------------------------------------------------------
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 """torch renamed the functional collectives (the old names warn); same signatures."""
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+class RingComm:
+    """Everything the ring communicates, over one process group: this rank's position and three collectives
+    on flat buffers. `all_gather` and `shift` return at once (torch's functional collectives) and `wait`
+    blocks, so a transfer overlaps whatever is computed between the two. With one rank every call is the
+    identity. A test can stand in an in-memory object with the same attributes and methods."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    @classmethod
+    def ring(cls, parallel_config: Any) -> RingComm:
+        """The ring group of diffusers' parallel config (where the KV chunks travel)."""
+        pc = parallel_config
+        return cls(compat.ring_group(pc), compat.ring_rank(pc), compat.ring_degree(pc))
+
+    @classmethod
+    def ulysses(cls, parallel_config: Any) -> RingComm | None:
+        """The Ulysses group, None without Ulysses: under ring × Ulysses the all-to-all before the ring
+        gathered this ring rank's keys over it, but not their mask, which the ring then gathers itself."""
+        world = compat.ulysses_degree(parallel_config)
+        if world == 1:
+            return None
+        group = compat.ulysses_group(parallel_config)
+        return cls(group, dist.get_rank(group), world)
+
+    def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D `flat`, concatenated in rank order (pending: pass it to `wait`)."""
+        return _all_gather(flat, 0, self.group) if self.world > 1 else flat
+
+    def shift(self, t: torch.Tensor, offset: int) -> torch.Tensor:
+        """Send `t` to rank r+offset and receive rank r−offset's (pending: pass it to `wait`)."""
+        if self.world == 1:
+            return t
+        return funcol.permute_tensor(t, [(s + offset) % self.world for s in range(self.world)], self.group)
+
+    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` is W equal parts; part r summed over the ranks (waited)."""
+        return self.wait(_reduce_scatter(flat, "sum", 0, self.group)) if self.world > 1 else flat
+
+    def wait(self, t: torch.Tensor) -> torch.Tensor:
+        """The finished result of `all_gather` or `shift`."""
+        return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _all_gather_last(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
-    """Concatenate every rank's `x` along the last dim, in group-rank order (bool sent as uint8)."""
+def _all_gather_last(x: torch.Tensor, comm: RingComm) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dim, in rank order (bool sent as uint8)."""
     is_bool = x.dtype == torch.bool
-    send = x.to(torch.uint8) if is_bool else x
-    got = _wait(_all_gather(send.contiguous(), 0, group))
-    out = torch.cat(got.chunk(world, dim=0), dim=-1)
+    send = (x.to(torch.uint8) if is_bool else x).contiguous()
+    got = comm.wait(comm.all_gather(send.view(-1)))
+    out = torch.cat(got.view(comm.world, *send.shape).unbind(0), dim=-1)
     return out.bool() if is_bool else out
 
 
-class _Masks:
-    """The key mask of every KV chunk, from the local shards every rank was handed."""
+# ----------------------------------------------------------------------------------------------------------
+# What travels: the key mask of every chunk, K and V packed in one buffer
+# ----------------------------------------------------------------------------------------------------------
 
-    def __init__(self, attn_mask: torch.Tensor | None, chunk_len: int, parallel_config: Any):
-        self.full = None
+
+class ChunkMasks:
+    """The key mask of every KV chunk, from the local shards every rank was handed (gathered in rank order,
+    so chunk j always gets rank j's keys' mask), and which chunks and rows it empties."""
+
+    def __init__(self, attn_mask: torch.Tensor | None, chunk_len: int, comm: RingComm, ulysses: RingComm | None = None):
+        self.full: torch.Tensor | None = None
         self.chunk_len = chunk_len
         self.all_empty: list[bool] = []
         self.any_empty: list[bool] = []
         self.empty: torch.Tensor | None = None
         if attn_mask is None:
             return
-        world = compat.ring_degree(parallel_config)
+        world = comm.world
         m = attn_mask
         if m.ndim == 2:
             m = m[:, None, None, :]
@@ -89,14 +149,13 @@ class _Masks:
                     f"ring attention: a mask with a query dimension ({tuple(attn_mask.shape)}) must cover all "
                     f"{world * chunk_len} keys; a per-shard one cannot be rotated with the keys"
                 )
-            ulysses = compat.ulysses_degree(parallel_config)
-            if ulysses > 1 and length * ulysses == chunk_len:
+            if ulysses is not None and length * ulysses.world == chunk_len:
                 # ring × Ulysses: the Ulysses all-to-all gathered the keys of this ring rank, not the mask
-                m = _all_gather_last(m, compat.ulysses_group(parallel_config), ulysses)
+                m = _all_gather_last(m, ulysses)
                 length = m.shape[-1]
             if length != chunk_len:
                 raise ValueError(f"ring attention: the mask covers {length} keys but this rank holds {chunk_len}")
-            m = _all_gather_last(m, compat.ring_group(parallel_config), world)
+            m = _all_gather_last(m, comm)
         self.full = m
         allowed = m if m.dtype == torch.bool else m != float("-inf")
         empty = ~allowed.unflatten(-1, (world, chunk_len)).any(-1)  # (B|1, H|1, Sq|1, W)
@@ -111,51 +170,80 @@ class _Masks:
         return self.full[..., j * self.chunk_len : (j + 1) * self.chunk_len]
 
     def skip(self, j: int) -> bool:
+        """Every key of chunk j is masked for every row: nothing to compute."""
         return bool(self.all_empty) and self.all_empty[j]
 
-    def empty_rows(self, j: int, seq_dim: int) -> torch.Tensor | None:
-        """Rows with no allowed key in chunk j, shaped to broadcast with an lse of the kernel's layout."""
+    def blank_empty_rows(self, j: int, out_j: torch.Tensor, lse_j: torch.Tensor, seq_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows with no allowed key in chunk j get out 0 and lse −inf, so the merge gives that block no weight
+        (kernels disagree about what they report there; the CPU flash kernel says lse 0)."""
         if not self.any_empty or not self.any_empty[j]:
-            return None
+            return out_j, lse_j
         e = self.empty[..., j]  # (B|1, H|1, Sq|1)
-        return e if seq_dim == 2 else e.transpose(1, 2)
+        e = e if seq_dim == 2 else e.transpose(1, 2)
+        return out_j.masked_fill(e.unsqueeze(-1), 0.0), lse_j.masked_fill(e, float("-inf"))
 
 
-class _KV:
-    """This rank's K and V packed into one buffer in the kernel's layout, and the all-gather of it."""
+class PackedKV:
+    """This rank's K and V packed into one flat buffer in the kernel's layout (one all-gather moves both,
+    and every chunk reaches the kernel without a copy), and the same packing for dK/dV buffers."""
 
-    def __init__(self, kernel: kernels.BlockKernel, key: torch.Tensor, value: torch.Tensor, group: Any, world: int):
+    def __init__(self, kernel: kernels.BlockKernel, key: torch.Tensor, value: torch.Tensor, comm: RingComm):
         self.k_shape = kernel.to_layout(key).shape
         self.v_shape = kernel.to_layout(value).shape
-        self.nk, self.nv = key.numel(), value.numel()
-        self.world = world
-        buf = torch.empty(self.nk + self.nv, dtype=key.dtype, device=key.device)
+        self.nk = key.numel()
+        self.numel = self.nk + value.numel()
+        self.comm = comm
+        buf = torch.empty(self.numel, dtype=key.dtype, device=key.device)
         buf[: self.nk].view(self.k_shape).copy_(kernel.to_layout(key))
         buf[self.nk :].view(self.v_shape).copy_(kernel.to_layout(value))
-        self.local = self._split(buf)
-        self._pending = _all_gather(buf, 0, group) if world > 1 else buf
+        self.local = self.split(buf)
+        self._pending = comm.all_gather(buf)
         self._gathered: torch.Tensor | None = None
 
-    def _split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the K part and the V part of a packed buffer (any dtype)."""
         return flat[: self.nk].view(self.k_shape), flat[self.nk :].view(self.v_shape)
 
-    def chunk(self, j: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if j == rank:
+    def chunk(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of rank j's chunk (the local one without waiting for the all-gather)."""
+        if j == self.comm.rank:
             return self.local
-        n = self.nk + self.nv
-        return self._split(self.gathered()[j * n : (j + 1) * n])
+        n = self.numel
+        return self.split(self.gathered()[j * n : (j + 1) * n])
 
     def gathered(self) -> torch.Tensor:
         """Wait for the all-gather (also called once at the end, so no collective is left unwaited when
         every remote chunk was masked out)."""
         if self._gathered is None:
-            self._gathered = _wait(self._pending)
+            self._gathered = self.comm.wait(self._pending)
         return self._gathered
 
+    def store(self, flat: torch.Tensor, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+        """flat := (dk, dv) packed; zeros for a skipped chunk (None)."""
+        if dk is None:
+            flat.zero_()
+        else:
+            k, v = self.split(flat)
+            k.copy_(dk)
+            v.copy_(dv)
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, out_j: torch.Tensor, lse_j: torch.Tensor, guard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(self, flat: torch.Tensor, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+        """flat += (dk, dv) packed; nothing for a skipped chunk (None)."""
+        if dk is not None:
+            k, v = self.split(flat)
+            k.add_(dk)
+            v.add_(dv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The algorithm
+# ----------------------------------------------------------------------------------------------------------
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, out_j: torch.Tensor, lse_j: torch.Tensor, guard: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold block j into the running (out, lse): out -= sigmoid(lse_j − lse)·(out − out_j) and
-    lse −= logsigmoid(lse − lse_j), in place on out. `guard` handles −inf rows (masked chunks)."""
+    lse −= logsigmoid(lse − lse_j), in place on out (the stable form: no exp of a large lse). `guard`
+    handles −inf rows (masked chunks), where the formula gives NaN."""
     w = torch.sigmoid(lse_j - lse)
     if guard:
         w = w.nan_to_num_(0.0)
@@ -168,8 +256,141 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, out_j: torch.Tensor, lse_j: tor
     return out, new_lse
 
 
+def ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masks: ChunkMasks,
+    kernel: kernels.BlockKernel,
+    comm: RingComm,
+    scale: float,
+    acc_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's queries against every rank's keys. q, k, v: this rank's shards, model layout (B, S, H, D).
+    Returns out (model layout, q's dtype, merged in `acc_dtype`) and the merged fp32 lse (B, S, H)."""
+    kv = PackedKV(kernel, k, v, comm)
+    q = kernel.to_layout(q).contiguous()
+    out = lse = None
+    for i in range(comm.world):
+        j = (comm.rank + i) % comm.world  # own chunk first: it needs no communication
+        if masks.skip(j):
+            continue
+        out_j, lse_j = kernel.forward(q, *kv.chunk(j), masks.chunk(j), scale)
+        out_j, lse_j = masks.blank_empty_rows(j, out_j, lse_j.float(), kernel.seq_dim)
+        if out is None:
+            out, lse = out_j.to(acc_dtype), lse_j
+        else:
+            out, lse = merge(out, lse, out_j, lse_j, guard=masks.full is not None)
+    kv.gathered()
+    if out is None:  # every key masked for every row
+        out = torch.zeros_like(q, dtype=acc_dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    return kernel.to_layout(out.to(q.dtype)), kernel.lse_to_layout(lse)
+
+
+class DkvExchange(Protocol):
+    """One backward's dK/dV delivery: `add` is called on every rank at every step i with the gradients of
+    the chunk j it holds (None when the chunk was skipped); `result` is then this rank's chunk's total,
+    packed like `PackedKV`. Made by `factory(comm, kv, dtype, device)`."""
+
+    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None: ...
+
+    def result(self) -> torch.Tensor: ...
+
+
+class RingDkv:
+    """`DkvStrategy.RING`: the accumulator of the chunk this rank holds goes to rank r−1, which holds that
+    chunk at the next step; after W steps one final hop brings each chunk's sum to its owner."""
+
+    def __init__(self, comm: RingComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
+        self.comm, self.kv, self.dtype, self.device = comm, kv, dtype, device
+        self.pending: torch.Tensor | None = None
+
+    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+        if i == 0:  # start chunk r's accumulator
+            acc = torch.empty(self.kv.numel, dtype=self.dtype, device=self.device)
+            self.kv.store(acc, dk, dv)
+        else:  # chunk j's accumulator, from rank r+1
+            acc = self.comm.wait(self.pending)
+            self.kv.accumulate(acc, dk, dv)
+        self.pending = self.comm.shift(acc, -1)
+
+    def result(self) -> torch.Tensor:
+        return self.comm.wait(self.pending)
+
+
+class ReduceScatterDkv:
+    """`DkvStrategy.REDUCE_SCATTER`: row j of a (W, |K|+|V|) buffer holds this rank's dK/dV of chunk j; one
+    reduce-scatter sums row j over the ranks onto rank j."""
+
+    def __init__(self, comm: RingComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
+        self.comm, self.kv = comm, kv
+        self.grads = torch.empty(comm.world, kv.numel, dtype=dtype, device=device)
+
+    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+        self.kv.store(self.grads[j], dk, dv)
+
+    def result(self) -> torch.Tensor:
+        return self.comm.reduce_scatter(self.grads.view(-1))
+
+
+DKV_EXCHANGES: dict[DkvStrategy, Callable[[RingComm, PackedKV, torch.dtype, torch.device], DkvExchange]] = {
+    DkvStrategy.RING: RingDkv,
+    DkvStrategy.REDUCE_SCATTER: ReduceScatterDkv,
+}
+
+
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    masks: ChunkMasks,
+    kernel: kernels.BlockKernel,
+    comm: RingComm,
+    scale: float,
+    acc_dtype: torch.dtype,
+    dkv: DkvStrategy | Callable[..., DkvExchange] = DkvStrategy.RING,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of this rank's shards (model layout, `acc_dtype`), from what `ring_forward` took and gave
+    (out and lse are the global merged ones). `dkv`: a strategy, or any `DkvExchange` factory."""
+    kv = PackedKV(kernel, k, v, comm)
+    q = kernel.to_layout(q).contiguous()
+    dout = kernel.to_layout(dout).contiguous()
+    out = kernel.to_layout(out).contiguous()
+    lse = kernel.lse_to_layout(lse)
+    factory = DKV_EXCHANGES[DkvStrategy(dkv)] if isinstance(dkv, str) else dkv
+    exchange = factory(comm, kv, acc_dtype, q.device)
+    dq = None
+    for i in range(comm.world):
+        j = (comm.rank + i) % comm.world
+        dk_j = dv_j = None
+        if not masks.skip(j):
+            dq_j, dk_j, dv_j = kernel.backward(dout, q, *kv.chunk(j), out, lse, masks.chunk(j), scale)
+            if dq is None:
+                dq = dq_j.to(acc_dtype)
+            else:
+                dq.add_(dq_j)
+        exchange.add(i, j, dk_j, dv_j)
+    kv.gathered()
+    dk, dv = kv.split(exchange.result())
+    if dq is None:
+        dq = torch.zeros_like(q, dtype=acc_dtype)
+    return kernel.to_layout(dq), kernel.to_layout(dk), kernel.to_layout(dv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# diffusers' interface
+# ----------------------------------------------------------------------------------------------------------
+
+
 class RingAttention(torch.autograd.Function):
-    """cpdoctor's fixed ring attention (see the module docstring)."""
+    """cpdoctor's fixed ring attention (see the module docstring), with diffusers' ring signature."""
+
+    dkv: DkvStrategy = DkvStrategy.RING
+    """How backward delivers dK/dV; set by `cpdoctor.fix.patch.apply(dkv=...)`, read when forward runs."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -193,119 +414,31 @@ class RingAttention(torch.autograd.Function):
             raise ValueError("cpdoctor's ring attention does not implement causal attention")
         if enable_gqa:
             raise ValueError("cpdoctor's ring attention does not implement GQA")
-        group = compat.ring_group(_parallel_config)
-        world = compat.ring_degree(_parallel_config)
-        rank = compat.ring_rank(_parallel_config)
+        comm = RingComm.ring(_parallel_config)
+        ulysses = RingComm.ulysses(_parallel_config) if attn_mask is not None else None
         kernel = kernels.select(forward_op, _parallel_config)
         scale = kernels.default_scale(query.shape[-1], scale)
+        masks = ChunkMasks(attn_mask, key.shape[1], comm, ulysses)
         # Like the original: convert_to_fp32 merges in fp32; without it the merge follows type promotion with
         # the fp32 lse (so it is fp32 too for half inputs), while the backward accumulates in the grad dtype.
         to_fp32 = compat.convert_to_fp32(_parallel_config)
-        acc_dtype = torch.float32 if to_fp32 else torch.promote_types(query.dtype, torch.float32)
-        sd = kernel.seq_dim
-
-        kv = _KV(kernel, key, value, group, world)
-        masks = _Masks(attn_mask, key.shape[1], _parallel_config)
-        q = kernel.to_layout(query).contiguous()
-        out = lse = None
-        for i in range(world):
-            j = (rank + i) % world
-            if masks.skip(j):
-                continue
-            k_j, v_j = kv.chunk(j, rank)
-            out_j, lse_j = kernel.forward(q, k_j, v_j, masks.chunk(j), scale)
-            lse_j = lse_j.float()
-            empty = masks.empty_rows(j, sd)
-            if empty is not None:
-                lse_j = lse_j.masked_fill(empty, float("-inf"))
-                out_j = out_j.masked_fill(empty.unsqueeze(-1), 0.0)
-            if out is None:
-                out = out_j if out_j.dtype == acc_dtype else out_j.to(acc_dtype)
-                lse = lse_j
-            else:
-                out, lse = _merge(out, lse, out_j, lse_j, guard=masks.full is not None)
-        kv.gathered()
-        if out is None:  # every key masked for every row
-            out = torch.zeros_like(q, dtype=acc_dtype)
-            lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        out = out.to(query.dtype)
+        fwd_dtype = torch.float32 if to_fp32 else torch.promote_types(query.dtype, torch.float32)
+        out, lse = ring_forward(query, key, value, masks, kernel, comm, scale, fwd_dtype)
 
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.kernel = kernel
-        ctx.masks = masks
-        ctx.scale = scale
-        ctx.parallel_config = _parallel_config
+        ctx.masks, ctx.kernel, ctx.comm, ctx.scale = masks, kernel, comm, scale
         ctx.acc_dtype = torch.float32 if to_fp32 else query.dtype
-        result = kernel.to_layout(out)
+        ctx.dkv = RingAttention.dkv
         if return_lse:
-            lse_out = lse.transpose(1, 2) if sd == 2 else lse
-            ctx.mark_non_differentiable(lse_out)
-            return result, lse_out
-        return result
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *args: Any):  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
-        kernel: kernels.BlockKernel = ctx.kernel
-        masks: _Masks = ctx.masks
-        pc = ctx.parallel_config
-        group, world, rank = compat.ring_group(pc), compat.ring_degree(pc), compat.ring_rank(pc)
-        acc_dtype = ctx.acc_dtype
-
-        kv = _KV(kernel, key, value, group, world)
-        q = kernel.to_layout(query).contiguous()
-        dout = kernel.to_layout(grad_out.to(query.dtype)).contiguous()
-        out = out.contiguous()
-        n = kv.nk + kv.nv
-        method = DKV_METHOD
-        if method not in DKV_METHODS:
-            raise ValueError(f"CPDOCTOR_RING_DKV must be one of {DKV_METHODS}, got {method!r}")
-        dq = None
-        if method == "reduce_scatter":
-            grads = torch.empty(world, n, dtype=acc_dtype, device=q.device)
-        else:
-            send_to_prev = [(s - 1) % world for s in range(world)]
-            pending = None
-        for i in range(world):
-            j = (rank + i) % world
-            if masks.skip(j):
-                dk_j = dv_j = None
-            else:
-                k_j, v_j = kv.chunk(j, rank)
-                dq_j, dk_j, dv_j = kernel.backward(dout, q, k_j, v_j, out, lse, masks.chunk(j), ctx.scale)
-                if dq is None:
-                    dq = dq_j if dq_j.dtype == acc_dtype else dq_j.to(acc_dtype)
-                else:
-                    dq.add_(dq_j)
-            if method == "reduce_scatter":
-                row = grads[j]
-                if dk_j is None:
-                    row.zero_()
-                else:
-                    row[: kv.nk].view(kv.k_shape).copy_(dk_j)
-                    row[kv.nk :].view(kv.v_shape).copy_(dv_j)
-            else:
-                if i == 0:  # start chunk r's accumulator
-                    acc = torch.empty(n, dtype=acc_dtype, device=q.device)
-                    if dk_j is None:
-                        acc.zero_()
-                    else:
-                        acc[: kv.nk].view(kv.k_shape).copy_(dk_j)
-                        acc[kv.nk :].view(kv.v_shape).copy_(dv_j)
-                else:  # chunk j's accumulator, from rank r+1
-                    acc = _wait(pending)
-                    if dk_j is not None:
-                        acc[: kv.nk].view(kv.k_shape).add_(dk_j)
-                        acc[kv.nk :].view(kv.v_shape).add_(dv_j)
-                pending = funcol.permute_tensor(acc, send_to_prev, group) if world > 1 else acc
-        kv.gathered()
-        if method == "reduce_scatter":
-            dkv = _wait(_reduce_scatter(grads.view(-1), "sum", 0, group)) if world > 1 else grads[0]
-        else:
-            dkv = _wait(pending)
-        if dq is None:
-            dq = torch.zeros_like(q, dtype=acc_dtype)
-        dk = dkv[: kv.nk].view(kv.k_shape)
-        dv = dkv[kv.nk :].view(kv.v_shape)
-        dq, dk, dv = (kernel.to_layout(x).to(grad_out.dtype) for x in (dq, dk, dv))
+        dq, dk, dv = ring_backward(
+            grad_out.to(query.dtype), query, key, value, out, lse, ctx.masks, ctx.kernel, ctx.comm, ctx.scale, ctx.acc_dtype, ctx.dkv
+        )
+        dq, dk, dv = (x.to(grad_out.dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
