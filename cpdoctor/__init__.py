@@ -12,13 +12,14 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "check_attention": ("cpdoctor.api", "check_attention"),
-    "check_model": ("cpdoctor.api_model", "check_model"),
+    "check_model": ("cpdoctor.api", "check_model"),
     "preflight": ("cpdoctor.api", "preflight"),
     "PreflightFailed": ("cpdoctor.api", "PreflightFailed"),
     "patch": ("cpdoctor.fix.patch", "apply"),
     "unpatch": ("cpdoctor.fix.patch", "revert"),
     "patched": ("cpdoctor.fix.patch", "patched"),
     "AttentionRequest": ("cpdoctor.examinations.attention.request", "AttentionRequest"),
+    "run_suite": ("cpdoctor.api", "run_suite"),
 }
 
 __all__ = sorted(_LAZY)

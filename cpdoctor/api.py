@@ -1,4 +1,5 @@
-"""The Python API: the same examinations as the CLI, returning a `Report` instead of printing.
+"""The Python API: the same examinations as the CLI, returning a `Report` instead of printing. Thin: every
+examination is looked up by kind in the registry and launched the same way.
 
     import cpdoctor
     report = cpdoctor.check_attention(ring=4)          # spawns 4 ranks (or joins torchrun's world)
@@ -13,17 +14,16 @@ from typing import Any, Callable
 
 from cpdoctor import launch
 from cpdoctor.errors import BadInput, CannotExamine
-from cpdoctor.report import Report, RunResult
-from cpdoctor.examinations.attention.request import AttentionRequest, validate_timeout
-from cpdoctor.examinations.attention.judge import Finding, attention_finding, describe_attention, failure_findings, overall
+from cpdoctor.examinations import registry
+from cpdoctor.examinations.attention.request import AttentionRequest, build_request
+from cpdoctor.examinations.request import validate_timeout
+from cpdoctor.launch.jobs import Case, CaseOutcome, Job
+from cpdoctor.report import Finding, Report, RunResult, Verdict
+
+__all__ = ["DEFAULT_TIMEOUT_S", "PreflightFailed", "build_request", "check_attention", "check_model", "examine", "preflight", "request_for", "run_findings", "run_suite"]
 
 DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_SEQ = 512
-
-
-def default_seq(world_size: int) -> int:
-    """512 rounded up to a multiple of the CP world size, so `--ring 3` works without choosing a length."""
-    return -(-DEFAULT_SEQ // world_size) * world_size
+Tick = Callable[[], None] | None
 
 
 def _installed_version(package: str) -> str:
@@ -33,7 +33,7 @@ def _installed_version(package: str) -> str:
         return "not installed"
 
 
-def _fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
+def fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
     """What the parent knows without importing torch (used when no rank got far enough to report): the
     versions installed, and the layout asked for (device and backend as requested, e.g. "auto")."""
     env: dict[str, Any] = {
@@ -48,97 +48,129 @@ def _fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
     return env
 
 
-def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
-    """Fill ring/ulysses left unset: ring 2, or ring 1 when only a Ulysses degree is given; Ulysses 1."""
-    ring, ulysses = fields.get("ring"), fields.get("ulysses")
-    if ring is None:
-        fields["ring"] = 1 if ulysses not in (None, 1) else 2
-    if ulysses is None:
-        fields["ulysses"] = 1
-    return fields
+def request_for(kind: str, **fields: Any) -> Any:
+    """The validated, prepared request of an examination from keyword fields (None = default)."""
+    entry = registry.get(kind)
+    return entry.prepare(entry.build_request(**fields))
 
 
-def build_request(**fields: Any) -> AttentionRequest:
-    """An AttentionRequest from keyword fields; seq defaults to 512 rounded up to divide the world size."""
-    default_degrees(fields)
-    if fields.get("seq") is None:
-        fields["seq"] = default_seq(max(1, fields["ring"] * fields["ulysses"]))
-    return AttentionRequest.from_dict({k: v for k, v in fields.items() if v is not None}).validate()
-
-
-def run_cases(kind: str, cases: list[dict], world_size: int, timeout_s: float, device: str, on_tick: Callable[[], None] | None = None) -> Any:
-    """Launch one job; raise BadInput / CannotExamine for what the ranks refused."""
-    result = launch.run({"kind": kind, "cases": cases, "device": device}, world_size, timeout_s, on_tick)
+def run_cases(kind: str, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None) -> launch.LaunchResult:
+    """Launch the cases of one kind in one job; BadInput / CannotExamine for what the ranks refused."""
+    validate_timeout(timeout_s)
+    result = launch.run(Job(kind, tuple(cases), device, timeout_s), world_size, on_tick)
     if result.bad_input:
         raise BadInput(result.bad_input)
     if result.cannot_examine:
         raise CannotExamine(result.cannot_examine)
-    for item in result.results or []:
-        if "rank_payloads" in item:
-            stopped = launch.failures_from_payloads(item["rank_payloads"])
-            if stopped.bad_input:
-                raise BadInput(stopped.bad_input)
-            if stopped.cannot_examine:
-                raise CannotExamine(stopped.cannot_examine)
     return result
 
 
-def attention_case_findings(item: dict, timeout_s: float) -> list[Finding]:
-    """Findings of one launched attention case: the evaluated finding, or CRASH / HANG from the ranks that stopped."""
-    req = item["case"]["request"]
-    if "evaluated" in item:
-        return [attention_finding(req, item["evaluated"])]
-    stopped = launch.failures_from_payloads(item["rank_payloads"])
-    return failure_findings(describe_attention(req, req["backend"]), stopped.failures, timeout_s)
+def outcome_findings(kind: str, outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
+    """A case's findings: the judged numbers, or CRASH / HANG from the ranks that failed."""
+    entry = registry.get(kind)
+    if outcome.completed:
+        return [entry.finding(outcome.case, outcome.evaluated)]
+    return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
-def check_attention(
-    request: AttentionRequest | None = None,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    on_tick: Callable[[], None] | None = None,
-    **fields: Any,
-) -> Report:
-    """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix.
-
-    Under torchrun every rank returns the same report (rank 0's)."""
-    req = request.validate() if request is not None else build_request(**fields)
-    cases = [{"request": req.to_dict(), "patched": False}]
-    if req.patch:
-        cases.append({"request": req.to_dict(), "patched": True})
-
-    def launch_failures(failures: list) -> list[Finding]:
-        return failure_findings(describe_attention(req.to_dict(), req.backend), failures, timeout_s)
-
-    return examine("attention", req, cases, timeout_s, launch_failures, lambda item: attention_case_findings(item, timeout_s), on_tick)
+def case_findings(kind: str, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
+    """One finding per case, in order. A case without an outcome (under torchrun a job ends at a collective
+    that timed out: nobody can relaunch the rest) says so instead of disappearing."""
+    findings = []
+    for n, case in enumerate(cases):
+        if n < len(outcomes):
+            findings.append(outcome_findings(kind, outcomes[n], timeout_s)[0] if outcomes[n].completed else _first_failure(kind, outcomes[n], timeout_s))
+        else:
+            probe = registry.get(kind).describe(case.request)
+            findings.append(Finding(probe, Verdict.UNSUPPORTED, "not examined: an earlier case of the same launch timed out in a collective", "run this check alone"))
+    return findings
 
 
-def examine(
-    kind: str,
-    req: Any,
-    cases: list[dict],
-    timeout_s: float,
-    launch_failures: Callable[[list], list[Finding]],
-    case_findings: Callable[[dict], list[Finding]],
-    on_tick: Callable[[], None] | None = None,
-) -> Report:
-    """Run the cases of one examination (unpatched, then patched with `req.patch`) and assemble the Report:
-    the exit code and top-level verdict are the last run's; with --patch the unpatched run is `before`."""
-    validate_timeout(timeout_s)
-    result = run_cases(kind, cases, req.world_size, timeout_s, req.device, on_tick)
-    runs: list[RunResult] = []
-    environment = _fallback_environment(req.world_size, req)
-    if result.failures:
-        findings = launch_failures(result.failures)
-        runs.append(RunResult(overall(findings)[0], findings))
-    for item in result.results or []:
-        environment = item.get("evaluated", {}).get("environment", environment)
-        findings = case_findings(item)
-        runs.append(RunResult(overall(findings)[0], findings))
+def run_findings(kind: str, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Finding]:
+    """Launch the given cases of one kind once and return one finding per case, in order."""
+    result = run_cases(kind, cases, world_size, device, timeout_s)
+    return case_findings(kind, cases, result.outcomes, timeout_s)
+
+
+def _first_failure(kind: str, outcome: CaseOutcome, timeout_s: float) -> Finding:
+    return outcome_findings(kind, outcome, timeout_s)[0]
+
+
+def _environment(outcomes: list[CaseOutcome], fallback: dict[str, Any]) -> dict[str, Any]:
+    for outcome in outcomes:
+        env = getattr(outcome.evaluated, "environment", None)
+        if env:
+            return dict(env)
+    return fallback
+
+
+def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+    """Run one examination (unpatched, then patched with `request.patch`) and assemble its Report: the exit code
+    and top-level verdict are the last run's; with patch the unpatched run is `before`. Under torchrun every
+    rank returns the same report (rank 0's)."""
+    entry = registry.get(kind)
+    req = entry.prepare(request)
+    result = run_cases(kind, entry.cases(req), entry.world_size(req), entry.device(req), timeout_s, on_tick)
+    runs = [RunResult.of(outcome_findings(kind, o, timeout_s)) for o in result.outcomes]
     final = runs[-1]
-    verdict, code = overall(final.findings)
-    before = runs[0] if req.patch and len(runs) > 1 else None
-    return Report(verdict, code, environment, req.to_dict(), final.findings, before=before, wall_s=result.wall_s)
+    before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
+    env = _environment(result.outcomes, fallback_environment(entry.world_size(req), req))
+    return Report.of(final.findings, env, req.to_dict(), before=before, wall_s=result.wall_s)
+
+
+def check_attention(request: AttentionRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
+    """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix."""
+    req = request if request is not None else registry.get("attention").build_request(**fields)
+    return examine("attention", req, timeout_s=timeout_s, on_tick=on_tick)
+
+
+def check_model(request: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
+    """Model-level CP parity of a diffusers model class through its own `enable_parallelism`: the gathered
+    output and every parameter gradient (summed over the CP group) against the same model in one process in
+    fp64; with `patch=True`, before and after cpdoctor's fixed ring.
+
+        report = cpdoctor.check_model(model="flux", ring=2)          # tiny Flux, 2 ranks
+    """
+    req = request if request is not None else registry.get("model").build_request(**fields)
+    return examine("model", req, timeout_s=timeout_s, on_tick=on_tick)
+
+
+def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+    """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
+    `before`). Checks of the same kind, world size and device run as the cases of one launch."""
+    from cpdoctor.suite import build_requests
+
+    validate_timeout(timeout_s)
+    requests = build_requests(suite, patch)
+    groups: dict[tuple, list[int]] = {}
+    for i, (kind, req) in enumerate(requests):
+        entry = registry.get(kind)
+        groups.setdefault((kind, entry.world_size(req), entry.device(req)), []).append(i)
+    final: list[Finding | None] = [None] * len(requests)
+    before: list[Finding | None] = [None] * len(requests)
+    outcomes_seen: list[CaseOutcome] = []
+    wall = 0.0
+    for (kind, world, device), members in groups.items():
+        entry = registry.get(kind)
+        owned = [(i, case) for i in members for case in entry.cases(requests[i][1])]
+        result = run_cases(kind, [case for _, case in owned], world, device, timeout_s, on_tick)
+        wall += result.wall_s
+        outcomes_seen += result.outcomes
+        for (i, case), finding in zip(owned, case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s)):
+            if case.patched:
+                final[i] = finding
+            else:
+                before[i] = finding
+                final[i] = final[i] or finding
+    environment = _environment(outcomes_seen, fallback_environment(max(registry.get(k).world_size(r) for k, r in requests)))
+    for varying in ("world_size", "ring", "ulysses", "backend", "dtype", "model"):  # per check, not per suite
+        environment.pop(varying, None)
+    findings = [f for f in final if f is not None]
+    before_run = None
+    if patch or any(getattr(r, "patch", False) for _, r in requests):
+        before_run = RunResult.of([b for b in before if b is not None])
+    request = {"suite": suite.name, "source": suite.source, "patch": patch, "checks": [{k: r.to_dict()} for k, r in requests]}
+    return Report.of(findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name})
 
 
 class PreflightFailed(RuntimeError):
@@ -180,18 +212,11 @@ def preflight(
     was_patched = fix_patch.is_patched()
     report = check_attention(timeout_s=timeout_s, ring=ring, ulysses=ulysses, patch=fix, **fields)
     unpatched = report.before if report.before is not None else RunResult(report.verdict, report.findings)
-    if unpatched.verdict == "PASS":
+    if unpatched.verdict == Verdict.PASS:
         fix_patch.set_patched(was_patched)
         return report
-    if fix and report.verdict == "PASS":
+    if fix and report.verdict == Verdict.PASS:
         fix_patch.apply()
         return report
     fix_patch.set_patched(was_patched)
     raise PreflightFailed(report)
-
-
-def run_suite(*args: Any, **kwargs: Any) -> Report:
-    """Every check of a YAML suite as one Report (see cpdoctor.suite)."""
-    from cpdoctor.api_suite import run_suite as _run_suite
-
-    return _run_suite(*args, **kwargs)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpdoctor.errors import BadInput
+from cpdoctor.examinations import registry
 
 SUITES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suites")
-KINDS = ("attention", "model")
 
 
 @dataclass
@@ -73,9 +73,10 @@ def load(name_or_path: str) -> Suite:
     for i, check in enumerate(data["checks"], 1):
         if not (isinstance(check, dict) and len(check) == 1):
             raise BadInput(f"suite {path}: check {i} must be one mapping like `attention: {{ring: 2}}`, got {check!r}")
-        (kind, fields), = check.items()
-        if kind not in KINDS:
-            raise BadInput(f"suite {path}: check {i}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
+        ((kind, fields),) = check.items()
+        kinds = registry.suite_kinds()
+        if kind not in kinds:
+            raise BadInput(f"suite {path}: check {i}: unknown kind {kind!r} (one of {', '.join(kinds)})")
         if not isinstance(fields, dict):
             raise BadInput(f"suite {path}: check {i}: the fields of {kind} must be a mapping, got {fields!r}")
         suite.checks.append((kind, dict(fields)))
@@ -83,19 +84,13 @@ def load(name_or_path: str) -> Suite:
 
 
 def build_requests(suite: Suite, patch: bool) -> list[tuple[str, Any]]:
-    """Each check as its validated request (model checks are resolved: the parent imports diffusers)."""
-    from cpdoctor.api import build_request
-
+    """Each check as its validated, prepared request (a model check is resolved: the parent imports diffusers)."""
     requests = []
     for i, (kind, fields) in enumerate(suite.checks, 1):
         fields = dict(fields, patch=bool(fields.get("patch", patch)))
+        entry = registry.get(kind)
         try:
-            if kind == "attention":
-                requests.append((kind, build_request(**fields)))
-            else:
-                from cpdoctor.api_model import prepare_request
-
-                requests.append((kind, prepare_request(**fields)))
+            requests.append((kind, entry.prepare(entry.build_request(**fields))))
         except BadInput as exc:
             raise BadInput(f"suite {suite.source}: check {i} ({kind}): {exc}") from exc
         except TypeError as exc:  # an unknown field name

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 
 from cpdoctor import api
-from cpdoctor.examinations.attention.judge import attention_finding
+from cpdoctor.launch import Case
 
 TIMEOUT = 240
 
 
 def findings(*requests):
     reqs = [api.build_request(**r) for r in requests]
-    result = api.run_cases("attention", [{"request": r.to_dict()} for r in reqs], reqs[0].world_size, TIMEOUT, "cpu")
-    assert not result.failures, result.failures
-    return [attention_finding(item["case"]["request"], item["evaluated"]) for item in result.results]
+    found = api.run_findings("attention", [Case(r) for r in reqs], reqs[0].world_size, "cpu", TIMEOUT)
+    assert not [f for f in found if f.verdict in ("CRASH", "HANG")], [f.diagnosis for f in found]
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ the unpatched ring gets wrong is taken from the patch report, which reads the re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import pytest
 import torch
 
 from cpdoctor.errors import CannotExamine
-from cpdoctor.launch import run_spawned
 from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.examinations.train_step import TrainStepRequest
+from cpdoctor.launch import Case, Job
+from cpdoctor.launch.spawn import run_spawned
 
 TIMEOUT = 240
 FP32_EPS = 1e-6
@@ -30,11 +33,20 @@ def attention_case(patched: bool = True, **kw) -> dict:
     return {"request": AttentionRequest(**kw).validate().to_dict(), "patched": patched}
 
 
+def _typed(kind: str, case: dict) -> Case:
+    """A test's case, written as plain fields, as the launcher's typed Case."""
+    fields = dict(case)
+    patched = bool(fields.pop("patched", False))
+    options = {"dkv": fields.pop("dkv")} if "dkv" in fields else {}
+    if kind == "attention":
+        return Case(AttentionRequest.from_dict(fields.pop("request")).validate(), patched, options)
+    return Case(TrainStepRequest(**fields), patched, options)
+
+
 def launch(kind: str, cases: list[dict], world: int) -> list[dict]:
-    res = run_spawned({"kind": kind, "cases": cases}, world, TIMEOUT)
-    assert res.results is not None, f"launch failed: {res}"
-    assert len(res.results) == len(cases), res.results[-1]
-    return [r["evaluated"] for r in res.results]
+    res = run_spawned(Job(kind, tuple(_typed(kind, c) for c in cases), "auto", TIMEOUT), world)
+    assert len(res.outcomes) == len(cases) and all(o.completed for o in res.outcomes), res.outcomes[-1]
+    return [o.evaluated if isinstance(o.evaluated, dict) else dataclasses.asdict(o.evaluated) for o in res.outcomes]
 
 
 def errors(ev: dict) -> dict[str, tuple[float, float]]:
@@ -105,16 +117,12 @@ def att3() -> dict:
 
 @pytest.fixture(scope="module")
 def att3_reduce_scatter() -> dict:
-    """The alternative dK/dV method (CPDOCTOR_RING_DKV=reduce_scatter, read by the workers at import)."""
-    old = os.environ.get("CPDOCTOR_RING_DKV")
-    os.environ["CPDOCTOR_RING_DKV"] = "reduce_scatter"
-    try:
-        return _run_named("attention", {"fp32": W3["fp32"], "mask": attention_case(ring=3, seq=513, mask_pad=200)}, 3)
-    finally:
-        if old is None:
-            os.environ.pop("CPDOCTOR_RING_DKV")
-        else:
-            os.environ["CPDOCTOR_RING_DKV"] = old
+    """The alternative dK/dV strategy: the case's "dkv", which the probe hands to set_patched."""
+    cases = {
+        "fp32": {**attention_case(ring=3, seq=513), "dkv": "reduce_scatter"},
+        "mask": {**attention_case(ring=3, seq=513, mask_pad=200), "dkv": "reduce_scatter"},
+    }
+    return _run_named("attention", cases, 3)
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,22 @@ def test_a_rank_that_hangs_is_a_hang_within_the_timeout():
     assert run.code == 1
     verdicts = {f["verdict"]: f for f in run.json["findings"]}
     assert "HANG" in verdicts and "rank 1" in verdicts["HANG"]["diagnosis"]
+    # named by the step each rank reached, not by timing: rank 1 never got past preparing, rank 0 waited
+    assert verdicts["HANG"]["diagnosis"].startswith("rank 1 did not finish within 25 s (rank 1 at case 1: preparing)")
+    assert "rank 0 was waiting for it" in verdicts["HANG"]["diagnosis"]
     assert elapsed < 25 + 15
+
+
+@pytest.mark.parametrize("fault", ["raise@1:unpatched", "exit@1:unpatched"])
+def test_a_crash_of_the_stock_code_does_not_hide_the_patched_run(fault):
+    """The fix is needed most where the stock code crashes: the patched run is still examined and reported,
+    after a rank that raised (same launch goes on) and after a rank that died (a fresh launch for the rest)."""
+    run = run_tagged("check", "--ring", "2", "--patch", "--json", "-", env={"CPDOCTOR_INJECT_FAULT": fault})
+    before = run.json["before"]["findings"][0]
+    assert before["verdict"] == "CRASH" and "rank 1" in before["diagnosis"]
+    (after,) = run.json["findings"]
+    assert after["verdict"] == "PASS", after["diagnosis"]
+    assert run.code == 0 and run.json["verdict"] == "PASS"
 
 
 def _free_port() -> int:

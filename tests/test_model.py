@@ -15,21 +15,22 @@ import sys
 import pytest
 
 from conftest import run_cli
-from cpdoctor import api, api_model
+from cpdoctor import api
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.model.judge import model_finding
+from cpdoctor.examinations.model import op_level_requests
+from cpdoctor.examinations import registry
+from cpdoctor.launch import Case
 
 TIMEOUT = 240
 
 
 def launch(*cases: tuple[dict, bool]) -> list:
     """One launch for all `(request fields, patched)` cases; their findings in order."""
-    reqs = [(api_model.prepare_request(**fields), patched) for fields, patched in cases]
-    jobs = [{"request": r.to_dict(), "patched": p, "op_cases": api_model.op_level_cases(r)} for r, p in reqs]
-    result = api.run_cases("model", jobs, reqs[0][0].world_size, TIMEOUT, "cpu")
-    assert not result.failures, result.failures
-    assert len(result.results) == len(jobs) and all("evaluated" in i for i in result.results), result.results[-1]
-    return [model_finding(item["case"]["request"], item["evaluated"]) for item in result.results]
+    reqs = [(api.request_for("model", **fields), patched) for fields, patched in cases]
+    jobs = [Case(r, p, {"op_requests": op_level_requests(r)}) for r, p in reqs]
+    found = api.run_findings("model", jobs, reqs[0][0].world_size, "cpu", TIMEOUT)
+    assert not [f for f in found if f.verdict in ("CRASH", "HANG")], [f.diagnosis for f in found]
+    return found
 
 
 def has_patch() -> bool:
@@ -118,11 +119,11 @@ def test_patch_fixes_the_model(world2, world4):
 
 
 def test_prepare_fills_small_divisible_shapes():
-    flux = api_model.prepare_request(model="flux", ring=4, ulysses=2)
+    flux = api.request_for("model", model="flux", ring=4, ulysses=2)
     assert (flux.height, flux.width, flux.text_len, flux.frames) == (128, 128, 8, None)
-    wan = api_model.prepare_request(model="wan", ring=2)
+    wan = api.request_for("model", model="wan", ring=2)
     assert wan.frames == 5 and wan.height == 128
-    assert api_model.build_model_request(model="flux", ulysses=2).ring == 1
+    assert registry.get("model").build_request(model="flux", ulysses=2).ring == 1
 
 
 @pytest.mark.parametrize(
@@ -139,7 +140,7 @@ def test_prepare_fills_small_divisible_shapes():
 )
 def test_bad_input_before_any_process(fields, words):
     with pytest.raises(BadInput, match=words.replace("(", r"\(")):
-        api_model.prepare_request(**fields)
+        api.request_for("model", **fields)
 
 
 def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):

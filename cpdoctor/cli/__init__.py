@@ -7,6 +7,7 @@ diffusers, so `cpdoctor --help` answers at once.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import typer
 
@@ -14,8 +15,11 @@ from cpdoctor.errors import BadInput, CannotExamine
 
 app = typer.Typer(
     name="cpdoctor",
-    help="Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers.",
-    no_args_is_help=True,
+    help=(
+        "Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers. "
+        "Without a command: the doctor (same as `cpdoctor doctor`): the examinations that matter here, one verdict table."
+    ),
+    no_args_is_help=False,  # `cpdoctor` alone is the doctor (cli/doctor.py)
     add_completion=False,
     pretty_exceptions_enable=False,
 )
@@ -29,11 +33,34 @@ def _print_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback()
+@app.callback(invoke_without_command=True)
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print cpdoctor's version and exit."),
+    patch: bool = typer.Option(False, "--patch", help="Without a command: also show every check with cpdoctor's fix applied."),
+    timeout: Optional[float] = typer.Option(
+        None, "--timeout", help="Without a command: seconds per launch before a rank is reported as HANG (default 300)."
+    ),
+    json_path: Optional[str] = typer.Option(
+        None, "--json", metavar="FILE", help="Without a command: write the JSON report to FILE ('-' for stdout, no table)."
+    ),
 ) -> None:
-    """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers."""
+    """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers.
+
+    Without a command it is the doctor (`cpdoctor doctor`): the environment, then ring 2, ring 3, ring over all
+    accelerators, Ulysses 2, ring 2 × Ulysses 2 and a padded-mask ring as one verdict table, with the diagnosis,
+    remedy and closer-look command of each check that did not pass. Exit 0 nothing wrong, 1 corruption/crash/hang,
+    2 bad input, 3 cannot examine."""
+    if ctx.invoked_subcommand is None:
+        from cpdoctor.cli.doctor import doctor
+
+        doctor(patch=patch, timeout=timeout, json_path=json_path)
+    elif patch or timeout is not None or json_path is not None:
+        given = [name for name, value in (("--patch", patch), ("--timeout", timeout), ("--json", json_path)) if value not in (False, None)]
+        raise BadInput(
+            f"{', '.join(given)} before a command is an option of the doctor (`cpdoctor` alone); "
+            f"give `{ctx.invoked_subcommand}` its options after its name (cpdoctor {ctx.invoked_subcommand} --help)"
+        )
 
 
 def _register_commands() -> None:

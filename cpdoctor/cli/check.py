@@ -31,7 +31,8 @@ def check(
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path)
-    request = api.build_request(
+    request = api.request_for(
+        "attention",
         ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, batch=batch, seq=seq, heads=heads,
         head_dim=head_dim, seed=seed, mask_pad=mask_pad, device=device, patch=patch,
     )

@@ -33,7 +33,7 @@ def check_run_options(timeout: float | None, json_path: str | None) -> None:
     """Bad options caught before any rank starts: a timeout that is not a positive finite number, and a
     --json FILE that cannot be written (found after a long run, it would also hide the run's exit code)."""
     if timeout is not None:
-        from cpdoctor.examinations.attention.request import validate_timeout
+        from cpdoctor.examinations.request import validate_timeout
 
         validate_timeout(timeout)
     from cpdoctor.launch import is_reporting_rank

@@ -72,7 +72,7 @@ def run(
     if suite is None:
         raise BadInput("give a SUITE: a shipped name (cpdoctor run --list) or a YAML file")
     check_run_options(timeout, json_path)
-    from cpdoctor.api_suite import run_suite
+    from cpdoctor.api import run_suite
 
     loaded = suites.load(suite)
     with waiting(f"running suite {loaded.name} ({len(loaded.checks)} checks)", quiet=json_path == "-"):

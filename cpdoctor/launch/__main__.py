@@ -2,6 +2,6 @@
 
 import sys
 
-from cpdoctor.launch import worker_main
+from cpdoctor.launch.worker import worker_main
 
 sys.exit(worker_main(sys.argv[1], sys.argv[2]))

@@ -1,1 +1,30 @@
-"""."""
+"""The op-level examination (`cpdoctor check`): diffusers' real dispatch_attention_fn on sequence shards, forward
+and backward, against the full sequence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpdoctor.examinations.attention import judge
+from cpdoctor.examinations.attention.request import AttentionRequest, build_request
+from cpdoctor.examinations.base import Examination
+from cpdoctor.launch.jobs import Case
+from cpdoctor.report import Finding
+
+
+class AttentionExamination(Examination):
+    kind = "attention"
+    probe = "cpdoctor.examinations.attention.probe"
+    request_type = AttentionRequest
+
+    def build_request(self, **fields: Any) -> AttentionRequest:
+        return build_request(**fields)
+
+    def finding(self, case: Case, evaluated: Any) -> Finding:
+        return judge.attention_finding(case.request, evaluated)
+
+    def describe(self, request: AttentionRequest) -> str:
+        return judge.describe(request)
+
+
+EXAMINATION = AttentionExamination()

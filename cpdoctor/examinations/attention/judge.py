@@ -1,178 +1,199 @@
-"""From numbers to findings: tolerances, verdicts, diagnoses and remedies.
-
-The tolerance of a tensor is `2 × e_base + eps(dtype)`, where `e_base` is the relative L2 error the same
-backend makes on the full sequence *without* CP in the same dtype (measured in the same run) and eps is the
-dtype's machine epsilon: the criterion flash-attn's own tests use (at most twice the error of a plain
-same-dtype implementation). Measured on CPU: fp32 baselines are 3.7e-7–4.6e-7, so fp32 tolerates ~1e-6
-(about 8 ulp, never 100× round-off); bf16 baselines are 2.2e-3–3.9e-3, so bf16 tolerates ~1.5e-2, while the
-unrotated-mask bug shows 7.4e-2. Without a baseline (the backend has no local path) it is `4 × eps`.
-"""
+"""The verdict of an op-level case: each tensor against its tolerance, then the diagnosis read from the error
+signature through a table of rules (forward vs backward, which of dQ/dK/dV, one rank vs all, ring vs Ulysses,
+degree 2 vs ≥ 3). `signature()` turns numbers into the facts the rules read; a unit test can feed it numbers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.report import TENSOR_LABELS, ExitCode, Finding, Verdict, overall
+from cpdoctor.examinations.judging import CP_BACKEND_REMEDY, GRADS_FAR_WORSE, Rule, diagnose, judge_row, unsupported_remedy
+from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
 
-PASS, FAIL, CRASH, HANG, UNSUPPORTED = Verdict.PASS, Verdict.FAIL, Verdict.CRASH, Verdict.HANG, Verdict.UNSUPPORTED
-EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
-GRADS_FAR_WORSE = 10.0
-"""A gradient whose error is this many times the forward's is wrong for a reason of its own."""
-
-EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_CANNOT_EXAMINE = ExitCode.OK, ExitCode.FOUND, ExitCode.BAD_INPUT, ExitCode.CANNOT_EXAMINE
+PATCH = "cpdoctor.patch()"
+REPORT_IT = "cpdoctor.patch() if the ring is involved; otherwise report it with `cpdoctor env --markdown`"
 
 
-def tolerance(dtype: str, baseline: float | None) -> float:
-    eps = EPS[dtype]
-    return 4 * eps if baseline is None else 2 * baseline + eps
+@dataclass(frozen=True)
+class Signature:
+    """The facts of one measured case that the diagnosis rules read."""
+
+    ring: int
+    ulysses: int
+    dtype: str
+    mask_pad: int
+    backend: str
+    routes_cp: bool | None  # False: the backend never calls the CP templates
+    cp_registered: bool | None
+    bad: frozenset[str]  # tensors outside tolerance
+    errors: dict[str, float]  # rel_err per tensor
+    bad_ranks: tuple[int, ...]
+    nonfinite: int
+
+    @property
+    def world(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def layout(self) -> str:
+        return "ring" if self.ulysses == 1 else ("Ulysses" if self.ring == 1 else "the ring inside unified ring × Ulysses")
+
+    @property
+    def where(self) -> str:
+        if len(self.bad_ranks) == self.world:
+            return f"on all {self.world} ranks"
+        ranks = self.bad_ranks
+        return f"only on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {self.world}"
+
+    @property
+    def grads_bad(self) -> list[str]:
+        """Gradients wrong for a reason of their own (not just following a wrong forward)."""
+        out = self.errors.get("out", 0.0)
+        return [n for n in ("dq", "dk", "dv") if n in self.bad and ("out" not in self.bad or self.errors[n] > GRADS_FAR_WORSE * max(out, 1e-30))]
+
+    def grads_text(self) -> tuple[str, str]:
+        labels = "/".join(TENSOR_LABELS[n] for n in self.grads_bad)
+        errs = ", ".join(f"{TENSOR_LABELS[n]} {self.errors[n]:.2g}" for n in self.grads_bad)
+        return labels, errs
+
+    @property
+    def fwd(self) -> str:
+        return "forward exact, " if "out" not in self.bad else ""
 
 
-
-
-def _ranks_phrase(bad_ranks: list[int], world: int) -> str:
-    if len(bad_ranks) == world:
-        return f"on all {world} ranks"
-    return f"only on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))} of {world}"
-
-
-def judge_tensors(tensors: dict[str, dict], dtype: str) -> dict[str, dict]:
-    """Add tolerance, the ranks outside it and a per-tensor verdict to each tensor's numbers."""
-    judged = {}
-    for name, t in tensors.items():
-        tol = tolerance(dtype, t.get("baseline_rel_err"))
-        bad = [r for r, e in enumerate(t["per_rank_rel_err"]) if not e <= tol]
-        ok = t["rel_err"] <= tol and t["nonfinite"] == 0 and not bad
-        judged[name] = {**t, "tolerance": tol, "bad_ranks": bad, "verdict": PASS if ok else FAIL}
-    return judged
-
-
-def diagnose_attention(req: dict, facts: dict, tensors: dict[str, dict]) -> tuple[str, str]:
-    """(diagnosis, remedy) naming the signature seen: forward vs backward, which of dQ/dK/dV, one rank vs
-    all, ring vs Ulysses, degree 2 vs ≥ 3."""
-    ring, ulysses, world = req["ring"], req["ulysses"], req["ring"] * req["ulysses"]
-    backend = facts.get("name", req["backend"])
-    bad = {n for n, t in tensors.items() if t["verdict"] == FAIL}
-    if not bad:
-        return (f"out, dQ, dK and dV match the full-sequence reference on every rank within the {req['dtype']} tolerance", "")
-    layout = "ring" if ulysses == 1 else ("Ulysses" if ring == 1 else "the ring inside unified ring × Ulysses")
-    all_bad_ranks = sorted({r for n in bad for r in tensors[n]["bad_ranks"]})
-    where = _ranks_phrase(all_bad_ranks, world)
-    parts: list[str] = []
-    remedies: list[str] = []
-    out_err = tensors["out"]["rel_err"]
-    nonfinite = sum(t["nonfinite"] for t in tensors.values())
-    if nonfinite:
-        parts.append(f"{nonfinite} non-finite values (NaN/Inf) {where}")
-        remedies.append("check the backend's dtype support; try --dtype fp32 to separate overflow from a CP defect")
-    if "out" in bad:
-        if facts.get("routes_cp") is False:
-            parts.append(
-                f"forward wrong {where} (out rel err {out_err:.2g}): {backend} ignores the parallel config and attends "
-                f"only to each rank's local 1/{world} of the keys"
-                + ("" if facts.get("cp_registered") else "; it is not registered as CP-capable and dispatch_attention_fn never checks")
-            )
-            remedies.append("use a CP-capable backend (`cpdoctor env` lists them; on CPU cpdoctor_cpu, on GPU _native_flash, _native_cudnn or flash)")
-        elif req.get("mask_pad") and ring > 1:
-            parts.append(
-                f"forward wrong {where} only with a padding mask (out rel err {out_err:.2g}): {layout} applies each rank's "
-                "local key mask to every rotated KV chunk instead of rotating the mask with its keys"
-            )
-            remedies += ["cpdoctor.patch() (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"]
-        else:
-            parts.append(f"forward wrong {where} through {layout} (out rel err {out_err:.2g})")
-            remedies.append("cpdoctor.patch() if the ring is involved; otherwise report it with `cpdoctor env --markdown`")
-    grads_bad = [n for n in ("dq", "dk", "dv") if n in bad and ("out" not in bad or tensors[n]["rel_err"] > GRADS_FAR_WORSE * max(out_err, 1e-30))]
-    if grads_bad and facts.get("routes_cp") is not False:
-        labels = "/".join(TENSOR_LABELS[n] for n in grads_bad)
-        errs = ", ".join(f"{TENSOR_LABELS[n]} {tensors[n]['rel_err']:.2g}" for n in grads_bad)
-        fwd = "forward exact, " if "out" not in bad else ""
-        if "dq" not in grads_bad and ring >= 3:
-            parts.append(
-                f"{fwd}backward wrong {where}: dQ exact and {labels} wrong ({errs}) at ring degree {ring} ≥ 3 through {layout}: "
-                "the dK/dV accumulator travels the wrong way round the ring (to rank r+1 instead of r−1); "
-                "the two directions agree only at ring 2"
-            )
-            remedies += ["cpdoctor.patch()", "keep ring_degree ≤ 2 and scale with Ulysses"]
-        elif "dq" in grads_bad and ring > 1:
-            parts.append(
-                f"{fwd}backward wrong {where}: {labels} wrong ({errs}) through {layout}: the ring backward recomputes every "
-                "ring step against stale iteration-0 (local) K/V and partial out/lse instead of the rotated chunk"
-            )
-            remedies += [
-                "cpdoctor.patch()",
-                "upgrade diffusers to a release whose ring backward passes the rotated key/value (then re-check ring ≥ 3)",
-                "Ulysses-only CP",
-            ]
-        else:
-            parts.append(f"{fwd}backward wrong {where}: {labels} wrong ({errs}) through {layout}")
-            remedies.append("cpdoctor.patch() if the ring is involved; otherwise report it with `cpdoctor env --markdown`")
-    diagnosis = "; ".join(parts) if parts else f"{', '.join(sorted(bad))} outside tolerance {where}"
-    unique: dict[str, str] = {}
-    for r in remedies:  # one entry per remedy, the first (most specific) wording kept
-        unique.setdefault(r.split(" (")[0], r)
-    remedy = "; or ".join(unique.values())
-    return diagnosis, remedy
-
-
-def attention_finding(req: dict, evaluated: dict) -> Finding:
-    """The finding for one evaluated attention case."""
-    probe = describe_attention(req, evaluated.get("backend", req["backend"]))
-    facts = evaluated.get("facts", {})
-    if "unsupported" in evaluated:
-        return Finding(probe, UNSUPPORTED, evaluated["unsupported"], _unsupported_remedy(evaluated["unsupported"]), details={"facts": facts})
-    tensors = judge_tensors(evaluated["tensors"], req["dtype"])
-    diagnosis, remedy = diagnose_attention(req, facts, tensors)
-    verdict = PASS if all(t["verdict"] == PASS for t in tensors.values()) else FAIL
-    details = {"facts": facts}
-    if "baseline_error" in evaluated:
-        details["baseline_error"] = evaluated["baseline_error"]
-    return Finding(probe, verdict, diagnosis, remedy, tensors, details)
-
-
-def _unsupported_remedy(reason: str) -> str:
-    if "install" in reason:
-        return "install the missing package, or pick another backend (`cpdoctor env` lists what runs here)"
-    if "LSE" in reason:
-        return "use a backend with an LSE for ring attention (cpdoctor_cpu on CPU; _native_flash, _native_cudnn or flash on GPU), or Ulysses-only CP"
-    return "pick a backend that runs on this device (`cpdoctor env` lists them)"
-
-
-def describe_attention(req: dict, backend: str) -> str:
+def _ignores_cp(s: Signature) -> str:
+    registered = "" if s.cp_registered else "; it is not registered as CP-capable and dispatch_attention_fn never checks"
     return (
-        f"attention ring={req['ring']} ulysses={req['ulysses']} backend={backend} {req['dtype']} "
-        f"B{req['batch']} S{req['seq']} H{req['heads']} D{req['head_dim']}"
-        + (f" mask_pad={req['mask_pad']}" if req.get("mask_pad") else "")
+        f"forward wrong {s.where} (out rel err {s.errors['out']:.2g}): {s.backend} ignores the parallel config and attends "
+        f"only to each rank's local 1/{s.world} of the keys{registered}"
     )
 
 
-def failure_findings(probe: str, failures: list[Any], timeout_s: float) -> list[Finding]:
-    """CRASH / HANG findings from the launcher's rank failures, each with that rank's traceback."""
-    crashed = [f for f in failures if f.kind == "CRASH"]
-    hung = [f for f in failures if f.kind == "HANG"]
-    findings = []
-    if crashed:
-        first, later = crashed[0], crashed[1:]
-        stopped = [f.rank for f in failures if f.kind == "STOPPED"]
-        tail = f"; then rank {', '.join(str(f.rank) for f in later)} failed too" if later else ""
-        tail += f"; rank {', '.join(map(str, stopped))} was waiting in a collective and was stopped" if stopped else ""
-        findings.append(
-            Finding(
-                probe,
-                CRASH,
-                f"rank {first.rank} raised: {first.message}{tail}",
-                "read the traceback below; an AssertionError about divisibility means an uneven sequence shard (`cpdoctor plan`)",
-                details={"tracebacks": {str(f.rank): f.traceback for f in crashed}},
-            )
-        )
-    if hung:
-        findings.append(
-            Finding(
-                probe,
-                HANG,
-                f"rank {', '.join(str(f.rank) for f in hung)} did not finish within {timeout_s:g} s",
-                "a rank is stuck in a collective its peers never entered; raise --timeout if the machine is just slow",
-                details={"logs": {str(f.rank): f.traceback for f in hung}},
-            )
-        )
-    return findings
+def _direction(s: Signature) -> str:
+    labels, errs = s.grads_text()
+    return (
+        f"{s.fwd}backward wrong {s.where}: dQ exact and {labels} wrong ({errs}) at ring degree {s.ring} ≥ 3 through {s.layout}: "
+        "the dK/dV accumulator travels the wrong way round the ring (to rank r+1 instead of r−1); the two directions agree only at ring 2"
+    )
 
+
+def _stale_kv(s: Signature) -> str:
+    labels, errs = s.grads_text()
+    return (
+        f"{s.fwd}backward wrong {s.where}: {labels} wrong ({errs}) through {s.layout}: the ring backward recomputes every "
+        "ring step against stale iteration-0 (local) K/V and partial out/lse instead of the rotated chunk"
+    )
+
+
+def _backward_other(s: Signature) -> str:
+    labels, errs = s.grads_text()
+    return f"{s.fwd}backward wrong {s.where}: {labels} wrong ({errs}) through {s.layout}"
+
+
+RULES: tuple[Rule[Signature], ...] = (
+    Rule(
+        "nonfinite",
+        "non-finite values",
+        lambda s: s.nonfinite > 0,
+        lambda s: f"{s.nonfinite} non-finite values (NaN/Inf) {s.where}",
+        ("check the backend's dtype support; try --dtype fp32 to separate overflow from a CP defect",),
+    ),
+    Rule("forward", "backend ignores CP", lambda s: "out" in s.bad and s.routes_cp is False, _ignores_cp, (CP_BACKEND_REMEDY,)),
+    Rule(
+        "forward",
+        "mask not rotated",
+        lambda s: "out" in s.bad and s.mask_pad > 0 and s.ring > 1,
+        lambda s: (
+            f"forward wrong {s.where} only with a padding mask (out rel err {s.errors['out']:.2g}): {s.layout} applies each rank's "
+            "local key mask to every rotated KV chunk instead of rotating the mask with its keys"
+        ),
+        (f"{PATCH} (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"),
+    ),
+    Rule("forward", "forward wrong", lambda s: "out" in s.bad, lambda s: f"forward wrong {s.where} through {s.layout} (out rel err {s.errors['out']:.2g})", (REPORT_IT,)),
+    Rule(
+        "backward",
+        "dK/dV direction",
+        lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" not in s.grads_bad and s.ring >= 3,
+        _direction,
+        (PATCH, "keep ring_degree ≤ 2 and scale with Ulysses"),
+    ),
+    Rule(
+        "backward",
+        "stale K/V",
+        lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" in s.grads_bad and s.ring > 1,
+        _stale_kv,
+        (PATCH, "upgrade diffusers to a release whose ring backward passes the rotated key/value (then re-check ring ≥ 3)", "Ulysses-only CP"),
+    ),
+    Rule("backward", "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
+)
+
+
+def signature(req: Any, facts: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> Signature:
+    bad = frozenset(n for n, t in tensors.items() if t["verdict"] == Verdict.FAIL)
+    return Signature(
+        ring=req.ring,
+        ulysses=req.ulysses,
+        dtype=req.dtype,
+        mask_pad=req.mask_pad,
+        backend=facts.get("name", req.backend),
+        routes_cp=facts.get("routes_cp"),
+        cp_registered=facts.get("cp_registered"),
+        bad=bad,
+        errors={n: t["rel_err"] for n, t in tensors.items()},
+        bad_ranks=tuple(sorted({r for n in bad for r in tensors[n].get("bad_ranks", [])})),
+        nonfinite=sum(t["nonfinite"] for t in tensors.values()),
+    )
+
+
+def diagnose_attention(req: Any, facts: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """(diagnosis, remedy) naming the signature seen."""
+    sig = signature(req, facts, tensors)
+    if not sig.bad:
+        return (f"out, dQ, dK and dV match the full-sequence reference on every rank within the {req.dtype} tolerance", "")
+    diagnosis, remedy, _ = diagnose(RULES, sig)
+    return diagnosis or f"{', '.join(sorted(sig.bad))} outside tolerance {sig.where}", remedy
+
+
+def describe(req: Any, backend: str | None = None) -> str:
+    return (
+        f"attention ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} {req.dtype} "
+        f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}" + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
+    )
+
+
+def check_command(req: Any, patch: bool = False) -> str:
+    """The exact `cpdoctor check` command that examines this layout."""
+    from cpdoctor.examinations.attention.request import default_seq
+
+    parts = ["cpdoctor check"]
+    if req.ring != 1 or req.ulysses == 1:
+        parts.append(f"--ring {req.ring}")
+    if req.ulysses != 1:
+        parts.append(f"--ulysses {req.ulysses}")
+    for name, default in (("dtype", "fp32"), ("backend", "auto")):
+        if getattr(req, name) != default:
+            parts.append(f"--{name} {getattr(req, name)}")
+    if getattr(req, "seq", None) not in (None, default_seq(req.world_size)):
+        parts.append(f"--seq {req.seq}")
+    if req.mask_pad:
+        parts.append(f"--mask-pad {req.mask_pad}")
+    if patch:
+        parts.append("--patch")
+    return " ".join(parts)
+
+
+def attention_finding(req: Any, evaluated: Measurement) -> Finding:
+    """The finding for one evaluated attention case."""
+    probe = describe(req, evaluated.backend)
+    facts = evaluated.facts
+    if evaluated.unsupported is not None:
+        return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts})
+    tensors = {name: judge_row(row, req.dtype) for name, row in evaluated.tensors.items()}
+    diagnosis, remedy = diagnose_attention(req, facts, tensors)
+    verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) else Verdict.FAIL
+    details: dict[str, Any] = {"facts": facts}
+    if evaluated.baseline_error is not None:
+        details["baseline_error"] = evaluated.baseline_error
+    command = None if verdict == Verdict.PASS else check_command(req, patch=not req.patch)
+    return Finding(probe, verdict, diagnosis, remedy, tensors, details, command=command)

@@ -5,7 +5,7 @@ Every rank builds the same full inputs from the seed, runs its shard forward and
 templates), and hands out, dQ, dK, dV back. Rank 0 then computes, once, the fp64 reference on the full
 sequence and the same backend's single-process result in the probe dtype (the error the kernel makes without
 CP, which sets the tolerance), and measures every rank's shard against the reference. Numbers only: the
-verdict is made elsewhere (verdict.py).
+verdict is made elsewhere (judge.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,10 @@ from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, torch_dtype
+from cpdoctor.launch.jobs import Case
 
 TENSORS = ("out", "dq", "dk", "dv")
-
-
-def torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def make_inputs(req: AttentionRequest) -> dict[str, Any]:
@@ -66,16 +62,16 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     return req.backend, backends.examine_backend(req.backend, device, dtype, heads, req.head_dim)
 
 
-def run_rank(case: dict, ctx: Any) -> dict:
+def run_rank(case: Case, ctx: Any) -> dict:
     """This rank's shard of out/dQ/dK/dV through diffusers' CP attention (CPU tensors), or why it cannot run."""
     import torch
 
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import patch as fix_patch
 
-    req = AttentionRequest.from_dict(case["request"]).validate()
+    req: AttentionRequest = case.request.validate()
     dispatch = compat.dispatch_module()
-    fix_patch.set_patched(case.get("patched", False))
+    fix_patch.set_patched(case.patched, dkv=case.options.get("dkv"))
     name, facts = select_backend(req, ctx.device)
     reason = facts.unsupported_reason(req.ring)
     if reason:
@@ -118,57 +114,18 @@ def single_process(inputs: dict[str, Any], backend: str, device: Any) -> dict[st
     return {n: t.detach().cpu() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
 
-def compare(x: Any, ref: Any) -> dict[str, float]:
-    """Relative L2 error, max abs error and non-finite count of `x` against the fp64 `ref`."""
-    import torch
-
-    xd = x.double()
-    finite = torch.isfinite(xd)
-    diff = torch.where(finite, xd - ref, torch.zeros_like(ref))
-    denom = ref.norm().item() or 1.0
-    return {
-        "rel_err": diff.norm().item() / denom if bool(finite.all()) else float("inf"),
-        "max_abs": diff.abs().max().item() if diff.numel() else 0.0,
-        "nonfinite": int((~finite).sum().item()),
-    }
-
-
-def environment(ctx: Any, backend: str, req: AttentionRequest) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    from cpdoctor.compat import diffusers as compat
-
-    device = str(ctx.device)
-    if ctx.device.type == "cuda":
-        device += f" ({torch.cuda.get_device_name(ctx.device)})"
-    return {
-        "torch": torch.__version__,
-        "diffusers": compat.diffusers_version(),
-        "python": platform.python_version(),
-        "device": device,
-        "process_group": ctx.pg_backend,
-        "world_size": ctx.world_size,
-        "ring": req.ring,
-        "ulysses": req.ulysses,
-        "backend": backend,
-        "dtype": req.dtype,
-    }
-
-
-def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
+def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
     """On rank 0: measure every rank's shard against the fp64 reference, and the same backend's
     single-process error (the baseline the tolerance is built from)."""
     import torch
 
-    req = AttentionRequest.from_dict(case["request"])
+    req: AttentionRequest = case.request
     first = payloads[0]
     backend = first["backend"]
-    result: dict[str, Any] = {"backend": backend, "facts": first["facts"], "environment": environment(ctx, backend, req)}
+    result = Measurement(backend, first["facts"], rank_environment(ctx, backend, req))
     unsupported = [p["unsupported"] for p in payloads if "unsupported" in p]
     if unsupported:
-        result["unsupported"] = unsupported[0]
+        result.unsupported = unsupported[0]
         return result
     inputs = make_inputs(req)
     ref = reference(inputs)
@@ -177,7 +134,7 @@ def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
         baseline = {n: compare(base[n], ref[n])["rel_err"] for n in TENSORS}
     except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
         baseline = {n: None for n in TENSORS}
-        result["baseline_error"] = f"{type(exc).__name__}: {exc}"
+        result.baseline_error = f"{type(exc).__name__}: {exc}"
     order = sorted(range(len(payloads)), key=lambda r: payloads[r]["flat_rank"])
     tensors = {}
     for n in TENSORS:
@@ -191,5 +148,5 @@ def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
             "per_rank_rel_err": [p["rel_err"] for p in per_rank],
             "baseline_rel_err": baseline[n],
         }
-    result["tensors"] = tensors
+    result.tensors = tensors
     return result

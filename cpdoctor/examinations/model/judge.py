@@ -1,6 +1,6 @@
-"""From the numbers of a model examination to a finding: verdict, diagnosis, remedy.
+"""From the numbers of a model examination to a finding: verdict, diagnosis (a table of rules), remedy.
 
-The same tolerance as the op level (`verdict.tolerance`: 2 × the no-CP error of the same model in the same
+The same tolerance as the op level (`judging.tolerance`: 2 × the no-CP error of the same model in the same
 dtype + eps): for the gathered output, and for all parameter gradients concatenated into one vector. The
 worst parameter is the one furthest outside its own tolerance (its own no-CP error); it is reported, and it
 decides nothing on its own (see WORST_PARAM_SLACK). The diagnosis names forward vs backward, the op-level
@@ -9,18 +9,13 @@ check at the same layout (and the exact `cpdoctor check` command that reproduces
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.attention.judge import (
-    FAIL,
-    GRADS_FAR_WORSE,
-    PASS,
-    UNSUPPORTED,
-    Finding,
-    attention_finding,
-    failure_findings,
-    tolerance,
-)
+from cpdoctor.examinations.attention.judge import attention_finding, check_command
+from cpdoctor.examinations.judging import GRADS_FAR_WORSE, Rule, diagnose, judge_row, tolerance, unsupported_remedy
+from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
 
 MODEL_LABELS = {"out": "out", "grads": "all grads", "worst_param": "worst param"}
 
@@ -29,41 +24,28 @@ WORST_PARAM_SLACK = 10.0
 tolerance: one parameter out of hundreds lands past 2 × its rounding noise by chance, a CP defect puts it
 orders of magnitude past (0.39.0 tiny Flux ring 2: 3.27 against ~1e-7)."""
 
+MASK_REMEDIES = ("cpdoctor.patch() (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)")
 
-def describe_model(req: dict, backend: str | None = None, model: dict | None = None) -> str:
+
+def describe_model(req: Any, backend: str | None = None, model: dict | None = None) -> str:
     model = model or {}
-    name = model.get("short_name") or req["model"]
+    name = model.get("short_name") or req.model
     source = model.get("source")
     source = "" if source is None else (" tiny" if source == "tiny config" else f" from {source}")
-    frames = f"x{req['frames']}f" if req.get("frames") else ""
+    frames = f"x{req.frames}f" if req.frames else ""
     return (
-        f"model {name}{source} ring={req['ring']} ulysses={req['ulysses']} backend={backend or req['backend']} "
-        f"{req['dtype']} {req.get('height')}x{req.get('width')}{frames} text {req.get('text_len')} B{req['batch']}"
-        + (f" mask_pad={req['mask_pad']}" if req.get("mask_pad") else "")
+        f"model {name}{source} ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} "
+        f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
+        + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
     )
 
 
-def check_command(req: dict, mask: bool = False) -> str:
-    """The `cpdoctor check` command that runs the op-level cross-check of this layout."""
-    parts = ["cpdoctor check"]
-    if req["ring"] != 1 or req["ulysses"] == 1:
-        parts.append(f"--ring {req['ring']}")
-    if req["ulysses"] != 1:
-        parts.append(f"--ulysses {req['ulysses']}")
-    if req["dtype"] != "fp32":
-        parts.append(f"--dtype {req['dtype']}")
-    if req["backend"] != "auto":
-        parts.append(f"--backend {req['backend']}")
-    if mask and req.get("mask_pad"):
-        parts.append(f"--mask-pad {req['mask_pad']}")
-    return " ".join(parts)
+def op_check_command(req: Any, mask: bool = False) -> str:
+    """The `cpdoctor check` command of the op-level cross-check at this model's layout."""
+    from cpdoctor.examinations.attention.request import AttentionRequest
 
-
-def _judge(row: dict, dtype: str) -> dict:
-    tol = tolerance(dtype, row.get("baseline_rel_err"))
-    bad = [r for r, e in enumerate(row.get("per_rank_rel_err") or []) if not e <= tol]
-    ok = row["rel_err"] <= tol and row["nonfinite"] == 0 and not bad
-    return {**row, "tolerance": tol, "bad_ranks": bad, "verdict": PASS if ok else FAIL}
+    op = AttentionRequest(ring=req.ring, ulysses=req.ulysses, dtype=req.dtype, backend=req.backend, mask_pad=req.mask_pad if mask else 0)
+    return check_command(op)
 
 
 def worst_param(params: dict[str, dict], dtype: str) -> dict | None:
@@ -73,12 +55,9 @@ def worst_param(params: dict[str, dict], dtype: str) -> dict | None:
 
     def ratio(item: tuple[str, dict]) -> float:
         p = item[1]
-        if p["nonfinite"]:
-            return float("inf")
-        return p["rel_err"] / tolerance(dtype, p.get("baseline_rel_err"))
+        return float("inf") if p["nonfinite"] else p["rel_err"] / tolerance(dtype, p.get("baseline_rel_err"))
 
     name, p = max(params.items(), key=ratio)
-    tol = tolerance(dtype, p.get("baseline_rel_err"))
     row = {
         "param": name,
         "rel_err": p["rel_err"],
@@ -88,175 +67,214 @@ def worst_param(params: dict[str, dict], dtype: str) -> dict | None:
         "worst_rank": None,
         "per_rank_rel_err": [],
         "baseline_rel_err": p.get("baseline_rel_err"),
-        "tolerance": tol,
-        "bad_ranks": [],
     }
-    ok = p["nonfinite"] == 0 and p["rel_err"] <= WORST_PARAM_SLACK * tol
-    row["verdict"] = PASS if ok else FAIL
-    return row
+    return judge_row(row, dtype, slack=WORST_PARAM_SLACK)
 
 
-def judge_model_tensors(evaluated: dict, dtype: str) -> dict[str, dict]:
-    tensors = {name: _judge(row, dtype) for name, row in evaluated["tensors"].items()}
-    worst = worst_param(evaluated.get("params", {}), dtype)
+def judge_model_tensors(evaluated: Measurement, dtype: str) -> dict[str, dict]:
+    tensors = {name: judge_row(row, dtype) for name, row in evaluated.tensors.items()}
+    worst = worst_param(evaluated.details.get("params", {}), dtype)
     if worst is not None:
         tensors["worst_param"] = worst
     return tensors
 
 
-def _op_findings(req: dict, evaluated: dict) -> list[tuple[dict, Finding | None, str | None]]:
-    """(op request, its finding or None, error or None) for each op-level cross-check."""
+@dataclass(frozen=True)
+class OpCheck:
+    """One op-level cross-check at the model's layout: its finding, or why it did not run."""
+
+    request: Any
+    finding: Finding | None
+    error: str | None
+
+    @property
+    def bad_out(self) -> bool:
+        return self.finding is not None and self.finding.tensors.get("out", {}).get("verdict") == Verdict.FAIL
+
+    def bad_tensors(self) -> str:
+        assert self.finding is not None
+        return ", ".join(f"{TENSOR_LABELS.get(n, n)} {t['rel_err']:.2g}" for n, t in self.finding.tensors.items() if t["verdict"] == Verdict.FAIL)
+
+
+def op_checks(evaluated: Measurement) -> list[OpCheck]:
     out = []
-    for item in evaluated.get("op_level", []):
+    for item in evaluated.details.get("op_level", []):
         if "evaluated" in item:
-            out.append((item["request"], attention_finding(item["request"], item["evaluated"]), None))
+            out.append(OpCheck(item["request"], attention_finding(item["request"], item["evaluated"]), None))
         else:
-            out.append((item["request"], None, item.get("error", "not run")))
+            out.append(OpCheck(item["request"], None, item.get("error", "not run")))
     return out
 
 
-def _bad_tensors(finding: Finding) -> str:
-    labels = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV"}
-    return ", ".join(f"{labels.get(n, n)} {t['rel_err']:.2g}" for n, t in finding.tensors.items() if t["verdict"] == FAIL)
+@dataclass(frozen=True)
+class ModelSignature:
+    """The facts of one measured model case that the diagnosis rules read."""
+
+    req: Any
+    tensors: dict[str, dict]
+    plain: OpCheck | None  # the op-level check without a mask
+    masked: OpCheck | None  # with the model's padding mask
+
+    @property
+    def layout(self) -> str:
+        r, u = self.req.ring, self.req.ulysses
+        return "ring" if u == 1 else ("Ulysses" if r == 1 else "ring × Ulysses")
+
+    @property
+    def out(self) -> dict:
+        return self.tensors["out"]
+
+    @property
+    def grads(self) -> dict:
+        return self.tensors["grads"]
+
+    @property
+    def grads_bad(self) -> bool:
+        worst = self.tensors.get("worst_param")
+        return self.grads["verdict"] == Verdict.FAIL or (worst is not None and worst["verdict"] == Verdict.FAIL)
+
+    @property
+    def worst_text(self) -> str:
+        w = self.tensors.get("worst_param")
+        if not w:
+            return ""
+        base = "–" if w["baseline_rel_err"] is None else f"{w['baseline_rel_err']:.2g}"
+        return f"; worst parameter {w['param']} {w['rel_err']:.2g} (no-CP {base})"
+
+    @property
+    def masked_op_fails_forward_only_with_mask(self) -> bool:
+        return self.masked is not None and self.masked.finding is not None and self.plain is not None and self.plain.finding is not None and self.masked.bad_out and not self.plain.bad_out
 
 
-def diagnose_model(req: dict, evaluated: dict, tensors: dict[str, dict]) -> tuple[str, str]:
+def _forward_wrong(s: ModelSignature) -> str:
+    what = f"forward wrong: out rel err {s.out['rel_err']:.2g} (tolerance {s.out['tolerance']:.2g})"
+    if s.grads_bad:
+        follows = s.grads["rel_err"] <= GRADS_FAR_WORSE * max(s.out["rel_err"], 1e-30)
+        cause = "and the gradients with it" if follows else "and the gradients far worse, a backward defect of their own"
+        what += f", {cause} (all grads {s.grads['rel_err']:.2g}{s.worst_text})"
+    return what
+
+
+def _op_fails(s: ModelSignature) -> str:
+    assert s.plain is not None and s.plain.finding is not None
+    return f"the attention op alone fails at this layout: `{op_check_command(s.req)}` → {s.plain.bad_tensors()} ({s.plain.finding.diagnosis})"
+
+
+def _op_remedies(s: ModelSignature) -> tuple[str, ...]:
+    return (s.plain.finding.remedy,) if s.plain is not None and s.plain.finding is not None and s.plain.finding.remedy else ()
+
+
+def _plain_verdict(s: ModelSignature) -> Verdict | None:
+    return s.plain.finding.verdict if s.plain is not None and s.plain.finding is not None else None
+
+
+RULES: tuple[Rule[ModelSignature], ...] = (
+    Rule(
+        "nonfinite",
+        "non-finite values",
+        lambda s: bool(s.out["nonfinite"] or s.grads["nonfinite"]),
+        lambda s: f"{s.out['nonfinite'] + s.grads['nonfinite']} non-finite values (NaN/Inf)",
+        ("try --dtype fp32 to separate overflow from a CP defect",),
+    ),
+    Rule("what", "forward wrong", lambda s: s.out["verdict"] == Verdict.FAIL, _forward_wrong),
+    Rule(
+        "what",
+        "backward wrong",
+        lambda s: True,
+        lambda s: f"forward exact (out {s.out['rel_err']:.2g}), backward wrong: all parameter grads {s.grads['rel_err']:.2g} (tolerance {s.grads['tolerance']:.2g}){s.worst_text}",
+    ),
+    Rule(
+        "mask",
+        "mask not rotated",
+        lambda s: bool(s.req.mask_pad) and s.masked_op_fails_forward_only_with_mask,
+        lambda s: (
+            "the text padding mask is involved: at op level the same layout is exact in forward without a mask and "
+            f"wrong with one (`{op_check_command(s.req, mask=True)}`: {s.masked.bad_tensors()}): {s.layout} applies each rank's "  # type: ignore[union-attr]
+            "local key mask to every rotated KV chunk instead of rotating the mask with its keys"
+        ),
+        MASK_REMEDIES,
+    ),
+    Rule(
+        "mask",
+        "mask handled",
+        lambda s: bool(s.req.mask_pad) and s.masked is not None and s.masked.finding is not None and not s.masked.bad_out,
+        lambda s: f"the padding mask is handled at op level (`{op_check_command(s.req, mask=True)}` passes the forward)",
+    ),
+    Rule(
+        "mask",
+        "mask unexamined",
+        lambda s: bool(s.req.mask_pad) and s.req.ring > 1 and (s.masked is None or s.masked.finding is None),
+        lambda s: "the text padding mask is split under ring attention: rerun without --mask-pad to see whether it is involved",
+    ),
+    Rule(
+        "op level",
+        "op check did not run",
+        lambda s: s.plain is not None and s.plain.finding is None,
+        lambda s: f"the op-level cross-check did not run ({s.plain.error}); run `{op_check_command(s.req)}`",  # type: ignore[union-attr]
+    ),
+    Rule("op level", "op fails too", lambda s: _plain_verdict(s) == Verdict.FAIL, _op_fails, ()),
+    Rule(
+        "op level",
+        "op passes: model path",
+        lambda s: _plain_verdict(s) == Verdict.PASS and not (s.req.mask_pad and s.masked is not None and s.masked.finding is not None and s.masked.finding.verdict == Verdict.FAIL),
+        lambda s: (
+            f"the attention op alone passes at this layout (`{op_check_command(s.req)}`): the defect lies in the model's CP path around "
+            "attention (its _cp_plan splits and gathers, rotary embeddings, masks), not in the attention op"
+        ),
+        ("compare the model's _cp_plan with its forward (`cpdoctor plan` lists what it splits); report it with `cpdoctor env --markdown`",),
+    ),
+    Rule(
+        "op level",
+        "op says otherwise",
+        lambda s: _plain_verdict(s) not in (None, Verdict.PASS, Verdict.FAIL),
+        lambda s: f"the op-level cross-check `{op_check_command(s.req)}` says {s.plain.finding.verdict}: {s.plain.finding.diagnosis}",  # type: ignore[union-attr]
+    ),
+)
+
+
+def diagnose_model(req: Any, evaluated: Measurement, tensors: dict[str, dict]) -> tuple[str, str]:
     """(diagnosis, remedy): forward vs backward, the op level at the same layout, the mask."""
-    ring, ulysses = req["ring"], req["ulysses"]
-    layout = "ring" if ulysses == 1 else ("Ulysses" if ring == 1 else "ring × Ulysses")
-    model = evaluated.get("model", {})
-    n_params = model.get("parameter_tensors")
-    out, grads, worst = tensors["out"], tensors["grads"], tensors.get("worst_param")
-    grads_bad = grads["verdict"] == FAIL or (worst is not None and worst["verdict"] == FAIL)
-    ops = _op_findings(req, evaluated)
-    plain = next(((r, f, e) for r, f, e in ops if not r.get("mask_pad")), None)
-    masked = next(((r, f, e) for r, f, e in ops if r.get("mask_pad")), None)
-    worst_txt = (
-        f"; worst parameter {worst['param']} {worst['rel_err']:.2g} (no-CP {_fmt(worst['baseline_rel_err'])})" if worst else ""
-    )
-    if out["verdict"] == PASS and not grads_bad:
+    ops = op_checks(evaluated)
+    sig = ModelSignature(req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None))
+    if sig.out["verdict"] == Verdict.PASS and not sig.grads_bad:
+        n_params = evaluated.details.get("model", {}).get("parameter_tensors")
         params = f"all {n_params} parameter gradients" if n_params else "the parameter gradients"
         return (
-            f"output and {params} match the single-process fp64 model within the {req['dtype']} tolerance through "
-            f"enable_parallelism ({layout}, {req['ring'] * req['ulysses']} ranks)"
-            f" (out {out['rel_err']:.2g}, all grads {grads['rel_err']:.2g}{worst_txt})",
+            f"output and {params} match the single-process fp64 model within the {req.dtype} tolerance through "
+            f"enable_parallelism ({sig.layout}, {req.world_size} ranks) (out {sig.out['rel_err']:.2g}, all grads {sig.grads['rel_err']:.2g}{sig.worst_text})",
             "",
         )
-    parts: list[str] = []
-    remedies: list[str] = []
-    if out["nonfinite"] or grads["nonfinite"]:
-        parts.append(f"{out['nonfinite'] + grads['nonfinite']} non-finite values (NaN/Inf)")
-        remedies.append("try --dtype fp32 to separate overflow from a CP defect")
-    if out["verdict"] == FAIL:
-        what = f"forward wrong: out rel err {out['rel_err']:.2g} (tolerance {out['tolerance']:.2g})"
-        if grads_bad:
-            cause = "and the gradients with it" if grads["rel_err"] <= GRADS_FAR_WORSE * max(out["rel_err"], 1e-30) else (
-                "and the gradients far worse, a backward defect of their own"
-            )
-            what += f", {cause} (all grads {grads['rel_err']:.2g}{worst_txt})"
-        parts.append(what)
-    else:
-        parts.append(f"forward exact (out {out['rel_err']:.2g}), backward wrong: all parameter grads {grads['rel_err']:.2g} (tolerance {grads['tolerance']:.2g}){worst_txt}")
-    # the mask
-    if req.get("mask_pad"):
-        if masked is not None and masked[1] is not None and plain is not None and plain[1] is not None:
-            mf, pf = masked[1], plain[1]
-            mask_out_bad = mf.tensors.get("out", {}).get("verdict") == FAIL
-            plain_out_bad = pf.tensors.get("out", {}).get("verdict") == FAIL
-            if mask_out_bad and not plain_out_bad:
-                parts.append(
-                    f"the text padding mask is involved: at op level the same layout is exact in forward without a mask and "
-                    f"wrong with one (`{check_command(req, mask=True)}`: {_bad_tensors(mf)}): {layout} applies each rank's "
-                    "local key mask to every rotated KV chunk instead of rotating the mask with its keys"
-                )
-                remedies += ["cpdoctor.patch() (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"]
-            elif not mask_out_bad:
-                parts.append(f"the padding mask is handled at op level (`{check_command(req, mask=True)}` passes the forward)")
-        elif ring > 1:
-            parts.append("the text padding mask is split under ring attention: rerun without --mask-pad to see whether it is involved")
-    # the op level at the same layout
-    if plain is not None:
-        _, pf, err = plain
-        cmd = check_command(req)
-        if pf is None:
-            parts.append(f"the op-level cross-check did not run ({err}); run `{cmd}`")
-        elif pf.verdict == FAIL:
-            parts.append(f"the attention op alone fails at this layout: `{cmd}` → {_bad_tensors(pf)} ({pf.diagnosis})")
-            if pf.remedy:
-                remedies.append(pf.remedy)
-        elif pf.verdict == PASS:
-            if not (req.get("mask_pad") and masked is not None and masked[1] is not None and masked[1].verdict == FAIL):
-                parts.append(
-                    f"the attention op alone passes at this layout (`{cmd}`): the defect lies in the model's CP path around "
-                    "attention (its _cp_plan splits and gathers, rotary embeddings, masks), not in the attention op"
-                )
-                remedies.append("compare the model's _cp_plan with its forward (`cpdoctor plan` lists what it splits); report it with `cpdoctor env --markdown`")
-        else:
-            parts.append(f"the op-level cross-check `{cmd}` says {pf.verdict}: {pf.diagnosis}")
-    unique: dict[str, str] = {}
-    for r in remedies:
-        for piece in r.split("; or "):
-            unique.setdefault(piece.split(" (")[0], piece)
-    return "; ".join(parts), "; or ".join(unique.values())
+    diagnosis, remedy, _ = diagnose(RULES, sig)
+    # the op-level remedy (for an op that fails too) joins the rest
+    from cpdoctor.examinations.judging import join_remedies
+
+    extra = _op_remedies(sig) if _plain_verdict(sig) == Verdict.FAIL else ()
+    return diagnosis, join_remedies([remedy, *extra])
 
 
-def _fmt(x: Any) -> str:
-    return "–" if x is None else f"{x:.2g}"
-
-
-def model_finding(req: dict, evaluated: dict) -> Finding:
+def model_finding(req: Any, evaluated: Measurement) -> Finding:
     """The finding for one evaluated model case."""
-    probe = describe_model(req, evaluated.get("backend"), evaluated.get("model"))
-    facts = evaluated.get("facts", {})
-    if "unsupported" in evaluated:
-        reason = evaluated["unsupported"]
-        if "LSE" in reason:
-            remedy = "use a backend with an LSE for ring attention (cpdoctor_cpu on CPU; _native_flash, _native_cudnn or flash on GPU), or Ulysses-only CP"
-        elif "context-parallel capable" in reason:
-            remedy = "use a CP-capable backend (`cpdoctor env` lists them; on CPU cpdoctor_cpu, on GPU _native_flash, _native_cudnn or flash)"
-        else:
-            remedy = "pick a backend that runs on this device (`cpdoctor env` lists them)"
-        return Finding(probe, UNSUPPORTED, reason, remedy, details={"facts": facts})
-    tensors = judge_model_tensors(evaluated, req["dtype"])
+    probe = describe_model(req, evaluated.backend, evaluated.details.get("model"))
+    facts = evaluated.facts
+    if evaluated.unsupported is not None:
+        return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts})
+    tensors = judge_model_tensors(evaluated, req.dtype)
     diagnosis, remedy = diagnose_model(req, evaluated, tensors)
-    verdict = PASS if all(t["verdict"] == PASS for t in tensors.values()) else FAIL
-    details: dict[str, Any] = {"facts": facts, "model": evaluated.get("model", {})}
-    params = evaluated.get("params", {})
+    verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) else Verdict.FAIL
+    details: dict[str, Any] = {"facts": facts, "model": evaluated.details.get("model", {})}
+    params = evaluated.details.get("params", {})
     if params:
         ranked = sorted(params.items(), key=lambda kv: kv[1]["rel_err"], reverse=True)
         details["worst_params"] = {n: {"rel_err": p["rel_err"], "baseline_rel_err": p.get("baseline_rel_err")} for n, p in ranked[:5]}
     ops = []
-    for r, f, err in _op_findings(req, evaluated):
-        entry: dict[str, Any] = {"command": check_command(req, mask=bool(r.get("mask_pad")))}
-        if f is not None:
-            entry.update(verdict=f.verdict, diagnosis=f.diagnosis, rel_err={n: t["rel_err"] for n, t in f.tensors.items()})
+    for op in op_checks(evaluated):
+        entry: dict[str, Any] = {"command": op_check_command(req, mask=bool(op.request.mask_pad))}
+        if op.finding is not None:
+            entry.update(verdict=op.finding.verdict.value, diagnosis=op.finding.diagnosis, rel_err={n: t["rel_err"] for n, t in op.finding.tensors.items()})
         else:
-            entry["error"] = err
+            entry["error"] = op.error
         ops.append(entry)
     details["op_level"] = ops
-    if "baseline_error" in evaluated:
-        details["baseline_error"] = evaluated["baseline_error"]
+    if evaluated.baseline_error is not None:
+        details["baseline_error"] = evaluated.baseline_error
     return Finding(probe, verdict, diagnosis, remedy, tensors, details)
-
-
-def model_case_findings(item: dict, timeout_s: float) -> list[Finding]:
-    """Findings of one launched case: the evaluated finding, or CRASH / HANG from the ranks that stopped."""
-    from cpdoctor import launch
-
-    req = item["case"]["request"]
-    if "evaluated" in item:
-        return [model_finding(req, item["evaluated"])]
-    stopped = launch.failures_from_payloads(item["rank_payloads"])
-    return model_failure_findings(req, stopped.failures, timeout_s)
-
-
-def model_failure_findings(req: dict, failures: list[Any], timeout_s: float) -> list[Finding]:
-    findings = failure_findings(describe_model(req), failures, timeout_s)
-    if any("warning_once" in f.message for f in failures):
-        for f in findings:
-            f.remedy = (
-                "diffusers' CP hook calls logger.warning_once, which only exists once transformers is imported (it patches "
-                "logging.Logger; every pipeline imports it): pip install transformers and import it before enable_parallelism. "
-                "The warning it wanted to give: an input of the _cp_plan has another rank than expected and is not split"
-            )
-    return findings

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import os
 import warnings
 from typing import Any, Iterator
 
 from cpdoctor.errors import BadInput
+from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, torch_dtype
 from cpdoctor.examinations.model.request import ModelRequest
+from cpdoctor.launch.jobs import Case
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "flux": dict(
@@ -62,12 +63,14 @@ class ModelSpec:
     short_name: str
     class_name: str
     config: dict[str, Any]
-    source: str  # TINY_SOURCE or the checkpoint directory
+    source: str  # TINY_SOURCE, the checkpoint directory or "hub cache org/name@commit"
     builder: Any
+    weights: Any = None  # cpdoctor.models.checkpoints.Checkpoint, None for a tiny config
 
     @property
     def checkpoint(self) -> str | None:
-        return None if self.source == TINY_SOURCE else self.source
+        """The directory holding the transformer's config and weights, None for a tiny config."""
+        return None if self.weights is None else self.weights.model_dir
 
     def full_config(self) -> dict[str, Any]:
         from cpdoctor.models.catalog import full_config
@@ -80,21 +83,29 @@ class ModelSpec:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _safetensors_in(directory: str) -> list[str]:
-    with contextlib.suppress(OSError):
-        return sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    return []
-
-
-def resolve_spec(model: str) -> ModelSpec:
-    """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a directory.
-    BadInput for an unknown name, a family without a tiny config, or a directory without safetensors."""
+def resolve_spec(
+    model: str,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    download: bool = False,
+    allow_pickle: bool = False,
+) -> ModelSpec:
+    """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a hub id (found in the
+    local Hugging Face cache, fetched only with `download`), a pipeline or a transformer directory. BadInput
+    for an unknown name, a family without a tiny config, checkpoint options given with a name, or a checkpoint
+    that is missing, pickle-only, truncated or incomplete (cpdoctor.models.checkpoints)."""
+    from cpdoctor.models import checkpoints
     from cpdoctor.models.catalog import builder_for, resolve_model
 
-    resolved = resolve_model(model)
+    weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle)
+    resolved = resolve_model(model if weights is None else weights.config_file)
     cls, entry = resolved.cls, resolved.entry
     builder = builder_for(cls)
-    if resolved.source == "diffusers defaults":
+    if weights is None:
+        given = [o for o, v in (("--revision", revision), ("--variant", variant), ("--download", download), ("--allow-pickle", allow_pickle)) if v]
+        if given:
+            raise BadInput(f"{' and '.join(given)} apply to a checkpoint (a hub id org/name or a directory), not to the name {model}")
         config = TINY_CONFIGS.get(entry.short_name)
         if config is None:
             raise BadInput(
@@ -102,10 +113,16 @@ def resolve_spec(model: str) -> ModelSpec:
                 f"directory instead (tiny configs: {', '.join(sorted(TINY_CONFIGS))})"
             )
         return ModelSpec(cls, entry.short_name, entry.class_name, dict(config), TINY_SOURCE, builder)
-    directory = os.path.abspath(os.path.dirname(resolved.source))
-    if not _safetensors_in(directory):
-        raise BadInput(f"{directory} has no safetensors weights (*.safetensors); cpdoctor model loads safetensors only")
-    return ModelSpec(cls, entry.short_name, entry.class_name, dict(resolved.config), directory, builder)
+    return ModelSpec(cls, entry.short_name, entry.class_name, dict(weights.config), weights.source, builder, weights)
+
+
+def request_spec(req: ModelRequest, *, local_only: bool = False) -> ModelSpec:
+    """resolve_spec for a request. The ranks and rank 0's evaluation pass local_only: they never download, and
+    `prepare` pinned a hub checkpoint's revision to the commit the parent resolved, so they load the same one."""
+    return resolve_spec(
+        req.model, revision=req.revision, variant=req.variant, download=req.download and not local_only,
+        allow_pickle=req.allow_pickle,
+    )
 
 
 def _forward_params(cls: type) -> set[str]:
@@ -125,7 +142,9 @@ def prepare(req: ModelRequest) -> tuple[ModelRequest, ModelSpec]:
     from cpdoctor.models.catalog import build_inputs
 
     req = req.validate()
-    spec = resolve_spec(req.model)
+    spec = request_spec(req)
+    if spec.weights is not None and spec.weights.revision:
+        req = req.with_fields(revision=spec.weights.revision)
     builder = spec.builder
     full = spec.full_config()
     step = builder.resolution_multiple(full)
@@ -184,12 +203,6 @@ def _indivisible(spec: ModelSpec, req: ModelRequest, what: str) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def torch_dtype(name: str) -> Any:
-    from cpdoctor.examinations.attention.probe import torch_dtype as td
-
-    return td(name)
-
-
 @contextlib.contextmanager
 def quiet_diffusers() -> Iterator[None]:
     """diffusers warns on every enable_parallelism / set_attention_backend ("experimental") and torch on the
@@ -215,11 +228,15 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any) -> 
     import torch
 
     torch.manual_seed(req.seed)
-    if spec.checkpoint:
+    weights = spec.weights
+    if weights is not None:
         try:
-            model = spec.cls.from_pretrained(spec.checkpoint, use_safetensors=True)
-        except (OSError, ValueError) as exc:
-            raise BadInput(f"cannot load {spec.checkpoint}: {str(exc).strip().splitlines()[0]}") from exc
+            model = spec.cls.from_pretrained(
+                weights.directory, subfolder=weights.subfolder, variant=weights.variant,
+                use_safetensors=weights.use_safetensors,
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise BadInput(f"cannot load {weights.source}: {str(exc).strip().splitlines()[0]}") from exc
     else:
         from cpdoctor.models.catalog import build_model as catalog_build
 
@@ -317,7 +334,7 @@ def _is_split_assertion(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def run_rank(case: dict, ctx: Any) -> dict:
+def run_rank(case: Case, ctx: Any) -> dict:
     """This rank's CP run of the model: its (gathered) output, the parameter gradients summed over the CP
     group (rank 0 keeps them), and the op-level payloads at the same layout."""
     from cpdoctor.kernels import cpu_backend
@@ -325,11 +342,11 @@ def run_rank(case: dict, ctx: Any) -> dict:
     from cpdoctor.fix import patch as fix_patch
     from cpdoctor.examinations.attention import probe as attention
 
-    req = ModelRequest.from_dict(case["request"]).validate()
-    fix_patch.set_patched(case.get("patched", False))
+    req: ModelRequest = case.request.validate()
+    fix_patch.set_patched(case.patched, dkv=case.options.get("dkv"))
     cpu_backend.register()
     with quiet_diffusers(), compat.preserved_active_backend():
-        spec = resolve_spec(req.model)
+        spec = request_spec(req, local_only=True)
         name, facts = select_backend(req, spec, ctx.device)
         reason = facts.unsupported_reason(req.ring)
         if not reason and not facts.cp_registered:
@@ -353,9 +370,9 @@ def run_rank(case: dict, ctx: Any) -> dict:
         summed = ctx.all_sum_cpu(grads)
         del model
         op_payloads = []
-        for op_case in case.get("op_cases", []):
+        for op_request in case.options.get("op_requests", ()):
             try:
-                op_payloads.append({"ok": attention.run_rank(dict(op_case, patched=case.get("patched", False)), ctx)})
+                op_payloads.append({"ok": attention.run_rank(Case(op_request, case.patched, case.options), ctx)})
             except Exception as exc:  # noqa: BLE001 - the op-level cross-check is evidence, not the examination
                 op_payloads.append({"error": f"{type(exc).__name__}: {exc}"})
     return {
@@ -368,16 +385,8 @@ def run_rank(case: dict, ctx: Any) -> dict:
     }
 
 
-def compare(x: Any, ref: Any) -> dict[str, float]:
-    from cpdoctor.examinations.attention.probe import compare as cmp
-
-    return cmp(x, ref)
-
-
 def environment(ctx: Any, backend: str, req: ModelRequest) -> dict[str, Any]:
-    from cpdoctor.examinations.attention import probe as attention
-
-    env = attention.environment(ctx, backend, req)  # reads ring, ulysses and dtype only
+    env = rank_environment(ctx, backend, req)
     env["model"] = req.model
     return env
 
@@ -423,7 +432,7 @@ def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layo
     }
 
 
-def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
+def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
     """On rank 0: the CP output and summed gradients against the fp64 single-process reference, the no-CP
     error in the probe dtype (the baseline), per parameter too, and the op-level cross-check."""
     import torch
@@ -431,16 +440,16 @@ def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.examinations.attention import probe as attention
 
-    req = ModelRequest.from_dict(case["request"])
+    req: ModelRequest = case.request
     first = payloads[0]
     backend = first["backend"]
-    result: dict[str, Any] = {"backend": backend, "facts": first["facts"], "environment": environment(ctx, backend, req)}
+    result = Measurement(backend, first["facts"], environment(ctx, backend, req))
     unsupported = [p["unsupported"] for p in payloads if "unsupported" in p]
     with quiet_diffusers(), compat.preserved_active_backend():
-        spec = resolve_spec(req.model)
+        spec = request_spec(req, local_only=True)
         if unsupported:
-            result["unsupported"] = unsupported[0]
-            result["model"] = {"short_name": spec.short_name, "class_name": spec.class_name, "source": spec.source}
+            result.unsupported = unsupported[0]
+            result.details["model"] = {"short_name": spec.short_name, "class_name": spec.class_name, "source": spec.source}
             return result
         dtype = torch_dtype(req.dtype)
         base_model = build_model(spec, req, ctx.device, dtype)
@@ -450,13 +459,13 @@ def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
             base_model.set_attention_backend(backend)
             base_out, base_grads = step(base_model, kwargs, req, ctx.device, dtype)
         except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
-            result["baseline_error"] = f"{type(exc).__name__}: {exc}"
+            result.baseline_error = f"{type(exc).__name__}: {exc}"
         del base_model
         ref_model = build_model(spec, req, "cpu", dtype).to(torch.float64)
         ref_model.set_attention_backend(REFERENCE_BACKEND)  # set_attention_backend also sets the global active one
         ref_out, ref_grads = step(ref_model, kwargs, req, "cpu", torch.float64)
         ref_layout = param_layout(ref_model)
-        result["model"] = _model_info(spec, req, kwargs, ref_layout)
+        result.details["model"] = _model_info(spec, req, kwargs, ref_layout)
         del ref_model
 
     per_rank = [compare(p["out"], ref_out) for p in payloads]
@@ -474,21 +483,21 @@ def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
         "per_rank_rel_err": [],
         "baseline_rel_err": None if base_grads is None else compare(base_grads, ref_grads)["rel_err"],
     }
-    result["tensors"] = {"out": out_row, "grads": grads_row}
-    result["params"] = _param_errors(grads, base_grads, ref_grads, first["layout"], ref_layout)
+    result.tensors = {"out": out_row, "grads": grads_row}
+    result.details["params"] = _param_errors(grads, base_grads, ref_grads, first["layout"], ref_layout)
 
     op_results = []
-    for i, op_case in enumerate(case.get("op_cases", [])):
+    for i, op_request in enumerate(case.options.get("op_requests", ())):
         ops = [p["op"][i] if i < len(p["op"]) else {"error": "not run"} for p in payloads]
         errors = [o["error"] for o in ops if "error" in o]
         if errors:
-            op_results.append({"request": op_case["request"], "error": errors[0]})
+            op_results.append({"request": op_request, "error": errors[0]})
             continue
         try:
-            evaluated = attention.evaluate(op_case, [o["ok"] for o in ops], ctx)
+            evaluated = attention.evaluate(Case(op_request, case.patched), [o["ok"] for o in ops], ctx)
         except Exception as exc:  # noqa: BLE001
-            op_results.append({"request": op_case["request"], "error": f"{type(exc).__name__}: {exc}"})
+            op_results.append({"request": op_request, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        op_results.append({"request": op_case["request"], "evaluated": evaluated})
-    result["op_level"] = op_results
+        op_results.append({"request": op_request, "evaluated": evaluated})
+    result.details["op_level"] = op_results
     return result

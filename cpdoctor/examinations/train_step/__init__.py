@@ -1,1 +1,62 @@
-"""."""
+"""One training step of a tiny attention model under CP (patched or not) against one process: the fix's own
+end-to-end check (tests and benchmarks use it; suites do not name it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cpdoctor.examinations.base import Examination
+from cpdoctor.launch.jobs import Case
+from cpdoctor.report import Finding, Verdict
+
+
+@dataclass(frozen=True)
+class TrainStepRequest:
+    """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive")."""
+
+    ring: int = 2
+    ulysses: int = 1
+    mask: str | None = None
+    mask_pad: int = 3
+    seq: int = 64
+    batch: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    dim: int = 32
+    layers: int = 2
+    dtype: str = "fp32"
+    seed: int = 0
+    backend: str = "cpdoctor_cpu"
+    compare_original: bool = False
+    device: str = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.ring * self.ulysses
+
+    def validate(self) -> "TrainStepRequest":
+        return self
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+class TrainStepExamination(Examination):
+    kind = "train_step"
+    probe = "cpdoctor.examinations.train_step.probe"
+    request_type = TrainStepRequest
+    in_suites = False
+
+    def finding(self, case: Case, evaluated: Any) -> Finding:
+        worst = max((v for k, v in evaluated.items() if k.endswith("rel_err") and isinstance(v, float)), default=0.0)
+        verdict = Verdict.PASS if worst < 1e-5 else Verdict.FAIL
+        return Finding(self.describe(case.request), verdict, f"worst relative error {worst:.2g} against one process", details=dict(evaluated))
+
+    def describe(self, request: TrainStepRequest) -> str:
+        return f"train step ring={request.ring} ulysses={request.ulysses} mask={request.mask}"
+
+
+EXAMINATION = TrainStepExamination()

@@ -36,9 +36,15 @@ DEFAULTS = {
 }
 
 
-def _case(case: dict) -> dict:
+def _case(case: Any) -> dict:
+    """The step's settings from a launch Case (its request: TrainStepRequest) or a plain dict."""
+    from dataclasses import asdict
+
     from cpdoctor.errors import BadInput
 
+    if hasattr(case, "request"):
+        case = {**asdict(case.request), "patched": case.patched}
+        case.pop("device", None)
     unknown = set(case) - set(DEFAULTS)
     if unknown:
         raise BadInput(f"unknown train-step case keys: {', '.join(sorted(unknown))}")
@@ -123,7 +129,7 @@ def _rng_states() -> list:
     return states
 
 
-def run_rank(case: dict, ctx: Any) -> dict:
+def run_rank(case: Any, ctx: Any) -> dict:
     import torch
 
     from cpdoctor.kernels import cpu_backend
@@ -173,7 +179,7 @@ def _rel(x: Any, ref: Any) -> float:
     return (x.double() - ref).norm().item() / (ref.norm().item() or 1.0)
 
 
-def evaluate(case: dict, payloads: list[dict], ctx: Any) -> dict:
+def evaluate(case: Any, payloads: list[dict], ctx: Any) -> dict:
     """Rank 0: the CP step against the single-process step (relative L2 errors, worst parameter named)."""
     import torch
 

@@ -1,0 +1,179 @@
+"""The front door: `cpdoctor` with no arguments. The examinations that matter on this machine, as one suite.
+
+A newcomer who runs one `cpdoctor check --ring 2` may see PASS while ring 3, ring 4 and a masked ring are
+corrupt. The doctor runs the layouts people actually use, on the best CP-capable backend here ("auto"):
+
+    ring 2 · ring 3 · ring N (N = the accelerators visible, when N ≥ 2 and N is not 2 or 3) · Ulysses 2 ·
+    ring 2 × Ulysses 2 · ring 2 with a padded key mask
+
+as one `Suite` through `cpdoctor.api.run_suite`, which runs the checks of one world size in one launch (on a
+CPU host: world 2, 3 and 4, three launches). Every finding carries `command`, the exact `cpdoctor check ...`
+line that looks closer, and the report carries a summary under `doctor`. Nothing here prints (cli/doctor.py
+renders) and nothing here looks at version numbers: the verdicts come from measuring.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpdoctor.errors import BadInput
+from cpdoctor.report import Report, Verdict
+from cpdoctor.suite import Suite
+
+MASK_PAD = 3
+"""Keys masked as padding in the masked-ring check (a padded text prompt)."""
+
+
+@dataclass(frozen=True)
+class PlannedCheck:
+    """One examination of the doctor: a short label for the table, the `attention` fields, why it is there."""
+
+    label: str
+    fields: dict[str, Any] = field(hash=False)
+    why: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return int(self.fields.get("ring", 1)) * int(self.fields.get("ulysses", 1))
+
+
+def plan(accelerators: int, torchrun_world: int | None = None) -> list[PlannedCheck]:
+    """The checks for a host with `accelerators` visible (0 on a CPU-only host), in table order.
+
+    Under torchrun the world is given: only the checks of that world size can run in it, and the "all the
+    accelerators in one ring" check uses the world size instead of the local device count."""
+    n = torchrun_world if torchrun_world is not None else accelerators
+    checks = [
+        PlannedCheck("ring 2", {"ring": 2}, "where most jobs start"),
+        PlannedCheck("ring 3", {"ring": 3}, "ring ≥ 3: the dK/dV direction"),
+    ]
+    if n >= 2 and n not in (2, 3):
+        checks.append(PlannedCheck(f"ring {n}", {"ring": n}, f"all {n} {'ranks' if torchrun_world else 'accelerators'}, one ring"))
+    checks += [
+        PlannedCheck("Ulysses 2", {"ulysses": 2}, "heads split (all-to-all)"),
+        PlannedCheck("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}, "the ring inside unified CP"),
+        PlannedCheck(f"ring 2, mask_pad {MASK_PAD}", {"ring": 2, "mask_pad": MASK_PAD}, "a padded prompt's key mask"),
+    ]
+    if torchrun_world is not None:
+        checks = [c for c in checks if c.world_size == torchrun_world]
+        if not checks:
+            raise BadInput(
+                f"torchrun started {torchrun_world} process{'es' if torchrun_world != 1 else ''}: the doctor needs at least 2; "
+                "run `cpdoctor` without torchrun (it starts its own ranks), or `cpdoctor check` with the degrees you use"
+            )
+    return checks
+
+
+def command_for(fields: dict[str, Any], *, patch: bool = False, torchrun_world: int | None = None) -> str:
+    """The exact `cpdoctor check` line of one check (with `--patch`: before and after cpdoctor's fix)."""
+    args = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in fields.items())
+    prefix = f"torchrun --nproc-per-node {torchrun_world} -m cpdoctor" if torchrun_world else "cpdoctor"
+    return f"{prefix} check {args}" + (" --patch" if patch else "")
+
+
+def suite_for(checks: list[PlannedCheck]) -> Suite:
+    """The checks as a suite of `attention` examinations (backend auto, the default shape)."""
+    return Suite(
+        "doctor",
+        "the CP examinations that matter on this machine and this diffusers",
+        "cpdoctor (doctor)",
+        [("attention", dict(c.fields)) for c in checks],
+    )
+
+
+def count_accelerators() -> int:
+    """CUDA devices torch sees (what the ranks would use); 0 when torch has none. device_count() reads the
+    driver (or NVML) without creating a CUDA context in this process."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, the ranks then use the CPU
+        return 0
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_summary(accelerators: int) -> dict[str, Any]:
+    """What the parent knows cheaply: versions from the package metadata and the accelerator count (the
+    device and the backend come back from the ranks)."""
+    return {
+        "torch": _version("torch"),
+        "diffusers": _version("diffusers"),
+        "python": platform.python_version(),
+        "accelerators": accelerators,
+    }
+
+
+def _torchrun_world() -> int | None:
+    from cpdoctor import launch
+
+    return launch.torchrun_world_size() if launch.under_torchrun() else None
+
+
+def _backend_of(finding: Any) -> str | None:
+    facts = finding.details.get("facts") if isinstance(finding.details, dict) else None
+    name = facts.get("name") if isinstance(facts, dict) else None
+    return name if name and name != "auto" else None
+
+
+def examine(
+    *, patch: bool = False, timeout_s: float | None = None, on_tick: Callable[[], None] | None = None, accelerators: int | None = None
+) -> Report:
+    """Run the doctor's checks here and return one Report: findings in plan order, each with its `command`;
+    `extra["doctor"]` summarises the environment, the checks and what did not pass."""
+    from cpdoctor.api import DEFAULT_TIMEOUT_S, run_suite
+
+    torchrun_world = _torchrun_world()
+    n = count_accelerators() if accelerators is None else accelerators
+    checks = plan(n, torchrun_world)
+    report = run_suite(suite_for(checks), patch=patch, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, on_tick=on_tick)
+
+    befores = report.before.findings if report.before is not None else [None] * len(report.findings)
+    rows = []
+    for check, finding, before in zip(checks, report.findings, befores, strict=True):
+        # A check that did not pass (before or after the fix) is looked at closer before and after the fix.
+        failed = any(f is not None and f.verdict != Verdict.PASS for f in (finding, before))
+        for f in (finding, before):
+            if f is not None:
+                f.command = command_for(check.fields, patch=failed, torchrun_world=torchrun_world)
+        row = {
+            "label": check.label,
+            "fields": dict(check.fields),
+            "why": check.why,
+            "verdict": Verdict(finding.verdict).value,
+            "command": finding.command,
+        }
+        if before is not None:
+            row["before"] = Verdict(before.verdict).value
+        rows.append(row)
+
+    backends = sorted({b for f in report.findings if (b := _backend_of(f))})
+    environment = {**environment_summary(n), **report.environment}
+    environment["accelerators"] = n
+    environment["backend"] = ", ".join(backends) if backends else "auto (no rank reported which)"
+    report.environment = environment
+    # run_suite's request (every check as its full, validated request), marked as the doctor's.
+    report.request = {**report.request, "doctor": True, "accelerators": n, "torchrun_world": torchrun_world}
+    report.extra = {
+        "doctor": {
+            "accelerators": n,
+            "torchrun_world": torchrun_world,
+            "backend": environment["backend"],
+            "launches": len({c.world_size for c in checks}),
+            "checks": rows,
+            "not_passed": [r["label"] for r in rows if r["verdict"] != Verdict.PASS.value],
+        }
+    }
+    if report.before is not None:
+        report.extra["doctor"]["not_passed_before"] = [r["label"] for r in rows if r.get("before") != Verdict.PASS.value]
+    return report

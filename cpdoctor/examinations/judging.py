@@ -1,0 +1,203 @@
+"""From numbers to verdicts, shared by every examination: one tolerance, one per-tensor judgement, diagnosis as
+a table of rules, and the CRASH / HANG findings of ranks that failed (with the known signatures of diffusers'
+CP code recognised in their tracebacks).
+
+The tolerance of a tensor is `2 × e_base + eps(dtype)`, where `e_base` is the relative L2 error the same
+backend (or model) makes on the full sequence *without* CP in the same dtype, measured in the same run, and
+eps is the dtype's machine epsilon: the criterion flash-attn's own tests use (at most twice the error of a
+plain same-dtype implementation). Measured on CPU: fp32 baselines are 3.7e-7–4.6e-7, so fp32 tolerates ~1e-6;
+bf16 baselines are 2.2e-3–3.9e-3, so bf16 tolerates ~1.5e-2, while the unrotated-mask bug shows 7.4e-2.
+Without a baseline (the backend has no local path) it is `4 × eps`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Iterable, TypeVar
+
+from cpdoctor.launch.jobs import FailureKind, RankFailure
+from cpdoctor.report import Finding, Verdict
+
+EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
+
+GRADS_FAR_WORSE = 10.0
+"""A gradient whose error is this many times the forward's is wrong for a reason of its own."""
+
+LSE_REMEDY = "use a backend with an LSE for ring attention (cpdoctor_cpu on CPU; _native_flash, _native_cudnn or flash on GPU), or Ulysses-only CP"
+CP_BACKEND_REMEDY = "use a CP-capable backend (`cpdoctor env` lists them; on CPU cpdoctor_cpu, on GPU _native_flash, _native_cudnn or flash)"
+OTHER_BACKEND_REMEDY = "pick a backend that runs on this device (`cpdoctor env` lists them)"
+
+
+def tolerance(dtype: str, baseline: float | None) -> float:
+    eps = EPS[dtype]
+    return 4 * eps if baseline is None else 2 * baseline + eps
+
+
+def judge_row(row: dict[str, Any], dtype: str, slack: float = 1.0) -> dict[str, Any]:
+    """A measured tensor row with its tolerance, the ranks outside it and its verdict. `slack` widens the
+    tolerance for a row that is the worst of many (see the model examination's worst parameter)."""
+    tol = tolerance(dtype, row.get("baseline_rel_err"))
+    bad = [r for r, e in enumerate(row.get("per_rank_rel_err") or []) if not e <= tol]
+    ok = row["rel_err"] <= slack * tol and row["nonfinite"] == 0 and not bad
+    return {**row, "tolerance": tol, "bad_ranks": bad, "verdict": Verdict.PASS if ok else Verdict.FAIL}
+
+
+def unsupported_remedy(reason: str) -> str:
+    if "install" in reason:
+        return "install the missing package, or pick another backend (`cpdoctor env` lists what runs here)"
+    if "LSE" in reason:
+        return LSE_REMEDY
+    if "context-parallel capable" in reason:
+        return CP_BACKEND_REMEDY
+    return OTHER_BACKEND_REMEDY
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Diagnosis as a table of rules
+# ----------------------------------------------------------------------------------------------------------
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Rule(Generic[S]):
+    """One line of a diagnosis table: when `applies(signature)`, say `says(signature)` and offer `remedies`.
+    Rules of the same `aspect` (nonfinite, forward, backward, mask, ...) exclude each other: the first that
+    applies speaks for that aspect."""
+
+    aspect: str
+    name: str
+    applies: Callable[[S], bool]
+    says: Callable[[S], str]
+    remedies: tuple[str, ...] = ()
+
+
+def diagnose(rules: Iterable[Rule[S]], signature: S) -> tuple[str, str, list[str]]:
+    """(diagnosis, remedy, names of the rules that spoke): the first applying rule of each aspect, in table
+    order; remedies de-duplicated by their text before any parenthesis, the first wording kept."""
+    spoken: dict[str, Rule[S]] = {}
+    for rule in rules:
+        if rule.aspect not in spoken and rule.applies(signature):
+            spoken[rule.aspect] = rule
+    parts = [r.says(signature) for r in spoken.values()]
+    return "; ".join(p for p in parts if p), join_remedies(rem for r in spoken.values() for rem in r.remedies), [r.name for r in spoken.values()]
+
+
+def join_remedies(remedies: Iterable[str]) -> str:
+    unique: dict[str, str] = {}
+    for remedy in remedies:
+        for piece in remedy.split("; or "):
+            if piece:
+                unique.setdefault(piece.split(" (")[0], piece)
+    return "; or ".join(unique.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ranks that failed: CRASH / HANG, and the known crash signatures of diffusers' CP code
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CrashSignature:
+    """A traceback pattern of a known defect, with what it means and what to do."""
+
+    name: str
+    patterns: tuple[str, ...]  # all must be found (each within one line)
+    diagnosis: str
+    remedy: str
+
+    def matches(self, text: str) -> bool:
+        return all(re.search(p, text) is not None for p in self.patterns)
+
+
+CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
+    CrashSignature(
+        "double transpose",
+        (r"[Nn]umber of heads in key/value must divide|GQA|[Nn]um(ber of)? ?heads.*must (match|divide)",),
+        "the backend's backward op transposes K/V again although its forward saved them in the kernel's layout, so "
+        "the kernel sees sequence and heads swapped (a heads/shape error)",
+        "cpdoctor.patch() (its ring calls the kernels with explicit layouts); or upgrade diffusers to a release whose "
+        "_native_flash / _native_cudnn backward ops do not transpose twice; or another backend",
+    ),
+    CrashSignature(
+        "wrong number of gradients",
+        (r"returned an incorrect number of gradients",),
+        "an autograd Function of diffusers' CP templates returns another number of gradients than its forward has "
+        "inputs (its signature changed and its backward did not follow)",
+        "cpdoctor.patch() for the ring; otherwise use a release whose templates match (report it with `cpdoctor env --markdown`)",
+    ),
+    CrashSignature(
+        "LSE rank",
+        (r"must match the size of tensor|[Dd]imension out of range|number of dimensions", r"\b(\w*_)?(lse|logsumexp)\b\s*[-+*/)\]]|[-+*/(\[]\s*(\w*_)?(lse|logsumexp)\b"),
+        "the ring merge got an LSE of another rank (number of dimensions) than it expects: older releases choose "
+        "the LSE layout by the torch version, not by the tensor the kernel returned",
+        "cpdoctor.patch() (its merge takes the kernel's LSE as returned); or a diffusers release that checks the LSE's shape",
+    ),
+    CrashSignature(
+        "no LSE",
+        (r"does not support return_lse",),
+        "the backend has no LSE, and ring attention needs one to merge the chunks",
+        LSE_REMEDY,
+    ),
+    CrashSignature(
+        "uneven shard",
+        (r"must be divisible by mesh size",),
+        "a sequence length that the CP world size does not divide: diffusers shards evenly and asserts otherwise",
+        "make every split length divisible (`cpdoctor plan MODEL ...` measures the lengths and the ways out)",
+    ),
+    CrashSignature(
+        "warning_once",
+        (r"has no attribute 'warning_once'|warning_once",),
+        "diffusers' CP hook calls logger.warning_once, which only exists once transformers is imported (it patches "
+        "logging.Logger); the warning it wanted to give: an input of the _cp_plan has another rank than expected and "
+        "is not split",
+        "pip install transformers and import it before enable_parallelism (every pipeline imports it)",
+    ),
+)
+
+
+def crash_signature(failures: Iterable[RankFailure]) -> CrashSignature | None:
+    """The first known signature found in the messages and tracebacks of the ranks that crashed."""
+    text = "\n".join(f"{f.message}\n{f.traceback}" for f in failures if not f.waiting)
+    return next((s for s in CRASH_SIGNATURES if s.matches(text)), None)
+
+
+def _ranks(failures: list[RankFailure]) -> str:
+    return ", ".join(str(f.rank) for f in failures)
+
+
+def failure_findings(probe: str, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
+    """CRASH / HANG findings from the ranks that failed, each with that rank's traceback; a CRASH names a
+    known signature of diffusers' CP code when its traceback shows one."""
+    crashed = [f for f in failures if f.kind is FailureKind.CRASH and not f.waiting]
+    hung = [f for f in failures if f.kind is FailureKind.HANG and not f.waiting]
+    waiting = [f for f in failures if f.waiting]
+    findings = []
+    if crashed:
+        first, later = crashed[0], crashed[1:]
+        tail = f"; then rank {_ranks(later)} failed too" if later else ""
+        tail += f"; rank {_ranks(waiting)} was waiting in a collective and was stopped" if waiting else ""
+        known = crash_signature(crashed)
+        diagnosis = f"rank {first.rank} raised: {first.message}{tail}"
+        remedy = "read the traceback below"
+        if known is not None:
+            diagnosis += f" — {known.name}: {known.diagnosis}"
+            remedy = known.remedy
+        details = {"tracebacks": {str(f.rank): f.traceback for f in crashed}, "where": {str(f.rank): f.where for f in failures if f.where}}
+        if known is not None:
+            details["signature"] = known.name
+        findings.append(Finding(probe, Verdict.CRASH, diagnosis, remedy, details=details))
+    if hung and not crashed:
+        where = "; ".join(f"rank {f.rank} at {f.where}" for f in hung if f.where)
+        waits = f"; rank {_ranks([f for f in waiting if f.kind is FailureKind.HANG])} was waiting for it in a collective" if waiting else ""
+        findings.append(
+            Finding(
+                probe,
+                Verdict.HANG,
+                f"rank {_ranks(hung)} did not finish within {timeout_s:g} s" + (f" ({where})" if where else "") + waits,
+                "a rank is stuck before a collective its peers entered; raise --timeout if the machine is just slow",
+                details={"logs": {str(f.rank): f.traceback for f in hung}, "where": {str(f.rank): f.where for f in failures if f.where}},
+            )
+        )
+    return findings

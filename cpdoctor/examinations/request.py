@@ -1,0 +1,92 @@
+"""What every examination's request shares: the CP layout (ring × Ulysses degrees, backend, dtype, device),
+the patch flag, the seed and the padding mask, validated in one place (BadInput, one line) before any process
+starts, and the plain-data round trip (to_dict / from_dict) that the JSON report and suites use."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
+
+from cpdoctor.errors import BadInput
+
+DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+R = TypeVar("R", bound="LayoutRequest")
+
+
+def validate_timeout(timeout_s: float) -> None:
+    """A positive, finite number of seconds (nan would never expire, inf overflows the process group)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise BadInput(f"--timeout must be a positive, finite number of seconds, got {timeout_s!r}")
+
+
+def require_ints(obj: object, names: tuple[str, ...]) -> None:
+    """Integer fields must be integers (a suite or an API call can pass 2.5 or "2")."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadInput(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
+
+
+def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
+    """The checks every request shares: CP degrees, dtype and device names (BadInput, one line)."""
+    for name, value in (("ring", ring), ("ulysses", ulysses)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadInput(f"--{name} must be an integer, got {value!r}")
+        if value < 1:
+            raise BadInput(f"--{name} must be at least 1, got {value}")
+    if ring * ulysses < 2:
+        raise BadInput("context parallelism needs ring × ulysses ≥ 2 (got ring 1 × ulysses 1)")
+    if dtype not in DTYPES:
+        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if device not in DEVICES:
+        raise BadInput(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+
+
+def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
+    """Fill ring/ulysses left unset: ring 2, or ring 1 when only a Ulysses degree is given; Ulysses 1."""
+    ring, ulysses = fields.get("ring"), fields.get("ulysses")
+    if ring is None:
+        fields["ring"] = 1 if ulysses not in (None, 1) else 2
+    if ulysses is None:
+        fields["ulysses"] = 1
+    return fields
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """Base of the requests of launched examinations (subclasses add their own fields, all with defaults)."""
+
+    label = "request"  # "attention-request", "model-request": named in the unknown-keys error
+
+    ring: int = 2
+    ulysses: int = 1
+    backend: str = "auto"
+    dtype: str = "fp32"
+    seed: int = 0
+    mask_pad: int = 0
+    device: str = "auto"
+    patch: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.ring * self.ulysses
+
+    def validate_common(self) -> None:
+        validate_layout(self.ring, self.ulysses, self.dtype, self.device)
+        require_ints(self, ("seed", "mask_pad"))
+        if self.mask_pad < 0:
+            raise BadInput(f"--mask-pad must be at least 0, got {self.mask_pad}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[R], data: dict) -> R:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise BadInput(f"unknown {cls.label} keys: {', '.join(sorted(unknown))}")
+        return cls(**data)

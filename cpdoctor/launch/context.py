@@ -1,0 +1,118 @@
+"""What a probe may use of the distributed world, inside one rank: identity, device, CP meshes, and the
+report group that carries payloads to rank 0. Joining and leaving the process group happens here only."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpdoctor.errors import BadInput, CannotExamine
+
+COLLECTIVE_TIMEOUT_SHARE = 0.8
+"""A rank's collectives time out at this share of the examination's timeout, so a rank that waited for a
+hung peer says so before the deadline."""
+
+
+@dataclass
+class DistContext:
+    """What a probe may use of the distributed world: identity, device, CP meshes, the gather to rank 0."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Any
+    pg_backend: str
+    timeout_s: float
+    _report_group: Any = None
+    _meshes: dict = field(default_factory=dict)
+    owns_group: bool = True
+
+    @classmethod
+    def join(cls, timeout_s: float, device_pref: str = "auto") -> "DistContext":
+        """Join (or create) the default process group. NCCL when every local rank has a GPU of its own,
+        gloo otherwise, so a one-GPU workstation can still examine CUDA kernels with ranks sharing it."""
+        import torch
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+        if use_cuda and not torch.cuda.is_available():
+            raise CannotExamine("--device cuda was asked for but torch sees no CUDA device here")
+        if use_cuda:
+            n_gpu = torch.cuda.device_count()
+            device = torch.device("cuda", local_rank % n_gpu)
+            torch.cuda.set_device(device)
+            pg_backend = "nccl" if n_gpu >= local_world else "gloo"
+        else:
+            device = torch.device("cpu")
+            pg_backend = "gloo"
+        timeout = datetime.timedelta(seconds=max(1.0, timeout_s * COLLECTIVE_TIMEOUT_SHARE))
+        owns_group = not dist.is_initialized()  # a training script's own group is joined, never destroyed
+        if owns_group:
+            kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout}
+            if pg_backend == "nccl":
+                kwargs["device_id"] = device
+            dist.init_process_group(**kwargs)
+        else:
+            pg_backend = dist.get_backend()
+        # A group of its own for reports: a rank that failed early gathers there while its peers may still be
+        # inside a collective of the examination on the default group, and the two must never pair up.
+        report_group = dist.new_group(backend="gloo", timeout=timeout * 2)
+        return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group)
+
+    def cp_mesh(self, ring: int, ulysses: int) -> Any:
+        """The (ring, ulysses) device mesh diffusers' ParallelConfig.setup expects."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if ring * ulysses != self.world_size:
+            raise BadInput(f"ring {ring} × ulysses {ulysses} = {ring * ulysses} but the world has {self.world_size} ranks")
+        if (ring, ulysses) not in self._meshes:
+            self._meshes[ring, ulysses] = init_device_mesh(self.device.type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+        return self._meshes[ring, ulysses]
+
+    def gather_to_root(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` (picklable, tensors on CPU) in rank order on rank 0; None elsewhere."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._report_group)
+        return out
+
+    def all_sum_cpu(self, tensor: Any) -> Any:
+        """Sum a CPU tensor over all ranks (used for parameter gradients of a model examination)."""
+        import torch.distributed as dist
+
+        t = tensor.to(self.device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def broadcast_from_root(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (so every rank of a training script takes the same decision)."""
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._report_group)
+        return box[0]
+
+    def close(self, sync: bool = True) -> None:
+        """Destroy what this context created: the report group always, the default group only if ours.
+        With `sync`, first wait until every rank is done with the report group (a rank that tears it down
+        while a peer still reads from it makes gloo abort the peer)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if sync:
+            with contextlib.suppress(Exception):
+                dist.barrier(group=self._report_group)
+        with contextlib.suppress(Exception):
+            if self.owns_group:
+                dist.destroy_process_group()
+            elif self._report_group is not None:
+                dist.destroy_process_group(self._report_group)

@@ -1,0 +1,30 @@
+"""Injected faults, for the tests that prove a failing rank becomes a finding.
+
+`CPDOCTOR_INJECT_FAULT=WHAT@RANK[:CASE]` makes rank RANK fail just before the examination's first collective:
+WHAT is `raise`, `hang` or `exit` (exit code 17); CASE, when given, limits it to the `unpatched` or `patched`
+cases (e.g. `raise@1:unpatched` crashes the stock code's run and leaves the patched run alone).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+FAULT_ENV = "CPDOCTOR_INJECT_FAULT"
+
+
+def inject_fault(rank: int, case_label: str) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if "@" not in spec:
+        return
+    what, _, where = spec.partition("@")
+    target, _, label = where.partition(":")
+    if int(target) != rank or (label and label != case_label):
+        return
+    if what == "raise":
+        raise RuntimeError(f"fault injected into rank {rank} by {FAULT_ENV}")
+    if what == "hang":
+        while True:
+            time.sleep(3600)
+    if what == "exit":
+        os._exit(17)

@@ -1,0 +1,223 @@
+"""The supervising parent: start the ranks, watch them, and turn a rank that raised, died or hung into a
+RankFailure within the timeout, killing every process it started. When a case stops the launch, the cases
+after it run in a fresh launch, so a crash never hides what comes after it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from cpdoctor.launch.jobs import CaseOutcome, FailureKind, Job, LaunchResult, RankFailure, RankPayload, RankStatus
+from cpdoctor.launch.progress import Step, blame, read_step
+from cpdoctor.launch.worker import outcome_path, status_path, step_path
+
+GRACE_AFTER_FAILURE_S = 3.0
+"""How long the survivors of a failed rank get to report before they are killed."""
+
+POLL_S = 0.05
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def rank_environment(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment of one single-node rank, torchrun's variables included, with the cores shared out
+    (OMP_NUM_THREADS as the user set it, else cores / ranks)."""
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(_threads_per_rank(world_size))),
+    )
+    env.update(extra)
+    return env
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as fh:
+            data = fh.read()
+        return data[-n:].decode(errors="replace")
+    return ""
+
+
+def _load(path: str) -> object | None:
+    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):
+        with open(path, "rb") as fh:
+            return pickle.load(fh)
+    return None
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=5)
+
+
+@dataclass
+class _Watch:
+    """What the parent has seen of one launch so far."""
+
+    out_dir: str
+    procs: list[subprocess.Popen]
+    outcomes: dict[int, CaseOutcome] = field(default_factory=dict)
+    errors: dict[int, tuple[int, RankPayload]] = field(default_factory=dict)  # rank -> (case index, payload)
+    failed_at: float | None = None
+    killed: bool = False  # after we killed the ranks, their exit codes say nothing about them
+
+    def poll(self, now: float) -> None:
+        for i in range(len(self.outcomes), 10**6):
+            outcome = _load(outcome_path(self.out_dir, i)) if os.path.exists(outcome_path(self.out_dir, i)) else None
+            if outcome is None:
+                break
+            self.outcomes[i] = outcome  # type: ignore[assignment]
+        for rank, p in enumerate(self.procs):
+            if os.path.exists(status_path(self.out_dir, rank)):  # the latest error of this rank
+                got = _load(status_path(self.out_dir, rank))
+                if got is not None:
+                    self.errors[rank] = got  # type: ignore[assignment]
+            code = p.poll()
+            if rank not in self.errors and code not in (None, 0) and not self.killed:
+                log = _tail(os.path.join(self.out_dir, f"rank{rank}.log"))
+                self.errors[rank] = (-1, RankPayload(RankStatus.ERROR, message=f"rank {rank} died with exit code {code}", traceback=log))
+        pending = [(i, p) for i, p in self.errors.values() if p.status is RankStatus.ERROR and not p.timed_out and (i < 0 or i not in self.outcomes)]
+        if pending and self.failed_at is None:
+            self.failed_at = now
+        if not pending:
+            self.failed_at = None  # every failure so far was reported through the gather: the job goes on
+
+    def all_exited(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def refusal(self) -> RankPayload | None:
+        refused = [p for _, p in self.errors.values() if p.status in (RankStatus.BAD_INPUT, RankStatus.CANNOT_EXAMINE)]
+        if refused and (self.all_exited() or len(refused) == len(self.procs)):
+            return refused[0]
+        return None
+
+
+def _failures(watch: _Watch, index: int) -> list[RankFailure]:
+    """Why case `index` did not complete: ranks that raised or died are CRASH; the others are named by the step
+    they reached (progress.py): those furthest behind are HANG when nobody crashed, the rest were waiting."""
+    crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
+    steps: dict[int, Step | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
+    failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
+    others = {r: s for r, s in steps.items() if r not in crashed}
+    if crashed:
+        return failures + [RankFailure(r, FailureKind.CRASH, "stopped while waiting for the failed rank in a collective", waiting=True, where=_where(s)) for r, s in others.items()]
+    hung, waiting = blame(others)
+    for r in hung:
+        failures.append(RankFailure(r, FailureKind.HANG, "did not finish within the timeout", _tail(os.path.join(watch.out_dir, f"rank{r}.log")), where=_where(others[r])))
+    for r in waiting:
+        failures.append(RankFailure(r, FailureKind.HANG, "was waiting for the hung rank in a collective", waiting=True, where=_where(others[r])))
+    return failures
+
+
+def _where(step: Step | None) -> str:
+    return step.describe() if step is not None else "not started"
+
+
+def _launch_once(job: Job, world_size: int, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
+    """One launch: the outcomes of a prefix of the job's cases (the last one possibly a failure), or a refusal."""
+    deadline = time.monotonic() + job.timeout_s
+    with tempfile.TemporaryDirectory(prefix="cpdoctor-") as out_dir:
+        job_path = os.path.join(out_dir, "job.pkl")
+        with open(job_path, "wb") as fh:
+            pickle.dump(job, fh)
+        port = free_port()
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world_size):
+                env = rank_environment(rank, world_size, port, CPDOCTOR_SPAWNED="1", PYTHONUNBUFFERED="1")
+                with open(os.path.join(out_dir, f"rank{rank}.log"), "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "cpdoctor.launch", job_path, out_dir],
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            start_new_session=True,
+                        )
+                    )
+            return _supervise(_Watch(out_dir, procs), job, deadline, on_tick)
+        finally:
+            _kill_all(procs)
+
+
+def _supervise(watch: _Watch, job: Job, deadline: float, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
+    n = len(job.cases)
+    while True:
+        now = time.monotonic()
+        watch.poll(now)
+        refused = watch.refusal()
+        if refused is not None:
+            return [], refused
+        done = [watch.outcomes[i] for i in range(len(watch.outcomes))]
+        if len(done) == n or (done and not done[-1].completed and watch.all_exited()):
+            return done, None
+        stopped = done and done[-1].refusal is not None
+        if stopped:
+            return done, None
+        grace_over = watch.failed_at is not None and now - watch.failed_at > GRACE_AFTER_FAILURE_S
+        if grace_over or now > deadline or watch.all_exited():
+            break
+        if on_tick is not None:
+            on_tick()
+        time.sleep(POLL_S)
+    _kill_all(watch.procs)
+    watch.killed = True
+    watch.poll(time.monotonic())
+    done = [watch.outcomes[i] for i in range(len(watch.outcomes))]
+    if len(done) < n:
+        done.append(CaseOutcome(job.cases[len(done)], failures=_failures(watch, len(done))))
+    return done, None
+
+
+def run_spawned(job: Job, world_size: int, on_tick: Callable[[], None] | None = None) -> LaunchResult:
+    """Start `world_size` ranks, supervise them, and return every case's outcome.
+
+    Never leaves a process behind: on success the workers have exited; on a failure or a timeout every one
+    still alive is killed (each runs in its own session, so its whole process group goes). The cases after a
+    failed one run in a fresh launch, each launch with the full timeout."""
+    start = time.monotonic()
+    result = LaunchResult()
+    remaining = list(job.cases)
+    while remaining:
+        outcomes, refused = _launch_once(replace(job, cases=tuple(remaining)), world_size, on_tick)
+        result.launches += 1
+        if refused is not None:
+            setattr(result, "bad_input" if refused.status is RankStatus.BAD_INPUT else "cannot_examine", refused.message)
+            break
+        result.outcomes += outcomes
+        if outcomes and outcomes[-1].refusal is not None:
+            refused = outcomes[-1].refusal
+            setattr(result, "bad_input" if refused.status is RankStatus.BAD_INPUT else "cannot_examine", refused.message)
+            break
+        remaining = remaining[len(outcomes) :] if outcomes else remaining[1:]
+    result.wall_s = time.monotonic() - start
+    return result

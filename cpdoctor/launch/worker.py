@@ -1,0 +1,170 @@
+"""The body every rank runs, spawned or under torchrun: each case of the job, payloads gathered to rank 0,
+rank 0 evaluates. A case that fails on some rank becomes that case's outcome, and the job goes on to the next
+case whenever every rank got to report (a crash never hides what comes after it); a rank that cannot report
+leaves the rest to the supervising parent (spawn.py), which relaunches them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import traceback
+from typing import Any, Callable
+
+from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.launch.context import DistContext
+from cpdoctor.launch.faults import inject_fault
+from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankStatus
+from cpdoctor.launch.progress import StepLog
+
+OutcomeSink = Callable[[int, CaseOutcome], None]
+
+
+def _error(exc: BaseException) -> RankPayload:
+    return RankPayload(RankStatus.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+
+
+def run_case(entry: Any, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
+    """This rank's payload for one case; every exception becomes a payload, never an escape."""
+    try:
+        log.mark(index, "preparing")
+        inject_fault(ctx.rank, case.label)
+        log.mark(index, "examining")
+        return RankPayload(RankStatus.OK, entry.run_rank(case, ctx))
+    except BadInput as exc:
+        return RankPayload(RankStatus.BAD_INPUT, message=str(exc))
+    except CannotExamine as exc:
+        return RankPayload(RankStatus.CANNOT_EXAMINE, message=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a rank's exception is a finding, not our crash
+        return _error(exc)
+
+
+def failures_from_payloads(payloads: list[RankPayload]) -> list[RankFailure]:
+    """The gathered payloads of a case that did not complete, as rank failures: the ranks that raised on
+    their own are CRASH; ranks whose collective timed out were waiting for a peer; lost ones are HANG."""
+    failures = []
+    for rank, p in enumerate(payloads):
+        if p.status is RankStatus.LOST:
+            failures.append(RankFailure(rank, FailureKind.HANG, p.message))
+        elif p.status is RankStatus.ERROR:
+            failures.append(RankFailure(rank, FailureKind.CRASH, p.message, p.traceback, waiting=p.timed_out))
+    return failures
+
+
+def refusal(payloads: list[RankPayload]) -> RankPayload | None:
+    """The first bad-input / cannot-examine payload: the request itself is refused, not a rank."""
+    return next((p for p in payloads if p.status in (RankStatus.BAD_INPUT, RankStatus.CANNOT_EXAMINE)), None)
+
+
+def _evaluate(entry: Any, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
+    refused = refusal(payloads)
+    if refused is not None:
+        return CaseOutcome(case, refusal=refused)
+    if not all(p.ok for p in payloads):
+        return CaseOutcome(case, failures=failures_from_payloads(payloads))
+    try:
+        return CaseOutcome(case, evaluated=entry.evaluate(case, [p.value for p in payloads], ctx))
+    except Exception as exc:  # noqa: BLE001 - rank 0's evaluation failing is a finding too
+        p = _error(exc)
+        return CaseOutcome(case, failures=[RankFailure(0, FailureKind.CRASH, p.message, p.traceback)])
+
+
+def execute_job(job: Job, ctx: DistContext, log: StepLog, on_local_error: Callable[[int, RankPayload], None] | None = None, on_outcome: OutcomeSink | None = None) -> list[CaseOutcome] | None:
+    """Run every case on this rank; rank 0 returns the outcomes (None elsewhere).
+
+    A rank that fails reports through `on_local_error` at once (the spawning parent reacts without waiting
+    for the gather), then still joins the gather so a torchrun user gets the traceback on rank 0 too. After
+    each case rank 0 tells every rank whether the job goes on: it stops at a refused request and after a
+    collective that timed out (the process group may not be usable any more)."""
+    from cpdoctor.examinations import registry
+
+    entry = registry.get(job.kind)
+    outcomes: list[CaseOutcome] = []
+    for index, case in enumerate(job.cases):
+        payload = run_case(entry, case, ctx, log, index)
+        if payload.status is RankStatus.ERROR and on_local_error is not None:
+            on_local_error(index, payload)
+        log.mark(index, "reporting")
+        try:
+            gathered = ctx.gather_to_root(payload)
+        except Exception as exc:  # noqa: BLE001 - a peer never reported (under torchrun nobody else says so)
+            if ctx.rank != 0:
+                return None
+            lost = RankPayload(RankStatus.LOST, message=f"did not report ({type(exc).__name__})")
+            outcomes.append(CaseOutcome(case, failures=failures_from_payloads([payload] + [lost] * (ctx.world_size - 1))))
+            return outcomes
+        go_on = True
+        if ctx.rank == 0:
+            assert gathered is not None
+            log.mark(index, "evaluating")
+            outcome = _evaluate(entry, case, gathered, ctx)
+            outcomes.append(outcome)
+            if on_outcome is not None:
+                on_outcome(index, outcome)
+            go_on = outcome.refusal is None and not any(p.timed_out for p in gathered)
+        if not ctx.broadcast_from_root(go_on):
+            break
+    log.mark(len(job.cases) - 1, "done")
+    return outcomes if ctx.rank == 0 else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A spawned rank: `python -m cpdoctor.launch JOB OUTDIR`
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: die with the parent, so no worker outlives a killed `cpdoctor`."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def write_atomic(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        pickle.dump(obj, fh)
+    os.replace(tmp, path)
+
+
+def status_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.status")
+
+
+def step_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.step")
+
+
+def outcome_path(out_dir: str, index: int) -> str:
+    return os.path.join(out_dir, f"case{index}.outcome")
+
+
+def worker_main(job_path: str, out_dir: str) -> int:
+    """Entry of a spawned rank: outcomes and errors go to files the supervising parent reads."""
+    _set_parent_death_signal()
+    with open(job_path, "rb") as fh:
+        job: Job = pickle.load(fh)
+    rank = int(os.environ["RANK"])
+    log = StepLog(step_path(out_dir, rank))
+    log.mark(0, "joining")
+
+    def report_error(index: int, payload: RankPayload) -> None:
+        write_atomic(status_path(out_dir, rank), (index, payload))
+
+    try:
+        ctx = DistContext.join(job.timeout_s, job.device)
+    except (BadInput, CannotExamine) as exc:
+        status = RankStatus.BAD_INPUT if isinstance(exc, BadInput) else RankStatus.CANNOT_EXAMINE
+        report_error(0, RankPayload(status, message=str(exc)))
+        return 0
+    try:
+        execute_job(job, ctx, log, on_local_error=report_error, on_outcome=lambda i, o: write_atomic(outcome_path(out_dir, i), o))
+    except Exception as exc:  # noqa: BLE001
+        report_error(-1, _error(exc))
+        return 1
+    finally:
+        ctx.close()
+    return 0

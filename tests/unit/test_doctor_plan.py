@@ -1,0 +1,93 @@
+"""The doctor's plan (`cpdoctor` alone): which checks for which host, and the command line of each. Pure
+functions: no process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpdoctor import doctor
+from cpdoctor.errors import BadInput
+
+BASE = [
+    ("ring 2", {"ring": 2}),
+    ("ring 3", {"ring": 3}),
+    ("Ulysses 2", {"ulysses": 2}),
+    ("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}),
+    ("ring 2, mask_pad 3", {"ring": 2, "mask_pad": 3}),
+]
+
+
+def _plan(accelerators: int, torchrun_world: int | None = None) -> list[tuple[str, dict]]:
+    return [(c.label, c.fields) for c in doctor.plan(accelerators, torchrun_world)]
+
+
+@pytest.mark.parametrize("accelerators", [0, 1, 2, 3])
+def test_no_ring_over_all_accelerators_on_cpu_one_gpu_or_when_ring_2_or_3_already_covers_them(accelerators):
+    assert _plan(accelerators) == BASE
+
+
+@pytest.mark.parametrize("accelerators", [4, 8])
+def test_a_ring_over_every_accelerator_after_ring_3(accelerators):
+    plan = _plan(accelerators)
+    assert plan == BASE[:2] + [(f"ring {accelerators}", {"ring": accelerators})] + BASE[2:]
+
+
+def test_cpu_plan_is_three_launches_of_world_2_3_and_4():
+    checks = doctor.plan(0)
+    assert [c.world_size for c in checks] == [2, 3, 2, 4, 2]
+    assert sorted({c.world_size for c in checks}) == [2, 3, 4]
+    assert all(c.why for c in checks)
+
+
+def test_suite_is_attention_checks_on_the_best_backend_in_plan_order():
+    suite = doctor.suite_for(doctor.plan(8))
+    assert suite.name == "doctor"
+    assert [kind for kind, _ in suite.checks] == ["attention"] * 6
+    assert [fields for _, fields in suite.checks] == [f for _, f in _plan(8)]
+    assert all("backend" not in fields for _, fields in suite.checks)  # "auto", the request's default
+
+
+@pytest.mark.parametrize(
+    "fields, patch, expected",
+    [
+        ({"ring": 2}, False, "cpdoctor check --ring 2"),
+        ({"ring": 3}, True, "cpdoctor check --ring 3 --patch"),
+        ({"ring": 8}, True, "cpdoctor check --ring 8 --patch"),
+        ({"ulysses": 2}, False, "cpdoctor check --ulysses 2"),
+        ({"ring": 2, "ulysses": 2}, True, "cpdoctor check --ring 2 --ulysses 2 --patch"),
+        ({"ring": 2, "mask_pad": 3}, True, "cpdoctor check --ring 2 --mask-pad 3 --patch"),
+    ],
+)
+def test_command_for_each_check(fields, patch, expected):
+    assert doctor.command_for(fields, patch=patch) == expected
+
+
+def test_every_planned_command_parses_as_the_same_request():
+    """The command line of a check, read back by `cpdoctor check`'s option names, is the check itself."""
+    from cpdoctor.api import build_request
+
+    for check in doctor.plan(8):
+        words = doctor.command_for(check.fields, patch=True).split()
+        assert words[:2] == ["cpdoctor", "check"] and words[-1] == "--patch"
+        opts = dict(zip(words[2:-1:2], words[3:-1:2], strict=True))
+        fields = {k[2:].replace("-", "_"): int(v) for k, v in opts.items()}
+        assert build_request(**fields) == build_request(**dict(check.fields))
+
+
+def test_under_torchrun_only_the_checks_of_its_world_size():
+    assert _plan(8, torchrun_world=2) == [BASE[0], BASE[2], BASE[4]]
+    assert _plan(8, torchrun_world=3) == [BASE[1]]
+    assert _plan(0, torchrun_world=4) == [("ring 4", {"ring": 4}), BASE[3]]
+    assert _plan(8, torchrun_world=8) == [("ring 8", {"ring": 8})]
+    assert doctor.command_for({"ring": 4}, patch=True, torchrun_world=4) == "torchrun --nproc-per-node 4 -m cpdoctor check --ring 4 --patch"
+
+
+def test_torchrun_world_of_one_is_bad_input():
+    with pytest.raises(BadInput, match="at least 2"):
+        doctor.plan(8, torchrun_world=1)
+
+
+def test_environment_summary_is_cheap_metadata():
+    env = doctor.environment_summary(0)
+    assert set(env) == {"torch", "diffusers", "python", "accelerators"}
+    assert env["accelerators"] == 0

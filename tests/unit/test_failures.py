@@ -1,0 +1,74 @@
+"""Ranks that failed, judged without processes: crash signatures of diffusers' CP code, and a hang named by
+the step each rank reached (launch/progress.py), never by timing."""
+
+from __future__ import annotations
+
+from cpdoctor.examinations.judging import CRASH_SIGNATURES, crash_signature, failure_findings
+from cpdoctor.launch.jobs import FailureKind, RankFailure
+from cpdoctor.launch.progress import Step, blame
+from cpdoctor.report import Verdict
+
+
+def crash(rank: int, message: str, tb: str = "") -> RankFailure:
+    return RankFailure(rank, FailureKind.CRASH, message, tb)
+
+
+def test_double_transpose_signature():
+    (f,) = failure_findings("p", [crash(0, "RuntimeError: Number of heads in key/value must divide number of heads in query")], 30)
+    assert f.verdict == Verdict.CRASH and "double transpose" in f.diagnosis and f.details["signature"] == "double transpose"
+    assert "cpdoctor.patch()" in f.remedy
+
+
+def test_wrong_number_of_gradients_signature():
+    sig = crash_signature([crash(1, "RuntimeError: function TemplatedRingAttentionBackward returned an incorrect number of gradients (expected 13, got 12)")])
+    assert sig is not None and sig.name == "wrong number of gradients"
+
+
+def test_lse_rank_signature_needs_an_lse_in_the_failing_line():
+    tb = '  File "attention_dispatch.py", line 1, in forward\n    out = out - F.sigmoid(block_lse - prev_lse) * (out - block_out)\n'
+    msg = "RuntimeError: The size of tensor a (512) must match the size of tensor b (8) at non-singleton dimension 2"
+    assert crash_signature([crash(0, msg, tb)]).name == "LSE rank"
+    assert crash_signature([crash(0, msg, '    x = a + b  # return_lse=False\n')]) is None
+
+
+def test_an_unknown_crash_says_read_the_traceback():
+    (f,) = failure_findings("p", [crash(1, "RuntimeError: fault injected into rank 1", "Traceback ...")], 30)
+    assert f.remedy == "read the traceback below" and "signature" not in f.details
+    assert f.details["tracebacks"] == {"1": "Traceback ..."}
+
+
+def test_a_waiting_rank_is_named_not_blamed():
+    failures = [crash(1, "RuntimeError: boom"), RankFailure(0, FailureKind.CRASH, "stopped", waiting=True)]
+    (f,) = failure_findings("p", failures, 30)
+    assert f.diagnosis.startswith("rank 1 raised: RuntimeError: boom") and "rank 0 was waiting" in f.diagnosis
+
+
+def test_every_signature_has_a_remedy():
+    assert all(s.remedy and s.diagnosis and s.patterns for s in CRASH_SIGNATURES)
+
+
+def test_the_rank_behind_is_the_hung_one():
+    hung, waiting = blame({0: Step(0, 2), 1: Step(0, 1)})  # rank 0 examining, rank 1 still preparing
+    assert hung == [1] and waiting == [0]
+
+
+def test_a_rank_that_never_started_is_behind_everyone():
+    assert blame({0: Step(1, 3), 1: None, 2: Step(1, 3)}) == ([1], [0, 2])
+
+
+def test_ranks_stuck_at_the_same_step_are_all_named():
+    assert blame({0: Step(0, 2), 1: Step(0, 2)}) == ([0, 1], [])
+
+
+def test_hang_finding_names_rank_and_step():
+    failures = [
+        RankFailure(1, FailureKind.HANG, "did not finish", where="case 1: preparing"),
+        RankFailure(0, FailureKind.HANG, "waiting", waiting=True, where="case 1: examining"),
+    ]
+    (f,) = failure_findings("p", failures, 25)
+    assert f.verdict == Verdict.HANG
+    assert f.diagnosis.startswith("rank 1 did not finish within 25 s (rank 1 at case 1: preparing)") and "rank 0 was waiting" in f.diagnosis
+
+
+def test_step_round_trip():
+    assert Step.parse("3 reporting") == Step(3, 3) and Step.parse("garbage") is None
