@@ -7,7 +7,6 @@ import os
 import time
 
 import pytest
-
 from conftest import run_cli
 
 
@@ -39,9 +38,11 @@ def test_exit_code_and_contract(env_run, data):
     assert env_run.code == data["exit_code"]
     # Both releases under test have ring defects in the installed code: env reports a problem.
     assert data["verdict"] == "FAIL" and env_run.code == 1, data["verdict"]
-    assert set(data) >= {"verdict", "exit_code", "environment", "backends", "findings"}
+    assert set(data) >= {"verdict", "exit_code", "environment", "backends", "findings", "wall_s"}
+    # the Report every examination returns: its request, and a command field on every finding
+    assert data["request"] == {"kind": "env", "device": "auto", "dtype": "auto"}
     for f in data["findings"]:
-        assert set(f) >= {"probe", "verdict", "diagnosis", "remedy"}
+        assert set(f) >= {"probe", "verdict", "diagnosis", "remedy", "command"}
         assert f["verdict"] in ("PASS", "FAIL", "WARN", "INFO")
         if f["verdict"] in ("FAIL", "WARN"):
             assert f["remedy"], f
@@ -58,7 +59,14 @@ def test_environment_facts(data):
     assert env["world"]["torchrun"] is False
     assert env["probe_device"] == "cpu" and env["probe_dtype"] == "fp32"
     assert env["gloo"] is True
-    assert env["nccl"] == "not available"
+    # What torch itself reports: a CUDA build of torch has NCCL (and says its version) even on a machine without
+    # a GPU; a CPU build has none.
+    if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+        version = torch.cuda.nccl.version()
+        assert env["nccl"] == (".".join(map(str, version)) if isinstance(version, tuple) else str(version))
+        assert env["nccl"][0].isdigit()
+    else:
+        assert env["nccl"] == "not available"
 
 
 def test_one_row_per_registered_backend(rows):

@@ -1,5 +1,8 @@
 """`cpdoctor plan`: the static divisibility planner, called directly and through the CLI.
 
+`plan_model` returns the `cpdoctor.report.Report` every examination returns; the measured plan is under its own
+keys (`report.extra`: tensors, heads, problems, notes, settings, model), as dicts, exactly as in the JSON.
+
 The lengths asserted here are the ones diffusers' own forward produces on the meta device; the arithmetic in
 the comments only explains them.
 """
@@ -14,9 +17,10 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from cpdoctor import model_catalog  # noqa: E402
 from cpdoctor.errors import BadInput, CannotExamine  # noqa: E402
 from cpdoctor.examinations.plan.probe import list_models, plan_model, resolve_model  # noqa: E402
+from cpdoctor.models import catalog as model_catalog  # noqa: E402
+from cpdoctor.report import Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,8 +39,9 @@ TINY_FLUX = {
 }
 
 
-def _rows(result):
-    return {t.name: t for t in result.tensors}
+def _rows(report):
+    """The measured tensors of a plan's Report (its `tensors` key), by name."""
+    return {t["name"]: t for t in report.extra["tensors"]}
 
 
 def _cli(*args, timeout=120):
@@ -110,18 +115,22 @@ def test_checkpoint_directory_and_pipeline_directory(tmp_path):
 
 def test_flux_1024_text512_ring2_ulysses2_everything_divides():
     r = plan_model("flux", height=1024, width=1024, text_len=512, ring=2, ulysses=2)
-    assert r.verdict == "PASS" and r.exit_code == 0 and not r.problems
+    assert r.verdict == "PASS" and r.exit_code == 0 and not r.extra["problems"]
+    assert r.verdict is Verdict.PASS
+    assert [(f.verdict, f.diagnosis) for f in r.findings] == [
+        (Verdict.PASS, "every split divides over 4 ranks and the heads over ulysses 2")
+    ]
     rows = _rows(r)
     # 1024 / 8 (VAE) / 2 (2x2 packing) = 64 -> 64 * 64 = 4096 image tokens
-    assert {n: (t.split_dim, t.length, t.per_rank) for n, t in rows.items()} == {
+    assert {n: (t["split_dim"], t["length"], t["per_rank"]) for n, t in rows.items()} == {
         "hidden_states": (1, 4096, 1024),
         "encoder_hidden_states": (1, 512, 128),
         "img_ids": (0, 4096, 1024),
         "txt_ids": (0, 512, 128),
         "proj_out:output": (1, 4096, 1024),
     }
-    assert rows["proj_out:output"].kind == "gather"
-    assert [(h.heads, h.divisible, h.source) for h in r.heads] == [(24, True, "attention calls")]
+    assert rows["proj_out:output"]["kind"] == "gather"
+    assert [(h["heads"], h["divisible"], h["source"]) for h in r.extra["heads"]] == [(24, True, "attention calls")]
     doc = r.to_dict()
     assert doc["verdict"] == "PASS" and doc["settings"]["world_size"] == 4
     assert set(doc["tensors"][0]) >= {"name", "split_dim", "length", "per_rank", "divisible"}
@@ -132,26 +141,37 @@ def test_qwen_image_1328_text77_ring2_text_does_not_divide():
     assert r.verdict == "FAIL" and r.exit_code == 1
     rows = _rows(r)
     text = rows["transformer_blocks.0:encoder_hidden_states"]
-    assert (text.length, text.per_rank, text.divisible, text.depends_on) == (77, 38.5, False, ["text"])
-    assert rows["pos_embed:output[1]"].length == 77  # the text rotary embedding is split too
+    assert (text["length"], text["per_rank"], text["divisible"], text["depends_on"]) == (77, 38.5, False, ["text"])
+    assert rows["pos_embed:output[1]"]["length"] == 77  # the text rotary embedding is split too
     # 1328 / 16 = 83 -> 83 * 83 = 6889 image tokens: odd, so the image does not divide by 2 either
-    assert rows["transformer_blocks.0:hidden_states"].length == 6889
-    assert not rows["transformer_blocks.0:hidden_states"].divisible
+    assert rows["transformer_blocks.0:hidden_states"]["length"] == 6889
+    assert not rows["transformer_blocks.0:hidden_states"]["divisible"]
 
-    text_problem = next(p for p in r.problems if "transformer_blocks.0:encoder_hidden_states" in p.tensors)
-    kinds = {rem.kind: rem for rem in text_problem.remedies}
+    problems = r.extra["problems"]
+    text_problem = next(p for p in problems if "transformer_blocks.0:encoder_hidden_states" in p["tensors"])
+    kinds = {rem["kind"]: rem for rem in text_problem["remedies"]}
     pad = kinds["text_padding"]
-    assert pad.measured and pad.values == {"text_len": 78, "pad": 1, "mask": "encoder_hidden_states_mask"}
-    assert "mask" in pad.text
-    assert any("mask" in n for n in r.notes)  # ring attention and masks: pointed at `cpdoctor check`
+    assert pad["measured"] and pad["values"] == {"text_len": 78, "pad": 1, "mask": "encoder_hidden_states_mask"}
+    assert "mask" in pad["text"]
+    assert any("mask" in n for n in r.extra["notes"])  # ring attention and masks: pointed at `cpdoctor check`
     if "ring_anything" in kinds:  # only when this diffusers' ContextParallelConfig has the field
-        assert kinds["ring_anything"].values["inference_only"] is True
+        assert kinds["ring_anything"]["values"]["inference_only"] is True
 
-    image_problem = next(p for p in r.problems if "transformer_blocks.0:hidden_states" in p.tensors)
-    resolutions = [rem.values for rem in image_problem.remedies if rem.kind == "resolution"]
+    image_problem = next(p for p in problems if "transformer_blocks.0:hidden_states" in p["tensors"])
+    resolutions = [rem["values"] for rem in image_problem["remedies"] if rem["kind"] == "resolution"]
     assert resolutions and all(v["height"] % 16 == 0 and v["width"] % 16 == 0 for v in resolutions)
     assert all(((v["height"] // 16) * (v["width"] // 16)) % 2 == 0 for v in resolutions)
-    assert r.settings["shallow_remedy_search"] is True
+    assert r.extra["settings"]["shallow_remedy_search"] is True
+
+    # every problem is a FAIL finding: its diagnosis the problem, its remedy the measured ways out, its command
+    # the plan again with the first of them applied
+    assert [(f.verdict, f.diagnosis) for f in r.findings] == [(Verdict.FAIL, p["what"]) for p in problems]
+    text_finding = r.findings[problems.index(text_problem)]
+    assert text_finding.remedy.startswith("text_padding: pad the text to 78 tokens")
+    assert text_finding.command == "cpdoctor plan qwen-image --height 1328 --width 1328 --text-len 78 --ring 2 --ulysses 1"
+    image_finding = r.findings[problems.index(image_problem)]
+    v = resolutions[0]
+    assert f"--height {v['height']} --width {v['width']} --text-len 77" in image_finding.command
 
     # the two measured remedies together make everything divide
     fixed = plan_model("qwen-image", resolutions[0]["height"], resolutions[0]["width"], 78, ring=2, ulysses=1)
@@ -161,39 +181,42 @@ def test_qwen_image_1328_text77_ring2_text_does_not_divide():
 def test_width_that_makes_image_tokens_odd():
     r = plan_model("flux", height=1040, width=1040, text_len=512, ring=2, ulysses=1)
     rows = _rows(r)
-    assert rows["hidden_states"].length == 65 * 65 and not rows["hidden_states"].divisible
-    assert rows["encoder_hidden_states"].divisible
-    assert len(r.problems) == 1 and r.problems[0].tensors == ["hidden_states", "img_ids", "proj_out:output"]
-    res = [rem for rem in r.problems[0].remedies if rem.kind == "resolution"]
-    assert res and all(rem.measured for rem in res)
-    assert all(all(length % 2 == 0 for ls in rem.values["lengths"].values() for length in ls) for rem in res)
+    assert rows["hidden_states"]["length"] == 65 * 65 and not rows["hidden_states"]["divisible"]
+    assert rows["encoder_hidden_states"]["divisible"]
+    problems = r.extra["problems"]
+    assert len(problems) == 1 and problems[0]["tensors"] == ["hidden_states", "img_ids", "proj_out:output"]
+    res = [rem for rem in problems[0]["remedies"] if rem["kind"] == "resolution"]
+    assert res and all(rem["measured"] for rem in res)
+    assert all(all(length % 2 == 0 for ls in rem["values"]["lengths"].values() for length in ls) for rem in res)
 
 
 def test_impossible_ulysses_degree_for_the_heads():
     r = plan_model("flux", height=1024, width=1024, text_len=512, ring=1, ulysses=16)
-    assert all(t.divisible for t in r.tensors)  # 4096 and 512 divide by 16 ...
-    assert [(h.heads, h.divisible) for h in r.heads] == [(24, False)]  # ... 24 heads do not
-    assert len(r.problems) == 1 and "24 attention heads" in r.problems[0].what
-    degrees = next(rem for rem in r.problems[0].remedies if rem.kind == "degrees")
-    assert degrees.values["options"]
-    assert all(24 % o["ulysses"] == 0 and o["ring"] * o["ulysses"] == 16 for o in degrees.values["options"])
+    assert all(t["divisible"] for t in r.extra["tensors"])  # 4096 and 512 divide by 16 ...
+    assert [(h["heads"], h["divisible"]) for h in r.extra["heads"]] == [(24, False)]  # ... 24 heads do not
+    problems = r.extra["problems"]
+    assert len(problems) == 1 and "24 attention heads" in problems[0]["what"]
+    degrees = next(rem for rem in problems[0]["remedies"] if rem["kind"] == "degrees")
+    assert degrees["values"]["options"]
+    assert all(24 % o["ulysses"] == 0 and o["ring"] * o["ulysses"] == 16 for o in degrees["values"]["options"])
 
 
 def test_checkpoint_config_is_used(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_FLUX))
     r = plan_model(str(tmp_path), height=512, width=512, text_len=64, ring=1, ulysses=4)
-    assert r.model["source"].endswith("config.json")
-    assert _rows(r)["hidden_states"].length == 32 * 32
-    assert [(h.heads, h.divisible) for h in r.heads] == [(2, False)]  # the checkpoint's 2 heads, not Flux's 24
+    assert r.extra["model"]["source"].endswith("config.json")
+    assert _rows(r)["hidden_states"]["length"] == 32 * 32
+    # the checkpoint's 2 heads, not Flux's 24
+    assert [(h["heads"], h["divisible"]) for h in r.extra["heads"]] == [(2, False)]
 
 
 def test_video_model_frames_remedy():
     # Wan: (81 - 1) / 4 + 1 = 21 latent frames, 496 / 16 = 31, 848 / 16 = 53: 21 * 31 * 53 = 34503, odd
     r = plan_model("wan", height=496, width=848, text_len=512, ring=2, ulysses=1)
-    assert _rows(r)["blocks.0:hidden_states"].length == 34503
-    kinds = {rem.kind for p in r.problems for rem in p.remedies}
-    assert {"resolution", "frames"} <= kinds
-    frames = [rem.values["frames"] for p in r.problems for rem in p.remedies if rem.kind == "frames"]
+    assert _rows(r)["blocks.0:hidden_states"]["length"] == 34503
+    remedies = [rem for p in r.extra["problems"] for rem in p["remedies"]]
+    assert {"resolution", "frames"} <= {rem["kind"] for rem in remedies}
+    frames = [rem["values"]["frames"] for rem in remedies if rem["kind"] == "frames"]
     assert all((f - 1) % 4 == 0 for f in frames)
 
 
@@ -238,6 +261,10 @@ def test_cli_qwen_json_to_stdout():
     doc = json.loads(p.stdout)  # nothing but JSON on stdout
     assert doc["verdict"] == "FAIL"
     assert set(doc) >= {"verdict", "model", "settings", "tensors", "problems"}
+    # the shape every examination reports in, and every key the plan had before it
+    assert set(doc) >= {"exit_code", "findings", "skipped", "heads", "notes", "seconds"} and doc["exit_code"] == 1
+    assert [f["verdict"] for f in doc["findings"]] == ["FAIL"] * len(doc["problems"]) == ["FAIL", "FAIL"]
+    assert all(f["remedy"] and f["command"].startswith("cpdoctor plan qwen-image ") for f in doc["findings"])
     text = next(t for t in doc["tensors"] if t["name"] == "transformer_blocks.0:encoder_hidden_states")
     assert (text["length"], text["divisible"]) == (77, False)
     remedies = [r for p_ in doc["problems"] for r in p_["remedies"]]

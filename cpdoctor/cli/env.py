@@ -1,5 +1,6 @@
 """`cpdoctor env`: what is installed, which attention backends can do CP here, and what the installed diffusers
-gets wrong, in one process and a few seconds. Rendering only; the examination is `cpdoctor.examinations.env.probe`.
+gets wrong, in one process and a few seconds. Rendering only: the examination is `cpdoctor.examinations.env.probe`
+and returns the `cpdoctor.report.Report` every examination returns (its backend rows under the `backends` key).
 torch and diffusers are imported inside the command so that `cpdoctor --help` stays fast."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ ENV_HELP = (
     "One process, no ranks. Exit 0 nothing wrong (warnings included), 1 a FAIL finding, 2 bad input, 3 cannot examine."
 )
 
-STYLE = {"PASS": "bold green", "FAIL": "bold red", "WARN": "bold yellow", "INFO": "bold cyan"}
 MARK = {True: "✓", False: "✗", None: "–"}
 COLUMNS = ("backend", "installed", "CP", "runs here", "LSE", "backward", "saves LSE", "RNG", "ring", "Ulysses", "training", "note")
 
@@ -69,6 +69,12 @@ def _backward_ok(op: dict) -> Optional[bool]:
     return op.get("grad_shapes_ok")
 
 
+def _style(verdict: str) -> str:
+    from cpdoctor.report import Verdict
+
+    return Verdict(verdict).style
+
+
 def _fmt_value(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
@@ -94,27 +100,27 @@ def _env_lines(env: dict) -> list[tuple[str, str]]:
     return lines
 
 
-def render(report: Any, console: Any) -> None:
-    from rich import box
+def _render_environment(env: dict, console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    data = report.to_dict()
-    console.print("[bold]cpdoctor env[/]")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim", justify="right")
     grid.add_column()
-    for label, value in _env_lines(data["environment"]):
+    for label, value in _env_lines(env):
         style = "yellow" if value == "could not collect" else ("dim" if value in ("not installed", "not available") else "")
         grid.add_row(escape(label), f"[{style}]{escape(value)}[/]" if style else escape(value))
     console.print(grid)
 
-    table = Table(
-        title=f"attention backends on {data['environment'].get('probe_device')} ({data['environment'].get('probe_dtype')})",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
+
+def _render_backends(data: dict, console: Any) -> None:
+    """The backend table, then one line per distinct reason a backend cannot do something here."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    env = data["environment"]
+    table = Table(title=f"attention backends on {env.get('probe_device')} ({env.get('probe_dtype')})", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in COLUMNS[:-1]:
         table.add_column(col, justify="left" if col == "backend" else "center", no_wrap=True)
     notes: dict[str, list[str]] = {}
@@ -122,9 +128,7 @@ def render(report: Any, console: Any) -> None:
         *values, (_, note) = _cell_values(row)
         cells = []
         for ok, text in values:
-            style = "green" if ok is True else "red" if ok is False else "dim"
-            if text.startswith("advances"):
-                style = "yellow"
+            style = "yellow" if text.startswith("advances") else "green" if ok is True else "red" if ok is False else "dim"
             cells.append(f"[{style}]{escape(text)}[/]")
         table.add_row(escape(row["name"]), *cells)
         if note:
@@ -132,19 +136,33 @@ def render(report: Any, console: Any) -> None:
     console.print(table)
     for note, names in notes.items():
         console.print(f"  [dim]✗ {escape(', '.join(names))}: {escape(note)}[/]")
+
+
+def _render_findings(findings: list[dict], console: Any) -> None:
+    from rich.markup import escape
+
+    for f in findings:
+        console.print(f"[{_style(f['verdict'])}]{f['verdict']}[/] [bold]{escape(f['probe'])}[/] — {escape(f['diagnosis'])}")
+        if f.get("remedy"):
+            console.print(f"    [bold]remedy:[/] {escape(f['remedy'])}")
+        if f.get("command"):
+            console.print(f"    [bold]settle:[/] [cyan]{escape(f['command'])}[/]")
+
+
+def render(report: Any, console: Any) -> None:
+    """The environment, the backend table, the findings and the verdict line of env's Report."""
+    data = report.to_dict()
+    console.print("[bold]cpdoctor env[/]")
+    _render_environment(data["environment"], console)
+    _render_backends(data, console)
     console.print(
         "[dim]ring / Ulysses / training: whether the backend can do that here (ring needs an LSE; training needs a "
         "backward that is right after a forward not asked for an LSE). Defects of diffusers' ring template apply to "
         "every backend: they are among the findings below. * measured on the meta device (no kernel here): shapes "
         "and kernel arguments only.[/]\n"
     )
-    for f in data["findings"]:
-        console.print(f"[{STYLE.get(f['verdict'], 'bold')}]{f['verdict']}[/] [bold]{escape(f['probe'])}[/] — {escape(f['diagnosis'])}")
-        if f.get("remedy"):
-            console.print(f"    [bold]remedy:[/] {escape(f['remedy'])}")
-        if f.get("command"):
-            console.print(f"    [bold]settle:[/] [cyan]{escape(f['command'])}[/]")
-    console.print(f"\nverdict [{STYLE.get(data['verdict'], 'bold')}]{data['verdict']}[/]  (exit {data['exit_code']}, {data['wall_s']:.1f} s)")
+    _render_findings(data["findings"], console)
+    console.print(f"\nverdict [{_style(data['verdict'])}]{data['verdict']}[/]  (exit {data['exit_code']}, {data['wall_s']:.1f} s)")
 
 
 def _md(text: Any) -> str:

@@ -1,6 +1,7 @@
 """`cpdoctor plan MODEL`: will every context-parallel split of MODEL divide at this resolution and prompt length?
 
-Parsing and rendering only; the measuring is `cpdoctor.examinations.plan.probe.plan_model`. torch and diffusers are
+Parsing and rendering only; the measuring is `cpdoctor.examinations.plan.probe.plan_model`, which returns the
+`cpdoctor.report.Report` every examination returns (the plan under its own keys). torch and diffusers are
 imported inside the command so that `cpdoctor --help` stays fast.
 """
 
@@ -59,11 +60,30 @@ def render_list(entries: list, console: Any) -> None:
     )
 
 
-def render_plan(result: Any, console: Any) -> None:
+def _tensor_line(t: dict) -> list[str]:
+    from rich.markup import escape
+
+    name = escape(t["name"]) + (" [dim](gathered)[/dim]" if t["kind"] == "gather" else "")
+    if t["calls"] > 1:
+        name += f" [dim]x{t['calls']}[/dim]"
+    return [name, str(t["split_dim"]), str(t["length"]), str(t["per_rank"]), _mark(t["divisible"])]
+
+
+def _heads_line(h: dict) -> list[str]:
+    kv = "" if h["kv_heads"] == h["heads"] else f"/{h['kv_heads']}"
+    per = h["heads"] // h["ulysses"] if h["divisible"] else round(h["heads"] / h["ulysses"], 2)
+    label = f"attention heads{' (q/kv)' if kv else ''} [dim]over ulysses[/dim]"
+    return [label, "-", f"{h['heads']}{kv}", str(per), _mark(h["divisible"])]
+
+
+def render_plan(report: Any, console: Any) -> None:
+    """The plan of a `cpdoctor.report.Report` from `plan_model`: its title, one row per split tensor and the
+    heads, what is not split, each problem with its measured ways out, the notes and the verdict line."""
     from rich.markup import escape
     from rich.table import Table
 
-    s, m = result.settings, result.model
+    data = report.to_dict()
+    s, m = data["settings"], data["model"]
     frames = "" if s.get("frames") is None else f", {s['frames']} frames"
     title = (
         f"{m['short_name']} ({m['class_name']}) {s['height']}x{s['width']}{frames}, text {s['text_len']}, "
@@ -71,46 +91,35 @@ def render_plan(result: Any, console: Any) -> None:
     )
     console.print(f"[bold]{escape(title)}[/bold]")
     table = Table()
-    table.add_column("tensor")
-    table.add_column("split dim", justify="right")
-    table.add_column("length", justify="right")
-    table.add_column("per rank", justify="right")
-    table.add_column("divides", justify="center")
-    for t in result.tensors:
-        name = escape(t.name) + (" [dim](gathered)[/dim]" if t.kind == "gather" else "")
-        if t.calls > 1:
-            name += f" [dim]x{t.calls}[/dim]"
-        table.add_row(name, str(t.split_dim), str(t.length), str(t.per_rank), _mark(t.divisible))
-    for h in result.heads:
-        kv = "" if h.kv_heads == h.heads else f"/{h.kv_heads}"
-        per = h.heads // h.ulysses if h.divisible else round(h.heads / h.ulysses, 2)
-        table.add_row(
-            f"attention heads{' (q/kv)' if kv else ''} [dim]over ulysses[/dim]",
-            "-",
-            f"{h.heads}{kv}",
-            str(per),
-            _mark(h.divisible),
-        )
+    for column, justify in (("tensor", "left"), ("split dim", "right"), ("length", "right"), ("per rank", "right"), ("divides", "center")):
+        table.add_column(column, justify=justify)
+    for row in [_tensor_line(t) for t in data["tensors"]] + [_heads_line(h) for h in data["heads"]]:
+        table.add_row(*row)
     console.print(table)
-    for sk in result.skipped:
-        console.print(f"[dim]not split: {escape(sk.name)}: {escape(sk.reason)}[/dim]")
-    for i, p in enumerate(result.problems, 1):
-        console.print(f"[bold red]problem {i}:[/bold red] {escape(p.what)}")
-        for r in p.remedies:
-            tag = "" if r.measured else " [dim](predicted)[/dim]"
-            console.print(f"  [cyan]-> {r.kind}:[/cyan] {escape(r.text)}{tag}")
-    for note in result.notes:
+    for sk in data["skipped"]:
+        console.print(f"[dim]not split: {escape(sk['name'])}: {escape(sk['reason'])}[/dim]")
+    for i, p in enumerate(data["problems"], 1):
+        console.print(f"[bold red]problem {i}:[/bold red] {escape(p['what'])}")
+        for r in p["remedies"]:
+            tag = "" if r["measured"] else " [dim](predicted)[/dim]"
+            console.print(f"  [cyan]-> {r['kind']}:[/cyan] {escape(r['text'])}{tag}")
+    for note in data["notes"]:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
-    if result.problems:
+    _verdict_line(data, console)
+
+
+def _verdict_line(data: dict, console: Any) -> None:
+    s, problems, seconds = data["settings"], data["problems"], data["seconds"]
+    if problems:
         console.print(
-            f"[bold red]FAIL[/bold red]: {len(result.problems)} problem(s) at {s['world_size']} ranks "
-            f"[dim]({s['forwards']} meta forwards, {result.seconds:.1f} s)[/dim]"
+            f"[bold red]FAIL[/bold red]: {len(problems)} problem(s) at {s['world_size']} ranks "
+            f"[dim]({s['forwards']} meta forwards, {seconds:.1f} s)[/dim]"
         )
     else:
         console.print(
             f"[bold green]PASS[/bold green]: every split divides over {s['world_size']} ranks"
             f"{'' if s['ulysses'] == 1 else ' and the heads over ulysses ' + str(s['ulysses'])} "
-            f"[dim]({s['forwards']} meta forward(s), {result.seconds:.1f} s)[/dim]"
+            f"[dim]({s['forwards']} meta forward(s), {seconds:.1f} s)[/dim]"
         )
 
 
@@ -151,7 +160,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(0)
         if not model:
             raise BadInput("give a MODEL (see `cpdoctor plan --list`)")
-        result = planner.plan_model(
+        report = planner.plan_model(
             model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames
         )
-        emit(result, json_out, render_plan)
+        emit(report, json_out, render_plan)
