@@ -45,6 +45,10 @@ def fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
     for key in ("device", "backend", "ring", "ulysses", "dtype"):
         if req is not None and hasattr(req, key):
             env[key] = getattr(req, key)
+    if getattr(req, "emulate", False):
+        from cpdoctor.examinations.judging import emulation_note
+
+        env["emulated"] = emulation_note(str(getattr(req, "backend", "auto")))
     return env
 
 
@@ -96,6 +100,15 @@ def _first_failure(kind: str, outcome: CaseOutcome, timeout_s: float) -> Finding
     return outcome_findings(kind, outcome, timeout_s)[0]
 
 
+def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
+    """The warnings the examination raised on the ranks (kept off the terminal), counted for the JSON."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        for message, n in outcome.warnings.items():
+            counts[message] = counts.get(message, 0) + n
+    return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
+
+
 def _environment(outcomes: list[CaseOutcome], fallback: dict[str, Any]) -> dict[str, Any]:
     for outcome in outcomes:
         env = getattr(outcome.evaluated, "environment", None)
@@ -115,7 +128,7 @@ def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on
     final = runs[-1]
     before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
     env = _environment(result.outcomes, fallback_environment(entry.world_size(req), req))
-    return Report.of(final.findings, env, req.to_dict(), before=before, wall_s=result.wall_s)
+    return Report.of(final.findings, env, req.to_dict(), before=before, wall_s=result.wall_s, extra=warnings_seen(result.outcomes))
 
 
 def check_attention(request: AttentionRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
@@ -145,12 +158,13 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     groups: dict[tuple, list[int]] = {}
     for i, (kind, req) in enumerate(requests):
         entry = registry.get(kind)
-        groups.setdefault((kind, entry.world_size(req), entry.device(req)), []).append(i)
+        emulate = bool(getattr(req, "emulate", False))  # stand-ins are per process: never mixed in one launch
+        groups.setdefault((kind, entry.world_size(req), entry.device(req), emulate), []).append(i)
     final: list[Finding | None] = [None] * len(requests)
     before: list[Finding | None] = [None] * len(requests)
     outcomes_seen: list[CaseOutcome] = []
     wall = 0.0
-    for (kind, world, device), members in groups.items():
+    for (kind, world, device, _emulate), members in groups.items():
         entry = registry.get(kind)
         owned = [(i, case) for i in members for case in entry.cases(requests[i][1])]
         result = run_cases(kind, [case for _, case in owned], world, device, timeout_s, on_tick)
@@ -170,7 +184,7 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     if patch or any(getattr(r, "patch", False) for _, r in requests):
         before_run = RunResult.of([b for b in before if b is not None])
     request = {"suite": suite.name, "source": suite.source, "patch": patch, "checks": [{k: r.to_dict()} for k, r in requests]}
-    return Report.of(findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name})
+    return Report.of(findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name, **warnings_seen(outcomes_seen)})
 
 
 class PreflightFailed(RuntimeError):

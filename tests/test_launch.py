@@ -140,3 +140,24 @@ def test_torchrun_world_must_match_the_degrees():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "torchrun started 2 processes but ring × ulysses = 4" in proc.stdout + proc.stderr
+
+
+def test_a_clean_torchrun_run(tmp_path):
+    """Three ranks under torchrun with a FAIL to report: one table, no warning on the terminal (diffusers'
+    deprecation notices are counted in the JSON instead), and every rank leaves with the same exit code, so
+    torchrun records three exits and kills nobody."""
+    out = tmp_path / "r.json"
+    cmd = _torchrun("--nproc-per-node", "3", "--master-port", str(_free_port())) + ["check", "--ring", "3", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    import json
+
+    data = json.loads(out.read_text())
+    assert proc.returncode == 1 and data["verdict"] == "FAIL"
+    assert sum(line.startswith("verdict ") for line in proc.stdout.splitlines()) == 1
+    terminal = proc.stdout + proc.stderr
+    assert "Warning" not in terminal, terminal
+    # torchrun records every rank's own exit (code 1), none killed (-15); on a loaded host it may still announce a
+    # SIGTERM to ranks that were already gone, which changes nothing it records
+    assert terminal.count("exitcode  : 1") == 3 and "exitcode  : -15" not in terminal and "Signal 15" not in terminal, terminal
+    for message in data.get("warnings", {}).get("messages", {}):
+        assert "Warning" in message.split(":")[0]

@@ -7,9 +7,15 @@ import pytest
 from conftest import run_cli
 
 
-def test_quick_suite_verdicts(has_stale_kv_backward):
-    run = run_cli("run", "quick", "--json", "-")
+def test_quick_suite_verdicts(has_stale_kv_backward, tmp_path):
+    junit, markdown = tmp_path / "quick.xml", tmp_path / "quick.md"
+    run = run_cli("run", "quick", "--json", "-", "--junit", str(junit), "--markdown", str(markdown))
     data = run.json
+    # the same run as a CI test report: one testcase per check, FAIL as <failure>, parsed as CI systems do
+    junitparser = pytest.importorskip("junitparser")
+    (suite,) = list(junitparser.JUnitXml.fromfile(str(junit)))
+    assert suite.tests == 5 and suite.failures == sum(f["verdict"] == "FAIL" for f in data["findings"]) and suite.errors == 0
+    assert "padding mask" in markdown.read_text() and markdown.read_text().startswith("### cpdoctor run: FAIL (exit 1)")
     verdicts = [f["verdict"] for f in data["findings"]]
     # ring 2, ring 3, Ulysses 2, ring 2 × Ulysses 2, ring 2 with a padding mask
     if has_stale_kv_backward:

@@ -78,15 +78,24 @@ _register_commands()
 
 
 def main() -> None:
-    """Console-script entry: BadInput -> one line and exit 2; CannotExamine -> one line and exit 3."""
+    """Console-script entry: BadInput -> one line and exit 2; CannotExamine -> one line and exit 3. Under
+    torchrun every rank leaves together with the same code (see launch.torchrun.leave_together)."""
+    from cpdoctor.launch import torchrun
+
+    if torchrun.under_torchrun():
+        torchrun.hold_group_until_exit()
+    code: int | str | None = 0
     try:
         app()
+    except SystemExit as exc:
+        code = exc.code
     except BadInput as exc:
         print(f"cpdoctor: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except CannotExamine as exc:
         print(f"cpdoctor: cannot examine: {exc}", file=sys.stderr)
-        sys.exit(3)
+        code = 3
     except KeyboardInterrupt:
         print("cpdoctor: interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    torchrun.leave_together(code if isinstance(code, int) else (0 if code is None else 1))

@@ -6,7 +6,9 @@ from typing import Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.errors import BadInput
+
+from cpdoctor.cli.output import check_run_options, junit_option, markdown_option, emit, waiting
 
 
 def check(
@@ -22,23 +24,50 @@ def check(
     mask_pad: int = typer.Option(0, "--mask-pad", help="Mask out the last N keys of the sequence as padding."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
+    emulate: bool = typer.Option(
+        False, "--emulate", help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash, ...) on CPU through cpdoctor's kernel stand-ins."
+    ),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    junit_path: Optional[str] = junit_option(),
+    markdown_path: Optional[str] = markdown_option(),
+    repro_dir: Optional[str] = typer.Option(None, "--repro", help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape)."),
 ) -> None:
     """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
     a full-sequence reference. Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."""
     from cpdoctor import api
     from cpdoctor.report import render
 
-    check_run_options(timeout, json_path)
+    check_run_options(timeout, json_path, junit_path, markdown_path)
     request = api.request_for(
         "attention",
         ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, batch=batch, seq=seq, heads=heads,
-        head_dim=head_dim, seed=seed, mask_pad=mask_pad, device=device, patch=patch,
+        head_dim=head_dim, seed=seed, mask_pad=mask_pad, device=device, patch=patch, emulate=emulate,
     )
-    with waiting(f"examining CP attention on {request.world_size} ranks", quiet=json_path == "-"):
+    with waiting(f"examining CP attention on {request.world_size} ranks", quiet="-" in (json_path, junit_path, markdown_path)):
         report = api.check_attention(request, timeout_s=timeout)
-    emit(report, json_path, render)
+    if repro_dir:
+        write_repro_files(report, repro_dir)
+    emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
+
+
+def write_repro_files(report: object, directory: str) -> None:
+    """Write the upstream repro and issue text for a FAIL (rank 0 only), and say where (on stderr)."""
+    import sys
+
+    from cpdoctor.launch import is_reporting_rank
+    from cpdoctor.report.repro import write_repro
+
+    if not is_reporting_rank():
+        return
+    try:
+        paths = write_repro(report, directory, "cpdoctor check")  # type: ignore[arg-type]
+    except OSError as exc:
+        raise BadInput(f"cannot write --repro {directory}: {exc.strerror}") from exc
+    if paths:
+        print(f"cpdoctor: wrote {' and '.join(paths)}", file=sys.stderr)
+    else:
+        print("cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors)", file=sys.stderr)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.cli.output import check_run_options, emit, junit_option, markdown_option, waiting
 
 DOCTOR_HELP = (
     "The front door (what `cpdoctor` alone runs): the environment, then ring 2, ring 3, ring over every visible "
@@ -92,16 +92,16 @@ def render_doctor(report: Any, out: Any) -> None:
         )
 
 
-def doctor(patch: bool = False, timeout: Optional[float] = None, json_path: Optional[str] = None) -> None:
+def doctor(patch: bool = False, timeout: Optional[float] = None, json_path: Optional[str] = None, junit_path: Optional[str] = None, markdown_path: Optional[str] = None) -> None:
     """Run the doctor and exit with its code (shared by `cpdoctor` alone and `cpdoctor doctor`)."""
     from cpdoctor.api import DEFAULT_TIMEOUT_S
     from cpdoctor.doctor import examine
 
     timeout_s = DEFAULT_TIMEOUT_S if timeout is None else timeout
-    check_run_options(timeout_s, json_path)
-    with waiting("examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet=json_path == "-"):
+    check_run_options(timeout_s, json_path, junit_path, markdown_path)
+    with waiting("examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)):
         report = examine(patch=patch, timeout_s=timeout_s)
-    emit(report, json_path, render_doctor)
+    emit(report, json_path, render_doctor, junit_path=junit_path, markdown_path=markdown_path, command="doctor")
 
 
 def register(app: typer.Typer) -> None:
@@ -112,5 +112,7 @@ def register(app: typer.Typer) -> None:
         json_path: Optional[str] = typer.Option(
             None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."
         ),
+        junit_path: Optional[str] = junit_option(),
+        markdown_path: Optional[str] = markdown_option(),
     ) -> None:
-        doctor(patch=patch, timeout=timeout, json_path=json_path)
+        doctor(patch=patch, timeout=timeout, json_path=json_path, junit_path=junit_path, markdown_path=markdown_path)

@@ -11,6 +11,14 @@ import typer
 from cpdoctor.errors import BadInput
 
 
+def junit_option() -> Any:
+    return typer.Option(None, "--junit", help="Write a JUnit XML report to FILE for CI (one testcase per examination; '-' for stdout).")
+
+
+def markdown_option() -> Any:
+    return typer.Option(None, "--markdown", help="Write the table and verdict as Markdown to FILE, to paste into a pull request or issue ('-' for stdout).")
+
+
 def console(stderr: bool = False) -> Any:
     from rich.console import Console
 
@@ -29,45 +37,63 @@ def waiting(message: str, quiet: bool) -> Iterator[None]:
         yield
 
 
-def check_run_options(timeout: float | None, json_path: str | None) -> None:
-    """Bad options caught before any rank starts: a timeout that is not a positive finite number, and a
-    --json FILE that cannot be written (found after a long run, it would also hide the run's exit code)."""
+def _check_writable(option: str, path: str) -> None:
+    import os
+
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise BadInput(f"cannot write {option} {path}: {exc.strerror}") from exc
+    if not existed:
+        os.remove(path)
+
+
+def check_run_options(timeout: float | None, json_path: str | None, junit_path: str | None = None, markdown_path: str | None = None) -> None:
+    """Bad options caught before any rank starts: a timeout that is not a positive finite number, and an output
+    FILE that cannot be written (found after a long run, it would also hide the run's exit code)."""
     if timeout is not None:
         from cpdoctor.examinations.request import validate_timeout
 
         validate_timeout(timeout)
     from cpdoctor.launch import is_reporting_rank
 
-    if json_path and json_path != "-" and is_reporting_rank():
-        import os
-
-        existed = os.path.exists(json_path)
-        try:
-            with open(json_path, "a"):
-                pass
-        except OSError as exc:
-            raise BadInput(f"cannot write --json {json_path}: {exc.strerror}") from exc
-        if not existed:
-            os.remove(json_path)
+    if not is_reporting_rank():
+        return
+    for option, path in (("--json", json_path), ("--junit", junit_path), ("--markdown", markdown_path)):
+        if path and path != "-":
+            _check_writable(option, path)
 
 
-def emit(report: Any, json_path: str | None, render: Any) -> None:
-    """Render the table unless JSON goes to stdout; write JSON where asked; exit with the report's code.
-    Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
+def _write(option: str, path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return
+    try:
+        with open(path, "w") as fh:
+            fh.write(text if text.endswith("\n") else text + "\n")
+    except OSError as exc:
+        raise BadInput(f"cannot write {option} {path}: {exc.strerror}") from exc
+
+
+def emit(report: Any, json_path: str | None, render: Any, *, junit_path: str | None = None, markdown_path: str | None = None, command: str = "check") -> None:
+    """Render the table unless a document goes to stdout; write JSON / JUnit XML / Markdown where asked; exit
+    with the report's code. Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
     from cpdoctor.launch import is_reporting_rank
 
     if not is_reporting_rank():
         raise typer.Exit(report.exit_code)
-    if json_path != "-":
+    if "-" not in (json_path, junit_path, markdown_path):
         render(report, console())
     if json_path:
-        text = report.to_json()
-        if json_path == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            try:
-                with open(json_path, "w") as fh:
-                    fh.write(text + "\n")
-            except OSError as exc:
-                raise BadInput(f"cannot write --json {json_path}: {exc.strerror}") from exc
+        _write("--json", json_path, report.to_json())
+    if junit_path:
+        from cpdoctor.report.junit import to_junit
+
+        _write("--junit", junit_path, to_junit(report, command))
+    if markdown_path:
+        from cpdoctor.report.markdown import to_markdown
+
+        _write("--markdown", markdown_path, to_markdown(report, command))
     raise typer.Exit(report.exit_code)

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, console, emit, waiting
+from cpdoctor.cli.output import check_run_options, junit_option, markdown_option, console, emit, waiting
 
 
 def _worst(finding: Any) -> str:
@@ -56,6 +56,8 @@ def run(
     patch: bool = typer.Option(False, "--patch", help="Run every check before and after cpdoctor's fixed ring attention."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds per launch before a rank is reported as HANG."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    junit_path: Optional[str] = junit_option(),
+    markdown_path: Optional[str] = markdown_option(),
     list_suites: bool = typer.Option(False, "--list", help="List the shipped suites and exit."),
 ) -> None:
     """Run a suite of examinations; checks of the same kind and world size share one launch.
@@ -71,13 +73,13 @@ def run(
         raise typer.Exit(0)
     if suite is None:
         raise BadInput("give a SUITE: a shipped name (cpdoctor run --list) or a YAML file")
-    check_run_options(timeout, json_path)
+    check_run_options(timeout, json_path, junit_path, markdown_path)
     from cpdoctor.api import run_suite
 
     loaded = suites.load(suite)
-    with waiting(f"running suite {loaded.name} ({len(loaded.checks)} checks)", quiet=json_path == "-"):
+    with waiting(f"running suite {loaded.name} ({len(loaded.checks)} checks)", quiet="-" in (json_path, junit_path, markdown_path)):
         report = run_suite(loaded, patch=patch, timeout_s=timeout)
-    emit(report, json_path, render_suite)
+    emit(report, json_path, render_suite, junit_path=junit_path, markdown_path=markdown_path, command="run")
 
 
 def register(app: typer.Typer) -> None:

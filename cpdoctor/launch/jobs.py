@@ -50,6 +50,7 @@ class RankPayload:
     value: Any = None
     message: str = ""
     traceback: str = ""
+    warnings: list[str] = field(default_factory=list)  # raised inside the examination, kept off the terminal
 
     @property
     def ok(self) -> bool:
@@ -88,6 +89,7 @@ class CaseOutcome:
     evaluated: Any = None
     failures: list[RankFailure] = field(default_factory=list)
     refusal: RankPayload | None = None  # bad input / cannot examine: the request, not a rank, is at fault
+    warnings: dict[str, int] = field(default_factory=dict)  # message -> how many times, over all ranks
 
     @property
     def completed(self) -> bool:

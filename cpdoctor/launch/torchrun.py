@@ -26,6 +26,45 @@ def is_reporting_rank() -> bool:
     return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
+_hold_group = False
+_held: DistContext | None = None
+
+EXIT_DELAY_S = 0.5
+"""Every rank exits at rank 0's clock time now + this: after the broadcast every rank is awake, and sleeping
+until one absolute moment lines the exits up far tighter than returning from a barrier does on a loaded host
+(torchrun polls its workers every 0.1 s and kills the rest as soon as one has exited non-zero)."""
+
+
+def hold_group_until_exit() -> None:
+    """The CLI under torchrun: keep the process group this rank created until `leave_together`, so that every
+    rank leaves at the same moment with the same exit code (torchrun kills the others as soon as one rank
+    exits non-zero, and reports a 40-line ChildFailedError of SIGTERMs)."""
+    global _hold_group
+    _hold_group = True
+
+
+def leave_together(code: int) -> None:
+    """Wait for every rank, then exit at once with `code` (no teardown a peer could trip over). Without a
+    held group this is a plain exit."""
+    import sys
+
+    if _held is None:
+        sys.exit(code)
+    import contextlib
+
+    import torch.distributed as dist
+
+    import time
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    deadline = time.time() + EXIT_DELAY_S
+    with contextlib.suppress(Exception):  # one moment for all: rank 0's clock (one node shares it)
+        deadline = _held.broadcast_from_root(deadline)
+    time.sleep(max(0.0, min(EXIT_DELAY_S * 4, deadline - time.time())))
+    os._exit(code)
+
+
 def _lost_peer(outcomes: list[CaseOutcome]) -> bool:
     return any(f.kind is FailureKind.HANG for o in outcomes for f in o.failures)
 
@@ -33,6 +72,7 @@ def _lost_peer(outcomes: list[CaseOutcome]) -> bool:
 def run_in_this_process(job: Job) -> LaunchResult:
     """Run the job as this rank. Cases after a failed one that every rank reported still run; a case whose
     collective timed out ends the job (nobody can relaunch under torchrun), and the rest are left out."""
+    global _held
     start = time.monotonic()
     ctx = DistContext.join(job.timeout_s, job.device)
     peer_lost = False
@@ -47,7 +87,10 @@ def run_in_this_process(job: Job) -> LaunchResult:
                 peer_lost = True
                 return LaunchResult([CaseOutcome(job.cases[0], failures=[failure])], wall_s=time.monotonic() - start, launches=1)
     finally:
-        ctx.close(sync=not peer_lost)
+        if _hold_group and ctx.owns_group and not peer_lost:
+            _held = ctx
+        else:
+            ctx.close(sync=not peer_lost)
     result = LaunchResult(list(outcomes or []), wall_s=time.monotonic() - start, launches=1)
     refused = next((o.refusal for o in result.outcomes if o.refusal is not None), None)
     if refused is not None:

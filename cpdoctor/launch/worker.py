@@ -10,6 +10,7 @@ import os
 import pickle
 import signal
 import traceback
+import warnings
 from typing import Any, Callable
 
 from cpdoctor.errors import BadInput, CannotExamine
@@ -26,7 +27,17 @@ def _error(exc: BaseException) -> RankPayload:
 
 
 def run_case(entry: Any, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
-    """This rank's payload for one case; every exception becomes a payload, never an escape."""
+    """This rank's payload for one case, with the warnings raised meanwhile (diffusers' deprecation notices on
+    every rank would bury the verdict under torchrun: they are counted in the report instead)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        payload = _run_case(entry, case, ctx, log, index)
+    payload.warnings = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return payload
+
+
+def _run_case(entry: Any, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
+    """Every exception becomes a payload, never an escape."""
     try:
         log.mark(index, "preparing")
         inject_fault(ctx.rank, case.label)
@@ -58,6 +69,15 @@ def refusal(payloads: list[RankPayload]) -> RankPayload | None:
 
 
 def _evaluate(entry: Any, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = _judge_payloads(entry, case, payloads, ctx)
+    for message in [w for p in payloads for w in p.warnings] + [f"{w.category.__name__}: {w.message}" for w in caught]:
+        outcome.warnings[message] = outcome.warnings.get(message, 0) + 1
+    return outcome
+
+
+def _judge_payloads(entry: Any, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
     refused = refusal(payloads)
     if refused is not None:
         return CaseOutcome(case, refusal=refused)

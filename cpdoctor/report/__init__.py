@@ -155,7 +155,7 @@ def styled(verdict: Verdict | str) -> str:
 
 
 def environment_line(env: dict[str, Any]) -> str:
-    keys = ("torch", "diffusers", "device", "process_group", "world_size", "backend", "dtype")
+    keys = ("torch", "diffusers", "device", "process_group", "world_size", "backend", "dtype", "emulated")
     names = {"world_size": "ranks", "process_group": "pg"}
     return " · ".join(f"{names.get(k, k)} {env[k]}" for k in keys if k in env)
 
@@ -204,6 +204,8 @@ def render_finding(finding: Finding, before: Finding | None, console: Any) -> No
     console.print(f"{styled(finding.verdict)} — {finding.diagnosis}")
     if finding.remedy:
         console.print(f"[bold]remedy:[/] {finding.remedy}")
+    if finding.details.get("emulated"):
+        console.print(f"[dim]emulated: {finding.details['emulated']}[/]")
     for rank, tb in finding.details.get("tracebacks", {}).items():
         console.print(f"[dim]--- rank {rank} traceback ---[/]")
         console.print(tb.rstrip(), markup=False, highlight=False)
