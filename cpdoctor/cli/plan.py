@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import typer
 
+from cpdoctor.cli.output import markdown_option
+
 PLAN_HELP = (
     "Measure every tensor diffusers splits for context parallelism (from the model's own _cp_plan and forward, "
     "run on the meta device: no weights, no compute) and say whether it divides over ring x ulysses ranks; "
@@ -141,11 +143,12 @@ def register(app: typer.Typer) -> None:
         json_out: Optional[str] = typer.Option(
             None, "--json", metavar="FILE", help="also write the result as JSON to FILE ('-': stdout, no table)"
         ),
+        markdown_out: Optional[str] = markdown_option(),
     ) -> None:
         from cpdoctor.cli.output import check_run_options, console, emit
         from cpdoctor.errors import BadInput
 
-        check_run_options(None, json_out)
+        check_run_options(None, json_out, None, markdown_out)
 
         try:
             from cpdoctor.examinations.plan import probe as planner
@@ -163,4 +166,4 @@ def register(app: typer.Typer) -> None:
         report = planner.plan_model(
             model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames
         )
-        emit(report, json_out, render_plan)
+        emit(report, json_out, render_plan, markdown_path=markdown_out, command="plan")
