@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cpdoctor import launch
 from cpdoctor.errors import BadInput, CannotExamine

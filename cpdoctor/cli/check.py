@@ -6,9 +6,8 @@ from typing import Optional
 
 import typer
 
+from cpdoctor.cli.output import check_run_options, emit, junit_option, markdown_option, waiting
 from cpdoctor.errors import BadInput
-
-from cpdoctor.cli.output import check_run_options, junit_option, markdown_option, emit, waiting
 
 
 def check(

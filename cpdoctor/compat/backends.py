@@ -36,6 +36,8 @@ class BackendFacts:
     returns_lse: bool | None = None
     lse_error: str | None = None
     has_backward: bool | None = None
+    emulated: bool = False
+    """The CUDA kernels underneath are cpdoctor's CPU stand-ins (cpdoctor/kernels/standins.py)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,7 +50,9 @@ class BackendFacts:
             return self.requirement_error
         if not self.runs_here:
             return f"{self.name} does not run here: {self.run_error}"
-        if self.has_backward is False:
+        if self.has_backward is False and not self.emulated:
+            # Under emulation every kernel has a backward: a backward that fails is the backend's own code
+            # (e.g. K/V transposed twice), which the examination must run and report, not skip.
             return f"{self.name} has no backward here, and the examination back-propagates: {self.run_error}"
         if ring > 1 and self.routes_cp and self.returns_lse is False:
             return f"{self.name} has no LSE, and ring attention needs one to merge blocks ({self.lse_error})"
@@ -104,10 +108,19 @@ def _call_with_spy(name: str, device: Any, dtype: Any, heads: int, head_dim: int
     return False, None, None, None, out
 
 
-def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool) -> tuple[Any, _OpCtx]:
+def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_config: Any = None) -> tuple[Any, _OpCtx]:
     ctx = _OpCtx()
-    out = forward_op(ctx, q, q, q, None, 0.0, False, None, False, return_lse, _save_ctx=True, _parallel_config=None)
+    out = forward_op(ctx, q, q, q, None, 0.0, False, None, False, return_lse, _save_ctx=True, _parallel_config=parallel_config)
     return out, ctx
+
+
+def _ring_like_config(device: Any) -> Any:
+    """A parallel config as the ring hands it to a forward op (world size 2, no process group): some ops decide
+    from it whether to compute an LSE or force dropout (FACTS.md); None when this diffusers cannot build one."""
+    try:
+        return compat.meshless_parallel_config(2, 1, device)
+    except Exception:  # noqa: BLE001 - the plain call below still tells what it can
+        return None
 
 
 def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> BackendFacts:
@@ -145,8 +158,12 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
         facts.run_error = _first_line(exc)
         return facts
     try:
-        res, _ = _try_forward_op(fwd, q, return_lse=True)
+        # called as the ring calls it (return_lse, a parallel config of world size 2); its saved context is
+        # what a CP backward gets, so the backward below is tried on it
+        res, ring_ctx = _try_forward_op(fwd, q, return_lse=True, parallel_config=_ring_like_config(device))
         facts.returns_lse = isinstance(res, tuple) and len(res) >= 2 and res[1] is not None
+        if facts.returns_lse:
+            out, ctx = res[0], ring_ctx
     except Exception as exc:  # noqa: BLE001
         facts.returns_lse = False
         facts.lse_error = _first_line(exc)
@@ -159,11 +176,12 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
     return facts
 
 
-def resolve_auto(device: Any, dtype: Any, heads: int, head_dim: int, ring: int) -> tuple[str | None, list[BackendFacts]]:
+def resolve_auto(device: Any, dtype: Any, heads: int, head_dim: int, ring: int, emulated: bool = False) -> tuple[str | None, list[BackendFacts]]:
     """The first backend of PREFERENCE that can run CP here (ring needs an LSE), with the facts seen."""
     seen = []
     for name in PREFERENCE:
         facts = examine_backend(name, device, dtype, heads, head_dim)
+        facts.emulated = emulated
         seen.append(facts)
         if facts.cp_registered and facts.routes_cp and facts.has_backward and facts.unsupported_reason(ring) is None:
             return name, seen

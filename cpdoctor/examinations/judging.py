@@ -13,8 +13,9 @@ Without a baseline (the backend has no local path) it is `4 × eps`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Generic, TypeVar
 
 from cpdoctor.launch.jobs import FailureKind, RankFailure
 from cpdoctor.report import Finding, Verdict
@@ -91,6 +92,17 @@ def join_remedies(remedies: Iterable[str]) -> str:
             if piece:
                 unique.setdefault(piece.split(" (")[0], piece)
     return "; or ".join(unique.values())
+
+
+def emulation_note(backend: str) -> str:
+    """What an emulated run examined and what it did not (every report of one says it)."""
+    if backend == "cpdoctor_cpu":
+        return "stand-ins installed, but cpdoctor_cpu runs torch's own CPU kernel: nothing was emulated"
+    return (
+        f"CUDA kernels of {backend} emulated on CPU by cpdoctor's stand-ins: examined the installed diffusers' CP code "
+        f"for {backend} (its ops, layouts, LSE and saved tensors, around kernels that keep the real contract); "
+        "not examined: the CUDA kernel itself"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

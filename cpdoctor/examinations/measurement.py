@@ -51,6 +51,7 @@ def rank_environment(ctx: Any, backend: str, req: Any) -> dict[str, Any]:
     import torch
 
     from cpdoctor.compat import diffusers as compat
+    from cpdoctor.examinations.judging import emulation_note
 
     device = str(ctx.device)
     if ctx.device.type == "cuda":
@@ -66,4 +67,5 @@ def rank_environment(ctx: Any, backend: str, req: Any) -> dict[str, Any]:
         "ulysses": req.ulysses,
         "backend": backend,
         "dtype": req.dtype,
+        **({"emulated": emulation_note(backend)} if getattr(req, "emulate", False) else {}),
     }

@@ -92,7 +92,7 @@ class RunResult:
     findings: list[Finding]
 
     @classmethod
-    def of(cls, findings: list[Finding]) -> "RunResult":
+    def of(cls, findings: list[Finding]) -> RunResult:
         return cls(overall(findings)[0], findings)
 
     def to_dict(self) -> dict:
@@ -111,7 +111,7 @@ class Report:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, findings: list[Finding], environment: dict[str, Any], request: dict[str, Any], **kwargs: Any) -> "Report":
+    def of(cls, findings: list[Finding], environment: dict[str, Any], request: dict[str, Any], **kwargs: Any) -> Report:
         """The report of `findings`, its verdict and exit code derived from them."""
         verdict, code = overall(findings)
         return cls(verdict, int(code), environment, request, findings, **kwargs)

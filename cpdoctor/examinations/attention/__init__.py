@@ -8,7 +8,7 @@ from typing import Any
 from cpdoctor.examinations.attention import judge
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.base import Examination
-from cpdoctor.launch.jobs import Case
+from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding
 
 
@@ -25,6 +25,13 @@ class AttentionExamination(Examination):
 
     def describe(self, request: AttentionRequest) -> str:
         return judge.describe(request)
+
+    def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
+        found = super().failure_findings(case, failures, timeout_s)
+        if getattr(case.request, "emulate", False):
+            for f in found:
+                f.details["emulated"] = judge.emulation_note(case.request.backend)
+        return found
 
 
 EXAMINATION = AttentionExamination()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.judging import CP_BACKEND_REMEDY, GRADS_FAR_WORSE, Rule, diagnose, judge_row, unsupported_remedy
+from cpdoctor.examinations.judging import CP_BACKEND_REMEDY, GRADS_FAR_WORSE, Rule, diagnose, emulation_note, judge_row, unsupported_remedy
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
 
@@ -159,7 +159,15 @@ def describe(req: Any, backend: str | None = None) -> str:
     return (
         f"attention ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} {req.dtype} "
         f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}" + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
+        + (" emulated" if getattr(req, "emulate", False) else "")
     )
+
+
+RNG_NOTE = (
+    "the CP forward and backward advanced the device's random generator although dropout is 0 (the backend's op "
+    "gives its kernel a dropout > 0, e.g. flash-attn ops forcing dropout_p=1e-30 to get an LSE): runs are not "
+    "bitwise reproducible and any later dropout in the model draws other masks"
+)
 
 
 def check_command(req: Any, patch: bool = False) -> str:
@@ -178,6 +186,8 @@ def check_command(req: Any, patch: bool = False) -> str:
         parts.append(f"--seq {req.seq}")
     if req.mask_pad:
         parts.append(f"--mask-pad {req.mask_pad}")
+    if getattr(req, "emulate", False):
+        parts.append("--emulate")
     if patch:
         parts.append("--patch")
     return " ".join(parts)
@@ -187,12 +197,17 @@ def attention_finding(req: Any, evaluated: Measurement) -> Finding:
     """The finding for one evaluated attention case."""
     probe = describe(req, evaluated.backend)
     facts = evaluated.facts
+    emulated = {"emulated": emulation_note(evaluated.backend)} if getattr(req, "emulate", False) else {}
     if evaluated.unsupported is not None:
-        return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts})
+        return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts, **emulated})
     tensors = {name: judge_row(row, req.dtype) for name, row in evaluated.tensors.items()}
     diagnosis, remedy = diagnose_attention(req, facts, tensors)
     verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) else Verdict.FAIL
-    details: dict[str, Any] = {"facts": facts}
+    details: dict[str, Any] = {"facts": facts, **emulated}
+    if facts.get("rng_advanced"):
+        details["rng_advanced"] = RNG_NOTE
+        diagnosis = f"{diagnosis}; and {RNG_NOTE}"
+        remedy = remedy or "cpdoctor.patch() (its ring calls the kernels with dropout 0); or a release whose op does not force dropout"
     if evaluated.baseline_error is not None:
         details["baseline_error"] = evaluated.baseline_error
     command = None if verdict == Verdict.PASS else check_command(req, patch=not req.patch)

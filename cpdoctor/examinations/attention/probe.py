@@ -37,6 +37,18 @@ def make_inputs(req: AttentionRequest) -> dict[str, Any]:
     return tensors
 
 
+def prepare_emulation(req: AttentionRequest) -> None:
+    """With `emulate`, the CUDA kernels' CPU stand-ins are put in place before diffusers is imported (the
+    flash-attn stand-in must be on sys.path when diffusers checks for flash-attn at import time); without it,
+    stand-ins a previous case of this process installed are removed, so nothing changes."""
+    from cpdoctor.kernels import standins
+
+    if req.emulate:
+        standins.activate()
+    elif standins.installed():
+        standins.uninstall()
+
+
 def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     """The backend name to examine and its facts; BadInput for a name this diffusers does not know."""
     import difflib
@@ -49,7 +61,7 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     dtype = torch_dtype(req.dtype)
     heads = req.heads // req.ulysses
     if req.backend == backends.AUTO:
-        name, seen = backends.resolve_auto(device, dtype, heads, req.head_dim, req.ring)
+        name, seen = backends.resolve_auto(device, dtype, heads, req.head_dim, req.ring, emulated=req.emulate)
         if name is None:
             reasons = "; ".join(f"{f.name}: {f.unsupported_reason(req.ring) or 'not CP-capable'}" for f in seen)
             return "auto", backends.BackendFacts("auto", registered=True, requirement_error=f"no CP-capable backend runs here ({reasons})")
@@ -59,7 +71,9 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
         close = difflib.get_close_matches(req.backend, names, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else f" (known: {', '.join(sorted(names))})"
         raise BadInput(f"unknown attention backend {req.backend!r}{hint}")
-    return req.backend, backends.examine_backend(req.backend, device, dtype, heads, req.head_dim)
+    facts = backends.examine_backend(req.backend, device, dtype, heads, req.head_dim)
+    facts.emulated = req.emulate
+    return req.backend, facts
 
 
 def run_rank(case: Case, ctx: Any) -> dict:
@@ -70,6 +84,7 @@ def run_rank(case: Case, ctx: Any) -> dict:
     from cpdoctor.fix import patch as fix_patch
 
     req: AttentionRequest = case.request.validate()
+    prepare_emulation(req)
     dispatch = compat.dispatch_module()
     fix_patch.set_patched(case.patched, dkv=case.options.get("dkv"))
     name, facts = select_backend(req, ctx.device)
@@ -86,10 +101,19 @@ def run_rank(case: Case, ctx: Any) -> dict:
 
     q, k, v = (shard(inputs[n]).requires_grad_(True) for n in ("q", "k", "v"))
     mask = None if inputs["mask"] is None else inputs["mask"].chunk(req.world_size, dim=-1)[flat].to(ctx.device)
+    rng_before = device_rng_state(ctx.device)
     out = dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=name, parallel_config=config)
     out.backward(shard(inputs["grad_out"]))
     grads = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    return {"flat_rank": flat, "backend": name, "facts": facts.to_dict(), **{n: t.detach().cpu() for n, t in grads.items()}}
+    found = {**facts.to_dict(), "rng_advanced": not torch.equal(rng_before, device_rng_state(ctx.device))}
+    return {"flat_rank": flat, "backend": name, "facts": found, **{n: t.detach().cpu() for n, t in grads.items()}}
+
+
+def device_rng_state(device: Any) -> Any:
+    """The state of the generator the device's kernels draw dropout from (the CPU's for the stand-ins)."""
+    import torch
+
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def reference(inputs: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,8 @@ class AttentionRequest(LayoutRequest):
     seq: int = 512
     heads: int = 8
     head_dim: int = 64
+    emulate: bool = False
+    """Run the CUDA backends' CP code on a CPU through cpdoctor's kernel stand-ins (cpdoctor/kernels/standins.py)."""
 
     def validate(self) -> "AttentionRequest":
         self.validate_common()
@@ -42,6 +44,8 @@ class AttentionRequest(LayoutRequest):
             )
         if self.heads % self.ulysses:
             raise BadInput(f"--heads {self.heads} does not divide by --ulysses {self.ulysses}: Ulysses splits the heads")
+        if not isinstance(self.emulate, bool):
+            raise BadInput(f"emulate must be true or false, got {self.emulate!r}")
         if not 0 <= self.mask_pad < self.seq:
             raise BadInput(f"--mask-pad must be between 0 and seq-1 = {self.seq - 1}, got {self.mask_pad}")
         return self
