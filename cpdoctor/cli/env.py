@@ -196,6 +196,7 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("auto", "--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
         json_path: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."),
         as_markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."),
+        emulate: bool = typer.Option(False, "--emulate", help="Run the CUDA backends' ops on CPU through cpdoctor's kernel stand-ins (capabilities found by running them)."),
     ) -> None:
         from cpdoctor.cli.output import check_run_options, emit, waiting
         from cpdoctor.errors import BadInput
@@ -205,7 +206,7 @@ def register(app: typer.Typer) -> None:
             raise BadInput("--markdown and --json - both write to stdout; give --json a FILE")
         check_run_options(None, json_path)
         with waiting("examining the environment and the attention backends", quiet=json_path == "-"):
-            report = probe.examine(device=device, dtype=dtype)
+            report = probe.examine(device=device, dtype=dtype, emulate=emulate)
         if probe.rank_of_this_process() != 0:  # under torchrun every rank examines its device; rank 0 reports
             raise typer.Exit(report.exit_code)
 

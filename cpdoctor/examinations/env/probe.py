@@ -30,19 +30,30 @@ from cpdoctor.examinations.env.request import EnvRequest, resolve_device, resolv
 from cpdoctor.report import Report
 
 
-def examine(device: str = "auto", dtype: str = "auto") -> Report:
+def examine(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
     """The whole `cpdoctor env` examination in this process. BadInput (exit 2) without torch or a diffusers with
-    CP (a missing required package, as errors.py has it); CannotExamine (exit 3) for --device cuda without a GPU."""
+    CP (a missing required package, as errors.py has it); CannotExamine (exit 3) for --device cuda without a GPU.
+    With `emulate`, the CUDA backends' ops run here on cpdoctor's kernel stand-ins, so their capabilities (LSE,
+    backward, saved LSE, RNG advance) are found by running them, not only on meta."""
     from cpdoctor.examinations.env.backend_table import examine_row
     from cpdoctor.examinations.env.code_facts import gather
 
     t0 = time.perf_counter()
-    request = EnvRequest(device, dtype).validate()
+    request = EnvRequest(device, dtype, emulate).validate()
     if importlib.util.find_spec("torch") is None:
         raise BadInput("torch is not installed; pip install torch")
+    if emulate:
+        from cpdoctor.kernels import standins
+
+        standins.activate()  # before diffusers is imported: it looks for flash-attn at import time
     dev = resolve_device(device)
-    dtype_name = resolve_dtype(dtype, dev)
+    dtype_name = resolve_dtype(dtype, dev, emulate)
     environment = collect_environment()
+    if emulate:
+        environment["emulated"] = (
+            "CUDA kernels of the GPU backends emulated on CPU by cpdoctor's stand-ins: examined the installed diffusers' "
+            "ops around them; not examined: the CUDA kernels themselves"
+        )
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.kernels import cpu_backend
 

@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 class EnvRequest:
     device: str = "auto"
     dtype: str = "auto"
+    emulate: bool = False  # the CUDA backends' ops on CPU through cpdoctor's kernel stand-ins
 
     def validate(self) -> EnvRequest:
         """BadInput (exit 2) for an unknown device or dtype."""
@@ -43,10 +44,11 @@ def resolve_device(device: str) -> Any:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def resolve_dtype(dtype: str, device: Any) -> str:
-    """auto: bf16 on CUDA (what training uses), fp32 on the CPU."""
+def resolve_dtype(dtype: str, device: Any, emulate: bool = False) -> str:
+    """auto: bf16 on CUDA (what training uses) and when emulating the CUDA kernels (flash and cuDNN take only
+    half precision), fp32 on the CPU."""
     if dtype == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
+        return "bf16" if device.type == "cuda" or emulate else "fp32"
     if dtype not in DTYPE_NAMES:
         raise BadInput(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPE_NAMES)}")
     return dtype
