@@ -17,6 +17,7 @@ from cpdoctor import launch
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.examinations import registry
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
+from cpdoctor.examinations.judging import unsupported_remedy
 from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.report import Finding, Report, RunResult, Verdict
@@ -123,6 +124,10 @@ def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on
     and top-level verdict are the last run's; with patch the unpatched run is `before`. Under torchrun every
     rank returns the same report (rank 0's)."""
     entry = registry.get(kind)
+    missing = entry.unsupported_here(request)
+    if missing is not None:  # answered from the parent, before any rank starts
+        finding = Finding(entry.describe(request), Verdict.UNSUPPORTED, missing, unsupported_remedy(missing))
+        return Report.of([finding], fallback_environment(entry.world_size(request), request), request.to_dict())
     req = entry.prepare(request)
     result = run_cases(kind, entry.cases(req), entry.world_size(req), entry.device(req), timeout_s, on_tick)
     runs = [RunResult.of(outcome_findings(kind, o, timeout_s)) for o in result.outcomes]

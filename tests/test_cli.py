@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_cli
 
 
@@ -87,6 +86,8 @@ def test_unsupported_backend_exits_3():
     assert run.code == 3
     assert run.json["verdict"] == "UNSUPPORTED"
     assert "flash-attn" in run.json["findings"][0]["diagnosis"]
+    # answered by the parent from diffusers' own requirement check, before any rank starts
+    assert run.json["wall_s"] == 0 and "process_group" not in run.json["environment"]
 
 
 def test_version():

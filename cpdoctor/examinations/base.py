@@ -33,6 +33,16 @@ class Examination:
         """Parent-side resolution of what depends on the installed software (default: validation only)."""
         return request.validate()
 
+    def unsupported_here(self, request: Any) -> str | None:
+        """Why nothing of `request` can run here, known in the parent in well under a second (no rank, no torch
+        or diffusers import): a backend whose package is missing. None when the ranks must find out."""
+        backend = getattr(request, "backend", "auto")
+        if backend == "auto" or getattr(request, "emulate", False):
+            return None
+        from cpdoctor.compat.requirements import missing_requirement
+
+        return missing_requirement(backend)
+
     def cases(self, request: Any) -> list[Case]:
         """The stock code first, then, with `patch`, the same with cpdoctor's fix patched in."""
         cases = [Case(request, patched=False)]
