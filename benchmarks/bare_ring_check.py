@@ -6,9 +6,9 @@ Imports, sets up the process group and mesh, runs diffusers' ring attention forw
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from diffusers.models import attention_dispatch as ad
 from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+from torch.distributed.device_mesh import init_device_mesh
 
 from cpdoctor.kernels import cpu_backend
 

@@ -84,9 +84,9 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import kernels, patch, ring
+    from cpdoctor.kernels import cpu_backend
     from cpdoctor.launch.context import DistContext
 
     ctx = DistContext.join(600)

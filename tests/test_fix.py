@@ -328,8 +328,8 @@ def _block_inputs(dtype=torch.float32, sq=40, sk=24, masked_rows=False):
 
 
 def test_kernel_selection():
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.fix import kernels
+    from cpdoctor.kernels import cpu_backend
 
     def _native_flash_attention_forward_op(*a, **k):  # noqa: N802 - named like diffusers' op
         pass
@@ -361,8 +361,8 @@ def test_math_kernel_matches_cpu_flash_kernel():
 
 def test_backend_forward_kernel_uses_the_op_and_exact_math_backward():
     """The fallback for unknown backends: their forward op (model layout), the fp32 math backward."""
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.fix import kernels
+    from cpdoctor.kernels import cpu_backend
 
     q, k, v, do, mask = _block_inputs()
     scale = 16**-0.5

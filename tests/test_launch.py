@@ -11,9 +11,7 @@ import time
 import uuid
 
 import pytest
-
 from conftest import run_cli
-
 
 TAG = f"CPDOCTOR_TEST_TAG={uuid.uuid4().hex}"
 

@@ -24,7 +24,7 @@ def _free_port() -> int:
 def test_training_step_after_preflight_matches_single_process(ring, has_stale_kv_backward):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ring), "--master-port", str(_free_port()), EXAMPLE, "--ring", str(ring)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("preflight:")), None)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("preflight:")), None)
     assert proc.returncode == 0 and line, proc.stdout + proc.stderr[-3000:]
     # The installed ring is wrong at ring 2 only with the stale-K/V backward, and at ring 3 on both releases:
     # there the pre-flight must have patched the fix in, on every rank, before the training step.

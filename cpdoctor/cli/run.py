@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, junit_option, markdown_option, console, emit, waiting
+from cpdoctor.cli.output import check_run_options, console, emit, junit_option, markdown_option, waiting
 
 
 def _worst(finding: Any) -> str:

@@ -19,7 +19,7 @@ ENTRIES: dict[str, str] = {
 """kind -> the package whose `EXAMINATION` is the entry."""
 
 
-def get(kind: str) -> "Examination":
+def get(kind: str) -> Examination:
     if kind not in ENTRIES:
         raise BadInput(f"unknown kind of examination {kind!r} (one of {', '.join(suite_kinds())})")
     return importlib.import_module(ENTRIES[kind]).EXAMINATION

@@ -29,7 +29,8 @@ clear message naming the op when it is missing.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -16,8 +16,9 @@ dK/dV (`cpdoctor.fix.ring.DkvStrategy`: "ring", the default, or "reduce_scatter"
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from cpdoctor.compat import diffusers as compat
 from cpdoctor.errors import BadInput, CannotExamine

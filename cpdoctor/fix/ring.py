@@ -35,7 +35,8 @@ by diffusers before the ring is reached.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist

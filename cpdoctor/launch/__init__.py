@@ -12,7 +12,7 @@ This package must not import torch at module level: the CLI imports it to spawn 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from cpdoctor.errors import BadInput
 from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, LaunchResult, RankFailure, RankPayload, RankStatus

@@ -31,7 +31,7 @@ class DistContext:
     owns_group: bool = True
 
     @classmethod
-    def join(cls, timeout_s: float, device_pref: str = "auto") -> "DistContext":
+    def join(cls, timeout_s: float, device_pref: str = "auto") -> DistContext:
         """Join (or create) the default process group. NCCL when every local rank has a GPU of its own,
         gloo otherwise, so a one-GPU workstation can still examine CUDA kernels with ranks sharing it."""
         import torch

@@ -31,7 +31,7 @@ class Step:
         return f"case {self.case + 1}: {self.name}"
 
     @classmethod
-    def parse(cls, text: str) -> "Step | None":
+    def parse(cls, text: str) -> Step | None:
         try:
             case, name = text.split()
             return cls(int(case), STEPS.index(name))

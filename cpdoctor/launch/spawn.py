@@ -13,8 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from cpdoctor.launch.jobs import CaseOutcome, FailureKind, Job, LaunchResult, RankFailure, RankPayload, RankStatus
 from cpdoctor.launch.progress import Step, blame, read_step

@@ -51,10 +51,8 @@ def leave_together(code: int) -> None:
     if _held is None:
         sys.exit(code)
     import contextlib
-
-    import torch.distributed as dist
-
     import time
+
 
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,7 +11,8 @@ import pickle
 import signal
 import traceback
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.launch.context import DistContext

@@ -35,7 +35,7 @@ class TrainStepRequest:
     def world_size(self) -> int:
         return self.ring * self.ulysses
 
-    def validate(self) -> "TrainStepRequest":
+    def validate(self) -> TrainStepRequest:
         return self
 
     def to_dict(self) -> dict:

@@ -132,9 +132,9 @@ def _rng_states() -> list:
 def run_rank(case: Any, ctx: Any) -> dict:
     import torch
 
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import patch as fix_patch
+    from cpdoctor.kernels import cpu_backend
 
     c = _case(case)
     cpu_backend.register()
