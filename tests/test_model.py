@@ -131,7 +131,7 @@ def test_prepare_fills_small_divisible_shapes():
     [
         (dict(model="flux", mask_pad=3), "takes no text mask"),
         (dict(model="flux", ring=3), "not divisible by ring × ulysses = 3"),
-        (dict(model="flux", height=144, width=144), "hidden_states has 81 tokens"),
+        (dict(model="flux", height=144, width=144), "hidden_states 81"),
         (dict(model="flux", ulysses=4), "do not divide by --ulysses 4"),
         (dict(model="qwen-image", mask_pad=8), "--mask-pad"),
         (dict(model="flux", frames=5), "image model"),

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.cli.output import check_run_options, emit, junit_option, markdown_option, waiting
 
 MODEL_HELP = (
     "Run a real diffusers model class through its own enable_parallelism (ring / Ulysses) on every rank, forward "
@@ -30,13 +30,75 @@ def _display(finding: Any) -> Any:
     return dataclasses.replace(finding, tensors=tensors)
 
 
-def render_model(report: Any, console: Any) -> None:
-    from cpdoctor.report import RunResult, render
+SPARK = "▁▂▃▄▅▆▇█"
 
-    shown = dataclasses.replace(report, findings=[_display(f) for f in report.findings])
-    if report.before is not None:
-        shown.before = RunResult(report.before.verdict, [_display(f) for f in report.before.findings])
-    render(shown, console)
+
+def spark(err: Any) -> str:
+    """One character for a relative error on a log scale: ▁ at 1e-8 or below, █ at 1 or above."""
+    import math
+
+    if err is None:
+        return " "
+    if not err < float("inf"):
+        return "█"
+    level = (math.log10(max(err, 1e-8)) + 8) / 8
+    return SPARK[min(len(SPARK) - 1, max(0, int(level * len(SPARK))))]
+
+
+def blocks_table(finding: Any) -> Any:
+    """One row per examined block: output and input-gradient error against the reference, the no-CP error, a
+    bar of each on a log scale, the verdict; the first bad block marked."""
+    from rich.table import Table
+
+    from cpdoctor.report import fmt, styled
+
+    blocks = finding.details.get("blocks") or []
+    if not blocks:
+        return None
+    first = finding.details.get("first_bad_block")
+    table = Table(title="per block (output / input grad vs reference; bars: log10 err, ▁ 1e-8 … █ 1)", title_justify="left")
+    for title, justify in (("block", "left"), ("out err", "right"), ("no-CP", "right"), ("grad err", "right"), ("no-CP", "right"), ("out│grad", "center"), ("verdict", "center")):
+        table.add_column(title, justify=justify)
+    for b in blocks:
+        name = f"[bold]{b['name']}[/] ← first bad" if b["name"] == first else b["name"]
+        table.add_row(
+            name, fmt(b["out_rel_err"]), fmt(b.get("baseline_out_rel_err")), fmt(b["grad_rel_err"]),
+            fmt(b.get("baseline_grad_rel_err")), f"{spark(b['out_rel_err'])}│{spark(b['grad_rel_err'])}", styled(b["verdict"]),
+        )
+    return table
+
+
+def render_model(report: Any, console: Any) -> None:
+    """The environment line, each finding's table, its per-block table, then the verdict line."""
+    from cpdoctor.report import environment_line, render_finding, styled
+
+    befores = report.before.findings if report.before is not None else []
+    console.print(f"[dim]{environment_line(report.environment)}[/]")
+    for i, finding in enumerate(report.findings):
+        before = befores[i] if i < len(befores) else None
+        render_finding(_display(finding), None if before is None else _display(before), console)
+        for f, label in ((before, "before the patch"), (finding, None)):
+            table = None if f is None else blocks_table(f)
+            if table is not None:
+                if label:
+                    table.title = f"{label}: {table.title}"
+                console.print(table)
+    label = "after the patch: " if report.before is not None else ""
+    console.print(f"\n{label}verdict {styled(report.verdict)}  (exit {report.exit_code}, {report.wall_s:.1f} s)")
+
+
+def print_plan(request: Any) -> None:
+    """The memory plan `prepare` made, on stderr, before any rank starts."""
+    from cpdoctor.cli.output import console
+    from cpdoctor.examinations.model import memory_plan
+    from cpdoctor.launch import is_reporting_rank
+
+    plan = memory_plan(request)
+    if plan is None or not is_reporting_rank():
+        return
+    err = console(stderr=True)
+    for line in plan.lines():
+        err.print(line, markup=False, highlight=False)
 
 
 def model(
@@ -58,21 +120,26 @@ def model(
     variant: Optional[str] = typer.Option(None, "--variant", help="Weight file variant, e.g. fp16 or bf16 (diffusion_pytorch_model.fp16.safetensors)."),
     download: bool = typer.Option(False, "--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only)."),
+    blocks: Optional[int] = typer.Option(None, "--blocks", help="Examine the input embedders, the first N blocks of each block stack and the output layers, reading only their tensors (default: the most that fit in memory)."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    junit_path: Optional[str] = junit_option(),
+    markdown_path: Optional[str] = markdown_option(),
+    emulate: bool = typer.Option(False, "--emulate", help="Examine a CUDA backend's CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins."),
 ) -> None:
     from cpdoctor import api
 
-    check_run_options(timeout, json_path)
+    check_run_options(timeout, json_path, junit_path, markdown_path)
     request = api.request_for(
         "model",
         model=model_name, ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, height=height, width=width,
         text_len=text_len, frames=frames, batch=batch, seed=seed, mask_pad=mask_pad, device=device, patch=patch,
-        revision=revision, variant=variant, download=download, allow_pickle=allow_pickle,
+        revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, blocks=blocks, emulate=emulate,
     )
-    with waiting(f"examining {model_name} under CP on {request.world_size} ranks", quiet=json_path == "-"):
+    print_plan(request)
+    with waiting(f"examining {model_name} under CP on {request.world_size} ranks", quiet="-" in (json_path, junit_path, markdown_path)):
         report = api.check_model(request, timeout_s=timeout)
-    emit(report, json_path, render_model)
+    emit(report, json_path, render_model, junit_path=junit_path, markdown_path=markdown_path, command="model")
 
 
 def register(app: typer.Typer) -> None:

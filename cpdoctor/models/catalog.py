@@ -83,7 +83,7 @@ def _import_models_package() -> Any:
     return models
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scan() -> tuple[tuple[type, ModelEntry], ...]:
     models = _import_models_package()
     from diffusers.models.modeling_utils import ModelMixin

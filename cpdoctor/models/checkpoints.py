@@ -105,8 +105,11 @@ def locate(
     variant: str | None = None,
     download: bool = False,
     allow_pickle: bool = False,
+    partial: bool = False,
 ) -> Checkpoint | None:
-    """The checkpoint MODEL names, or None when MODEL is a name for the catalog (no path, no `org/name`)."""
+    """The checkpoint MODEL names, or None when MODEL is a name for the catalog (no path, no `org/name`).
+    `partial`: shards the index names may be missing (a sliced examination reads only some; the caller checks
+    that the shards it needs exist)."""
     _check_options(revision, variant)
     name = (model or "").strip()
     path = os.path.expanduser(name)
@@ -114,9 +117,9 @@ def locate(
         if revision is not None or download:
             raise BadInput(f"{name} is a local path; --revision and --download apply to a hub id (org/name)")
         directory, subfolder = _local_root(path)
-        return _checkpoint(directory, subfolder, variant, allow_pickle, source=None)
+        return _checkpoint(directory, subfolder, variant, allow_pickle, source=None, partial=partial)
     if is_hub_id(name):
-        return locate_hub(name, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle)
+        return locate_hub(name, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
     if name.endswith((".json", ".safetensors")) or name.startswith((".", "~")) or os.sep in name:
         raise BadInput(f"no such file or directory: {name}")
     return None
@@ -184,7 +187,7 @@ def _known_class(name: str, config_file: str) -> None:
         raise BadInput(f"{config_file} names {name}, which is not a class of diffusers {diffusers.__version__}")
 
 
-def _checkpoint(directory: str, subfolder: str | None, variant: str | None, allow_pickle: bool, source: str | None, revision: str | None = None) -> Checkpoint:
+def _checkpoint(directory: str, subfolder: str | None, variant: str | None, allow_pickle: bool, source: str | None, revision: str | None = None, partial: bool = False) -> Checkpoint:
     model_dir = os.path.join(directory, subfolder) if subfolder else directory
     config_file = os.path.join(model_dir, "config.json")
     config = _read_json(config_file, "config")
@@ -192,7 +195,7 @@ def _checkpoint(directory: str, subfolder: str | None, variant: str | None, allo
     if not isinstance(name, str) or not name:
         raise BadInput(f"{config_file} has no _class_name; point at a diffusers transformer")
     _known_class(name, config_file)
-    files, safe = weight_files(model_dir, variant, allow_pickle)
+    files, safe = weight_files(model_dir, variant, allow_pickle, partial=partial)
     return Checkpoint(
         directory=directory,
         subfolder=subfolder,
@@ -240,10 +243,13 @@ def _shard_names(index_file: str) -> list[str]:
     return names
 
 
-def _shards(index_file: str) -> list[str]:
-    """Every file the index names, each checked to exist (a dangling cache link is missing too)."""
+def _shards(index_file: str, partial: bool = False) -> list[str]:
+    """Every file the index names, each checked to exist (a dangling cache link is missing too); with `partial`
+    only those present."""
     directory = os.path.dirname(index_file)
     shards = [os.path.join(directory, name) for name in _shard_names(index_file)]
+    if partial:
+        return [path for path in shards if os.path.isfile(path)]
     for path in shards:
         if not os.path.isfile(path):
             raise BadInput(f"{index_file} names the shard {os.path.basename(path)}, which is missing")
@@ -262,13 +268,13 @@ def check_safetensors(path: str) -> None:
         raise BadInput(f"{path} is not a readable safetensors file (truncated or corrupt?): {_one_line(exc)}") from exc
 
 
-def weight_files(model_dir: str, variant: str | None = None, allow_pickle: bool = False) -> tuple[list[str], bool]:
+def weight_files(model_dir: str, variant: str | None = None, allow_pickle: bool = False, partial: bool = False) -> tuple[list[str], bool]:
     """(files, use_safetensors): the index's shards or the single file of this variant, as from_pretrained
     reads them. Safetensors first; pickle files (.bin and friends) only with allow_pickle."""
     names = _listing(model_dir)
     index = os.path.join(model_dir, add_variant(SAFETENSORS_INDEX, variant))
     single = os.path.join(model_dir, add_variant(SAFETENSORS_NAME, variant))
-    files = _shards(index) if os.path.isfile(index) else [single] if os.path.isfile(single) else []
+    files = _shards(index, partial) if os.path.isfile(index) else [single] if os.path.isfile(single) else []
     if files:
         for path in files:
             check_safetensors(path)
@@ -379,6 +385,7 @@ def locate_hub(
     variant: str | None = None,
     download: bool = False,
     allow_pickle: bool = False,
+    partial: bool = False,
 ) -> Checkpoint:
     """The transformer of `repo_id` at `revision` (branch, tag, commit or a unique short commit) in the local
     Hugging Face cache, fetched first when `download`."""
@@ -410,4 +417,4 @@ def locate_hub(
     commit = os.path.basename(os.path.normpath(folder))
     directory, subfolder = transformer_folder(folder)
     source = f"hub cache {repo_id}@{commit[:12]}"
-    return _checkpoint(directory, subfolder, variant, allow_pickle, source=source, revision=commit)
+    return _checkpoint(directory, subfolder, variant, allow_pickle, source=source, revision=commit, partial=partial)

@@ -15,10 +15,19 @@ from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding
 
 
+def memory_plan(req: ModelRequest) -> Any:
+    """The memory plan `prepare` printed for this request (a cpdoctor.models.memory.MemoryPlan), None when this
+    process did not prepare it."""
+    import sys
+
+    probe = sys.modules.get("cpdoctor.examinations.model.probe")
+    return None if probe is None else probe.printed_plan(req)
+
+
 def op_level_requests(req: ModelRequest) -> tuple[Any, ...]:
     """The op-level cross-checks run at the same layout: exactly what `cpdoctor check --ring R --ulysses U
     [--dtype D] [--backend B]` runs, and again with `--mask-pad N` when the model's text is padded."""
-    common = dict(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device)
+    common = dict(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate)
     ops = [build_attention_request(**common)]
     if req.mask_pad:
         ops.append(build_attention_request(**common, mask_pad=req.mask_pad))
@@ -54,7 +63,11 @@ class ModelExamination(Examination):
         return cases
 
     def finding(self, case: Case, evaluated: Any) -> Finding:
-        return judge.model_finding(case.request, evaluated)
+        found = judge.model_finding(case.request, evaluated)
+        plan = memory_plan(case.request)
+        if plan is not None:
+            found.details["memory_plan"] = plan.to_dict()
+        return found
 
     def describe(self, request: ModelRequest) -> str:
         return judge.describe_model(request)

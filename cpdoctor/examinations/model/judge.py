@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.attention.judge import attention_finding, check_command
-from cpdoctor.examinations.judging import GRADS_FAR_WORSE, Rule, diagnose, judge_row, tolerance, unsupported_remedy
+from cpdoctor.examinations.judging import GRADS_FAR_WORSE, emulation_note, Rule, diagnose, judge_row, tolerance, unsupported_remedy
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
 
@@ -33,10 +33,14 @@ def describe_model(req: Any, backend: str | None = None, model: dict | None = No
     source = model.get("source")
     source = "" if source is None else (" tiny" if source == "tiny config" else f" from {source}")
     frames = f"x{req.frames}f" if req.frames else ""
+    stacks = model.get("stacks") or {}
+    if any(s["examined"] < s["depth"] for s in stacks.values()):
+        source += " blocks " + "+".join(f"{s['examined']}/{s['depth']}" for s in stacks.values())
     return (
         f"model {name}{source} ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} "
         f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
         + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
+        + (" emulated" if getattr(req, "emulate", False) else "")
     )
 
 
@@ -79,6 +83,39 @@ def judge_model_tensors(evaluated: Measurement, dtype: str) -> dict[str, dict]:
     return tensors
 
 
+BLOCK_SLACK = WORST_PARAM_SLACK
+"""A block is bad when its output or input-gradient error is this many times outside its own tolerance (2 × its
+no-CP error + eps): one of many, like the worst parameter."""
+
+
+def judge_blocks(rows: list[dict], dtype: str) -> list[dict]:
+    """Each block's row with its tolerances and verdict (FAIL when its output or its input gradient leaves the
+    no-CP baseline, or is non-finite)."""
+    judged = []
+    for row in rows:
+        out_tol = tolerance(dtype, row.get("baseline_out_rel_err"))
+        grad_tol = tolerance(dtype, row.get("baseline_grad_rel_err"))
+        out, grad = row.get("out_rel_err"), row.get("grad_rel_err")
+        bad = bool(row.get("nonfinite")) or (out is not None and not out <= BLOCK_SLACK * out_tol) or (grad is not None and not grad <= BLOCK_SLACK * grad_tol)
+        judged.append({**row, "out_tolerance": out_tol, "grad_tolerance": grad_tol, "verdict": Verdict.FAIL if bad else Verdict.PASS})
+    return judged
+
+
+def first_bad_block(blocks: list[dict]) -> dict | None:
+    """The first block, in the order the forward runs them, whose error leaves the no-CP baseline."""
+    return next((b for b in blocks if b["verdict"] == Verdict.FAIL), None)
+
+
+def _block_text(b: dict) -> str:
+    def num(x: Any) -> str:
+        return "–" if x is None else f"{x:.2g}"
+
+    return (
+        f"first bad block: {b['name']} (output {num(b['out_rel_err'])}, no-CP {num(b.get('baseline_out_rel_err'))}; "
+        f"input grad {num(b['grad_rel_err'])}, no-CP {num(b.get('baseline_grad_rel_err'))})"
+    )
+
+
 @dataclass(frozen=True)
 class OpCheck:
     """One op-level cross-check at the model's layout: its finding, or why it did not run."""
@@ -94,6 +131,10 @@ class OpCheck:
     def bad_tensors(self) -> str:
         assert self.finding is not None
         return ", ".join(f"{TENSOR_LABELS.get(n, n)} {t['rel_err']:.2g}" for n, t in self.finding.tensors.items() if t["verdict"] == Verdict.FAIL)
+
+
+def fmt_or_dash(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2g}"
 
 
 def op_checks(evaluated: Measurement) -> list[OpCheck]:
@@ -236,6 +277,18 @@ def diagnose_model(req: Any, evaluated: Measurement, tensors: dict[str, dict]) -
     """(diagnosis, remedy): forward vs backward, the op level at the same layout, the mask."""
     ops = op_checks(evaluated)
     sig = ModelSignature(req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None))
+    failing_ops = [o for o in ops if o.finding is not None and o.finding.verdict == Verdict.FAIL]
+    if sig.out["verdict"] == Verdict.PASS and not sig.grads_bad and failing_ops:
+        op = failing_ops[0]
+        from cpdoctor.examinations.judging import join_remedies
+
+        return (
+            f"the model's output and gradients stay within its own {req.dtype} no-CP error here (out {sig.out['rel_err']:.2g}, all "
+            f"grads {sig.grads['rel_err']:.2g} against no-CP {fmt_or_dash(sig.grads.get('baseline_rel_err'))}{sig.worst_text}), but the "
+            f"attention op at this layout is wrong (`{op_check_command(req, mask=bool(op.request.mask_pad))}` → {op.bad_tensors()}: "
+            f"{op.finding.diagnosis}): a systematic error that this one step's {req.dtype} noise hides and that training accumulates",
+            join_remedies([op.finding.remedy, "rerun in fp32 (--dtype fp32) to see it at model level"]),
+        )
     if sig.out["verdict"] == Verdict.PASS and not sig.grads_bad:
         n_params = evaluated.details.get("model", {}).get("parameter_tensors")
         params = f"all {n_params} parameter gradients" if n_params else "the parameter gradients"
@@ -260,8 +313,18 @@ def model_finding(req: Any, evaluated: Measurement) -> Finding:
         return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts})
     tensors = judge_model_tensors(evaluated, req.dtype)
     diagnosis, remedy = diagnose_model(req, evaluated, tensors)
-    verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) else Verdict.FAIL
+    op_fails = any(op.finding is not None and op.finding.verdict == Verdict.FAIL for op in op_checks(evaluated))
+    # the attention op failing at the same layout is corruption even where this step's noise hides it
+    verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) and not op_fails else Verdict.FAIL
     details: dict[str, Any] = {"facts": facts, "model": evaluated.details.get("model", {})}
+    if getattr(req, "emulate", False):
+        details["emulated"] = emulation_note(evaluated.backend)
+    blocks = judge_blocks(evaluated.details.get("blocks", []), req.dtype)
+    first = first_bad_block(blocks)
+    details["blocks"] = [{**b, "verdict": b["verdict"].value} for b in blocks]
+    details["first_bad_block"] = None if first is None else first["name"]
+    if first is not None:
+        diagnosis = f"{diagnosis}; {_block_text(first)}"
     params = evaluated.details.get("params", {})
     if params:
         ranked = sorted(params.items(), key=lambda kv: kv[1]["rel_err"], reverse=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import warnings
 from typing import Any, Iterator
 
@@ -90,6 +91,7 @@ def resolve_spec(
     variant: str | None = None,
     download: bool = False,
     allow_pickle: bool = False,
+    partial: bool = False,
 ) -> ModelSpec:
     """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a hub id (found in the
     local Hugging Face cache, fetched only with `download`), a pipeline or a transformer directory. BadInput
@@ -98,7 +100,7 @@ def resolve_spec(
     from cpdoctor.models import checkpoints
     from cpdoctor.models.catalog import builder_for, resolve_model
 
-    weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle)
+    weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
     resolved = resolve_model(model if weights is None else weights.config_file)
     cls, entry = resolved.cls, resolved.entry
     builder = builder_for(cls)
@@ -121,7 +123,7 @@ def request_spec(req: ModelRequest, *, local_only: bool = False) -> ModelSpec:
     `prepare` pinned a hub checkpoint's revision to the commit the parent resolved, so they load the same one."""
     return resolve_spec(
         req.model, revision=req.revision, variant=req.variant, download=req.download and not local_only,
-        allow_pickle=req.allow_pickle,
+        allow_pickle=req.allow_pickle, partial=req.blocks is not None,
     )
 
 
@@ -168,33 +170,193 @@ def prepare(req: ModelRequest) -> tuple[ModelRequest, ModelSpec]:
         raise BadInput(f"{spec.short_name} has {heads} attention heads, which do not divide by --ulysses {req.ulysses}: Ulysses splits the heads")
     inputs = build_inputs(spec.cls, full, height, width, text_len, frames, batch=req.batch, device="meta", text_mask=bool(req.mask_pad))
     req = req.with_fields(height=inputs.height, width=inputs.width, text_len=text_len, frames=inputs.frames)
-    _check_top_level_splits(spec, req, inputs.kwargs)
+    survey = model_survey(spec)
+    if req.blocks is not None and req.blocks > survey.depth:
+        depths = ", ".join(f"{s.name} {s.depth}" for s in survey.stacks) or "no block stacks"
+        raise BadInput(f"--blocks {req.blocks} is beyond the depth of {spec.short_name} ({depths}); give 1 to {survey.depth}")
+    check_divisibility(spec, req, survey)
+    blocks = choose_blocks(spec, req, survey, inputs.kwargs)
+    req = req.with_fields(blocks=blocks)
+    check_needed_files(spec, req)
+    plan = memory_plan(spec, req, survey, inputs.kwargs)
+    req = req.with_fields(reference=plan.reference_dtype)
+    _PLANS[_plan_key(req)] = plan
     return req, spec
 
 
-def _check_top_level_splits(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any]) -> None:
-    """Every `_cp_plan` input that is a forward argument as given (same rank) must divide by the world size;
-    inner splits (after patchify, per block) are left to the ranks, which report diffusers' assertion."""
-    world = req.world_size
-    for spec_map in (spec.cls._cp_plan or {}).values():
-        if not isinstance(spec_map, dict):
-            continue
-        for name, inp in spec_map.items():
-            t = kwargs.get(name) if isinstance(name, str) else None
-            dim, dims = getattr(inp, "split_dim", None), getattr(inp, "expected_dims", None)
-            if t is None or dim is None or not hasattr(t, "shape") or (dims is not None and t.ndim != dims):
-                continue
-            length = t.shape[dim]
-            if length % world:
-                raise BadInput(_indivisible(spec, req, f"{name} has {length} tokens"))
+# --------------------------------------------------------------------------------------------------------------
+# slicing to fit: the memory plan, and plan's divisibility check
+# --------------------------------------------------------------------------------------------------------------
+
+_PLANS: dict[tuple, Any] = {}
+_SURVEYS: dict[tuple, Any] = {}
+
+
+def _plan_key(req: ModelRequest) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in dataclasses.asdict(req).items()))
+
+
+def model_survey(spec: ModelSpec) -> Any:
+    """The model's block stacks (with the config keys that size them) and its parameters outside them."""
+    from cpdoctor.models.slicing import survey
+
+    key = (spec.cls.__name__, repr(sorted(spec.config.items())))
+    if key not in _SURVEYS:
+        _SURVEYS[key] = survey(spec.cls, spec.config)
+    return _SURVEYS[key]
+
+
+def sliced_config(spec: ModelSpec, blocks: int | None) -> dict[str, Any]:
+    """The config with every stack cut to `blocks` (the full config for None)."""
+    from cpdoctor.models.slicing import sliced_config as cut
+
+    full = spec.full_config()
+    if blocks is None:
+        return full
+    return cut(full, model_survey(spec).stacks, blocks)
+
+
+def is_sliced(spec: ModelSpec, blocks: int | None) -> bool:
+    return blocks is not None and any(s.depth > blocks for s in model_survey(spec).stacks)
+
+
+def _plan_device(req: ModelRequest) -> str:
+    if req.device == "cuda":
+        return "cuda"
+    if req.device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu"
+
+
+def _available(device: str) -> int | None:
+    from cpdoctor.models.memory import available_host_memory
+
+    if device == "cuda":
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info()[0])
+        except Exception:  # noqa: BLE001
+            return None
+    return available_host_memory()
+
+
+def _tokens(kwargs: dict[str, Any]) -> int:
+    total = 0
+    for k in ("hidden_states", "encoder_hidden_states"):
+        t = kwargs.get(k)
+        if t is not None and getattr(t, "ndim", 0) == 3:
+            total += int(t.shape[1])
+    return total
+
+
+def memory_plan(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[str, Any], blocks: int | None = None, available: Any = "measure") -> Any:
+    """The memory plan of this examination with `blocks` (default req.blocks) blocks per stack."""
+    from cpdoctor.models import memory
+
+    n = blocks if blocks is not None else (req.blocks or survey.depth)
+    full = spec.full_config()
+    hidden = int(full.get("num_attention_heads") or 0) * int(full.get("attention_head_dim") or 0)
+    device = _plan_device(req)
+    sizes = memory.Sizes(
+        params=survey.params(n), blocks=survey.blocks(n), tokens=_tokens(kwargs), hidden=hidden, batch=req.batch,
+        dtype=req.dtype, world=req.world_size, device=device,
+    )
+    avail = _available(device) if available == "measure" else available
+    return memory.plan(sizes, avail, {s.name: min(n, s.depth) for s in survey.stacks})
+
+
+def choose_blocks(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[str, Any]) -> int | None:
+    """req.blocks when it fits; the most that fit when not given (None for a model without stacks). BadInput
+    with the --blocks that would fit otherwise."""
+    from cpdoctor.models import memory
+
+    if not survey.stacks:
+        return None
+    avail = _available(_plan_device(req))
+
+    def plan_for(n: int) -> Any:
+        return memory_plan(spec, req, survey, kwargs, blocks=n, available=avail)
+
+    if req.blocks is not None:
+        wanted = plan_for(req.blocks)
+        if wanted.fits:
+            return req.blocks
+        best = memory.most_blocks(plan_for, survey.depth)
+        hint = f"--blocks {best} fits" if best else "not even --blocks 1 fits; lower --height/--width/--text-len or use bf16"
+        raise BadInput(
+            f"--blocks {req.blocks} needs {memory.gib(wanted.device_peak)} on {wanted.sizes.device} "
+            f"(reference {wanted.reference_dtype}), {memory.gib(avail or 0)} available: {hint}"
+        )
+    best = memory.most_blocks(plan_for, survey.depth)
+    if best == 0:
+        one = plan_for(1)
+        raise BadInput(
+            f"{spec.short_name} does not fit even with --blocks 1: it needs {memory.gib(one.device_peak)} on "
+            f"{one.sizes.device}, {memory.gib(avail or 0)} available; lower --height/--width/--text-len or use --dtype bf16"
+        )
+    return best
+
+
+def check_needed_files(spec: ModelSpec, req: ModelRequest) -> None:
+    """A sliced safetensors checkpoint: every tensor the sliced model needs is in the index (or the file), and
+    the shard holding it exists and reads (BadInput naming the first that does not)."""
+    from cpdoctor.models import checkpoints, slicing
+
+    weights = spec.weights
+    if weights is None or not weights.use_safetensors or not is_sliced(spec, req.blocks):
+        return
+    index = slicing.index_file_of(weights.weight_files, weights.model_dir, weights.variant)
+    if index is None:
+        return
+    where = slicing.weight_map(weights.weight_files, index)
+    needed = slicing.selected_keys(spec.cls, sliced_config(spec, req.blocks))
+    missing = [k for k in needed if k not in where]
+    if missing:
+        raise BadInput(f"{index} names no shard for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + f"; is it a {spec.class_name}?")
+    for path in sorted({where[k] for k in needed}):
+        if not os.path.isfile(path):
+            raise BadInput(f"{index} names the shard {os.path.basename(path)}, which is missing (--blocks {req.blocks} needs it)")
+        checkpoints.check_safetensors(path)
+
+
+def printed_plan(req: ModelRequest) -> Any:
+    """The memory plan `prepare` made for this request (None when it made none)."""
+    return _PLANS.get(_plan_key(req))
+
+
+def check_divisibility(spec: ModelSpec, req: ModelRequest, survey: Any) -> None:
+    """`cpdoctor plan`'s measurement at this layout (on the model cut to one block a stack: depth does not
+    change a split): an indivisible split is BadInput with plan's remedy, before diffusers' hooks assert."""
+    from cpdoctor.examinations.plan.judge import plan_command, remedy_line
+    from cpdoctor.examinations.plan.probe import measure_plan
+    from cpdoctor.examinations.plan.request import Setup
+    from cpdoctor.models.catalog import ResolvedModel, resolve_model
+
+    if req.world_size < 2:
+        return
+    entry = resolve_model(spec.class_name).entry
+    config = sliced_config(spec, 1) if survey.stacks else spec.full_config()
+    resolved = ResolvedModel(spec.cls, entry, config, spec.source)
+    builder = spec.builder
+    setup = Setup(resolved, builder, builder.resolution_multiple(resolved.full_config()), req.height, req.width, req.text_len, req.frames, req.ring, req.ulysses)
+    plan = measure_plan(setup)
+    if not plan.problems:
+        return
+    problem = plan.problems[0]
+    training = [r for r in problem.remedies if not r.kind.endswith("_anything")][:3]
+    remedy = remedy_line(training) if training else "no measured way out at this layout"
+    command = plan_command(spec.short_name if spec.weights is None else spec.weights.model_dir, plan.settings)
+    raise BadInput(f"{_indivisible(spec, req, problem.what)}; plan's remedy: {remedy} (`{command}` lists every way out)")
 
 
 def _indivisible(spec: ModelSpec, req: ModelRequest, what: str) -> str:
     frames = "" if req.frames is None else f", {req.frames} frames"
     return (
         f"{what} at {req.height}x{req.width}{frames}, text {req.text_len}: not divisible by ring × ulysses = "
-        f"{req.world_size}, and diffusers asserts on uneven shards (`cpdoctor plan {spec.short_name} --ring {req.ring} "
-        f"--ulysses {req.ulysses} --height {req.height} --width {req.width} --text-len {req.text_len}` names sizes that divide)"
+        f"{req.world_size}, and diffusers asserts on uneven shards"
     )
 
 
@@ -222,13 +384,24 @@ def quiet_diffusers() -> Iterator[None]:
         dlogging.set_verbosity(level)
 
 
-def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any) -> Any:
-    """The model in `dtype` on `device`: weights seeded with req.seed (tiny) or loaded (checkpoint), made in
-    fp32 on CPU first so every rank and the reference round them the same way."""
+def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any, stats: Any = None) -> Any:
+    """The model in `dtype` on `device`, cut to req.blocks blocks a stack: weights seeded with req.seed (tiny) or
+    loaded (checkpoint), rounded through fp32 so every rank and the reference round them the same way. A cut
+    checkpoint is built with its parameters on the meta device and reads only its own tensors, one at a time
+    (`stats`, a cpdoctor.models.slicing.ReadStats, counts them)."""
     import torch
 
     torch.manual_seed(req.seed)
     weights = spec.weights
+    sliced = is_sliced(spec, req.blocks)
+    if weights is not None and sliced and weights.use_safetensors:
+        from cpdoctor.models import slicing
+
+        index = slicing.index_file_of(weights.weight_files, weights.model_dir, weights.variant)
+        where = slicing.weight_map(weights.weight_files, index)
+
+        model = slicing.load_sliced(spec.cls, sliced_config(spec, req.blocks), where, stats, dtype=dtype)
+        return model.to(device).eval()
     if weights is not None:
         try:
             model = spec.cls.from_pretrained(
@@ -240,7 +413,7 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any) -> 
     else:
         from cpdoctor.models.catalog import build_model as catalog_build
 
-        model = catalog_build(spec.cls, spec.config, device="cpu")
+        model = catalog_build(spec.cls, sliced_config(spec, req.blocks) if sliced else spec.config, device="cpu")
     model = model.to(dtype=torch.float32)
     return model.to(dtype=dtype).to(device).eval()
 
@@ -288,28 +461,111 @@ def _output(result: Any) -> Any:
     return getattr(result, "sample", result)
 
 
-def step(model: Any, kwargs: dict[str, Any], req: ModelRequest, device: Any, dtype: Any) -> tuple[Any, Any]:
-    """Forward and backward with the seeded upstream gradient: (output on CPU, flat fp32 parameter grads)."""
+def step(model: Any, kwargs: dict[str, Any], req: ModelRequest, device: Any, dtype: Any) -> tuple[Any, Any, list]:
+    """Forward and backward with the seeded upstream gradient: (output on CPU, flat fp32 parameter grads, the
+    parameter layout); the model's own gradients are dropped."""
     out = _output(model(**cast_inputs(kwargs, dtype, device)))
     grad = upstream_grad(tuple(out.shape), req).to(device=device, dtype=out.dtype)
     out.backward(grad)
-    return out.detach().cpu(), flat_grads(model)
+    layout = param_layout(model)
+    return out.detach().cpu(), flat_grads(model), layout
 
 
 def flat_grads(model: Any) -> Any:
     """All parameter gradients in named_parameters order, flattened into one fp32 CPU vector (zeros where a
-    parameter got none)."""
+    parameter got none). Each parameter's gradient is dropped once copied, so a large model never holds its
+    gradients twice."""
     import torch
 
-    parts = []
-    for _, p in model.named_parameters():
-        g = p.grad
-        parts.append(torch.zeros(p.numel()) if g is None else g.detach().float().reshape(-1).cpu())
-    return torch.cat(parts) if parts else torch.zeros(0)
+    params = list(model.parameters())
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)  # pages touched only as filled
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is not None:
+            flat[offset : offset + n].copy_(p.grad.detach().reshape(-1))
+            p.grad = None
+        else:
+            flat[offset : offset + n].zero_()
+        offset += n
+    return flat
+
+
+class _Errors:
+    """Relative L2 error, max abs error and non-finite count of one vector against a reference, accumulated a
+    chunk at a time in fp64 (`measurement.compare`, for vectors too long to copy into fp64 at once)."""
+
+    def __init__(self) -> None:
+        self.sq = self.ref_sq = self.max_abs = 0.0
+        self.nonfinite = 0
+
+    def add(self, x: Any, rd: Any, ref_sq: float) -> None:
+        import torch
+
+        finite = torch.isfinite(x)
+        if bool(finite.all()):
+            diff = x.double() - rd
+        else:
+            self.nonfinite += int((~finite).sum())
+            diff = torch.where(finite, x.double() - rd, torch.zeros_like(rd))
+        self.sq += float(torch.dot(diff, diff))
+        self.ref_sq += ref_sq
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+
+    def result(self) -> dict[str, float]:
+        import math
+
+        denom = math.sqrt(self.ref_sq) or 1.0
+        return {"rel_err": math.sqrt(self.sq) / denom if not self.nonfinite else float("inf"), "max_abs": self.max_abs, "nonfinite": self.nonfinite}
+
+
+CHUNK = 1 << 22
+
+
+def grad_errors(cp: Any, base: Any | None, ref: Any, layout: list[tuple[str, int, bool]], ref_layout: list) -> tuple[dict, dict, dict | None]:
+    """(per parameter, all of the CP grads, all of the no-CP grads) against the reference, in one pass over the
+    flat vectors: each reference chunk is converted to fp64 once and serves both."""
+    import math
+
+    import torch
+
+    params: dict[str, dict] = {}
+    total_cp, total_base = _Errors(), None if base is None else _Errors()
+    offset = 0
+    for (name, numel, _), (_, _, ref_has_grad) in zip(layout, ref_layout):
+        mine, theirs = _Errors(), None if base is None else _Errors()
+        for i in range(offset, offset + numel, CHUNK):
+            j = min(i + CHUNK, offset + numel)
+            rd = ref[i:j].double()
+            rsq = float(torch.dot(rd, rd))
+            for acc, whole, vec in ((mine, total_cp, cp), (theirs, total_base, base)):
+                if acc is None or whole is None:
+                    continue
+                before = (acc.sq, acc.nonfinite, acc.max_abs)
+                acc.add(vec[i:j], rd, rsq)
+                whole.sq += acc.sq - before[0]
+                whole.nonfinite += acc.nonfinite - before[1]
+                whole.ref_sq += rsq
+                whole.max_abs = max(whole.max_abs, acc.max_abs)
+        offset += numel
+        if not ref_has_grad:
+            continue
+        c = mine.result()
+        params[name] = {
+            "rel_err": c["rel_err"],
+            "max_abs": c["max_abs"],
+            "nonfinite": c["nonfinite"],
+            "numel": numel,
+            "ref_norm": math.sqrt(mine.ref_sq),
+            "baseline_rel_err": None if theirs is None else theirs.result()["rel_err"],
+        }
+    return params, total_cp.result(), None if total_base is None else total_base.result()
 
 
 def param_layout(model: Any) -> list[tuple[str, int, bool]]:
-    """(name, numel, got a gradient) per parameter, in the order of flat_grads."""
+    """(name, numel, got a gradient) per parameter, in the order of flat_grads (taken after the backward and
+    before flat_grads drops the gradients)."""
     return [(n, p.numel(), p.grad is not None) for n, p in model.named_parameters()]
 
 
@@ -321,7 +577,7 @@ def select_backend(req: ModelRequest, spec: ModelSpec, device: Any) -> tuple[str
     full = spec.full_config()
     heads = int(full.get("num_attention_heads") or 2)
     head_dim = int(full.get("attention_head_dim") or 64)
-    probe_req = AttentionRequest(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, heads=heads, head_dim=head_dim)
+    probe_req = AttentionRequest(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, heads=heads, head_dim=head_dim, emulate=req.emulate)
     return attention.select_backend(probe_req, device)
 
 
@@ -343,6 +599,7 @@ def run_rank(case: Case, ctx: Any) -> dict:
     from cpdoctor.examinations.attention import probe as attention
 
     req: ModelRequest = case.request.validate()
+    attention.prepare_emulation(req)  # the kernel stand-ins, before diffusers is imported (with --emulate)
     fix_patch.set_patched(case.patched, dkv=case.options.get("dkv"))
     cpu_backend.register()
     with quiet_diffusers(), compat.preserved_active_backend():
@@ -353,21 +610,30 @@ def run_rank(case: Case, ctx: Any) -> dict:
             reason = f"{name} is not registered as context-parallel capable, and enable_parallelism refuses it"
         if reason:
             return {"unsupported": reason, "backend": name, "facts": facts.to_dict()}
+        from cpdoctor.examinations.model.blocks import BlockRecorder
+        from cpdoctor.models.slicing import ReadStats
+
         dtype = torch_dtype(req.dtype)
-        model = build_model(spec, req, ctx.device, dtype)
+        stats = ReadStats()
+        model = build_model(spec, req, ctx.device, dtype, stats)
+        recorder = BlockRecorder(model)
         kwargs = make_inputs(spec, req, model.config)
         model.set_attention_backend(name)
         mesh = ctx.cp_mesh(req.ring, req.ulysses)
         with compat.accelerator_count_at_least_one():
             model.enable_parallelism(config=compat.context_parallel_config(req.ring, req.ulysses, mesh=mesh))
         try:
-            out, grads = step(model, kwargs, req, ctx.device, dtype)
+            out, grads, layout = step(model, kwargs, req, ctx.device, dtype)
         except AssertionError as exc:
             if _is_split_assertion(exc):
-                raise BadInput(_indivisible(spec, req, "an input the model splits inside its forward")) from exc
+                raise BadInput(
+                    _indivisible(spec, req, "an input the model splits inside its forward")
+                    + f" (`cpdoctor plan {spec.short_name} --ring {req.ring} --ulysses {req.ulysses}` names sizes that divide)"
+                ) from exc
             raise
-        layout = param_layout(model)
         summed = ctx.all_sum_cpu(grads)
+        recorded = recorder.record()
+        recorder.remove()
         del model
         op_payloads = []
         for op_request in case.options.get("op_requests", ()):
@@ -379,37 +645,43 @@ def run_rank(case: Case, ctx: Any) -> dict:
         "backend": name,
         "facts": facts.to_dict(),
         "out": out,
-        "grads": summed if ctx.rank == 0 else None,
+        "grads": _keep_on_rank0(case, summed) if ctx.rank == 0 else None,
         "layout": layout if ctx.rank == 0 else None,
         "op": op_payloads,
+        "blocks": recorded,
+        "read": stats.to_dict(),
     }
+
+
+_RANK0: dict[int, Any] = {}
+
+
+def _keep_on_rank0(case: Case, tensor: Any) -> Any:
+    """Rank 0 keeps its summed gradients in this process (it evaluates here) instead of sending them through the
+    payload gather, which pickles them and pads every rank's payload to the largest one: a full-width model's
+    gradients would cross the gather, and sit in memory, several times over. The payload carries a ticket."""
+    ticket = len(_RANK0) + 1
+    _RANK0[ticket] = tensor
+    return {"kept_on_rank0": ticket}
+
+
+def _kept_on_rank0(value: Any) -> Any:
+    if isinstance(value, dict) and "kept_on_rank0" in value:
+        return _RANK0.pop(value["kept_on_rank0"])
+    return value
+
+
+def reference_dtype(req: ModelRequest) -> Any:
+    """fp64 unless the memory plan `prepare` made chose fp32 (req.reference) for the reference."""
+    import torch
+
+    return torch.float32 if req.reference == "fp32" else torch.float64
 
 
 def environment(ctx: Any, backend: str, req: ModelRequest) -> dict[str, Any]:
     env = rank_environment(ctx, backend, req)
     env["model"] = req.model
     return env
-
-
-def _param_errors(cp: Any, base: Any | None, ref: Any, layout: list[tuple[str, int, bool]], ref_layout: list) -> dict[str, dict]:
-    """Per parameter: rel err of the CP grad and of the no-CP grad against the fp64 reference."""
-    params: dict[str, dict] = {}
-    offset = 0
-    for (name, numel, _), (_, _, ref_has_grad) in zip(layout, ref_layout):
-        sl = slice(offset, offset + numel)
-        offset += numel
-        if not ref_has_grad:
-            continue
-        c = compare(cp[sl], ref[sl])
-        params[name] = {
-            "rel_err": c["rel_err"],
-            "max_abs": c["max_abs"],
-            "nonfinite": c["nonfinite"],
-            "numel": numel,
-            "ref_norm": ref[sl].norm().item(),
-            "baseline_rel_err": None if base is None else compare(base[sl], ref[sl])["rel_err"],
-        }
-    return params
 
 
 def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layout: list) -> dict[str, Any]:
@@ -435,12 +707,11 @@ def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layo
 def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
     """On rank 0: the CP output and summed gradients against the fp64 single-process reference, the no-CP
     error in the probe dtype (the baseline), per parameter too, and the op-level cross-check."""
-    import torch
-
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.examinations.attention import probe as attention
 
     req: ModelRequest = case.request
+    attention.prepare_emulation(req)
     first = payloads[0]
     backend = first["backend"]
     result = Measurement(backend, first["facts"], environment(ctx, backend, req))
@@ -451,22 +722,35 @@ def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
             result.unsupported = unsupported[0]
             result.details["model"] = {"short_name": spec.short_name, "class_name": spec.class_name, "source": spec.source}
             return result
+        from cpdoctor.examinations.model.blocks import BlockRecorder, block_errors
+
         dtype = torch_dtype(req.dtype)
         base_model = build_model(spec, req, ctx.device, dtype)
+        base_rec = BlockRecorder(base_model)
         kwargs = make_inputs(spec, req, base_model.config)
-        base_out = base_grads = None
+        base_out = base_grads = base_blocks = None
         try:
             base_model.set_attention_backend(backend)
-            base_out, base_grads = step(base_model, kwargs, req, ctx.device, dtype)
+            base_out, base_grads, _ = step(base_model, kwargs, req, ctx.device, dtype)
+            base_blocks = base_rec.record()
         except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
             result.baseline_error = f"{type(exc).__name__}: {exc}"
-        del base_model
-        ref_model = build_model(spec, req, "cpu", dtype).to(torch.float64)
+        base_rec.remove()
+        del base_model, base_rec
+        ref_dtype = reference_dtype(req)
+        ref_device = ctx.device  # the accelerator when there is one
+        ref_model = build_model(spec, req, ref_device, dtype).to(ref_dtype)
+        ref_rec = BlockRecorder(ref_model)
         ref_model.set_attention_backend(REFERENCE_BACKEND)  # set_attention_backend also sets the global active one
-        ref_out, ref_grads = step(ref_model, kwargs, req, "cpu", torch.float64)
-        ref_layout = param_layout(ref_model)
+        ref_out, ref_grads, ref_layout = step(ref_model, kwargs, req, ref_device, ref_dtype)
+        ref_blocks = ref_rec.record()
+        ref_rec.remove()
         result.details["model"] = _model_info(spec, req, kwargs, ref_layout)
-        del ref_model
+        result.details["model"]["reference_dtype"] = str(ref_dtype).replace("torch.float", "fp")
+        result.details["model"]["read"] = first.get("read")
+        result.details["model"]["stacks"] = {s.name: {"examined": min(req.blocks or s.depth, s.depth), "depth": s.depth} for s in model_survey(spec).stacks}
+        del ref_model, ref_rec
+        result.details["blocks"] = block_errors([p["blocks"] for p in payloads], base_blocks, ref_blocks)
 
     per_rank = [compare(p["out"], ref_out) for p in payloads]
     worst = max(range(len(per_rank)), key=lambda r: per_rank[r]["rel_err"])
@@ -476,15 +760,16 @@ def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
         "per_rank_rel_err": [p["rel_err"] for p in per_rank],
         "baseline_rel_err": None if base_out is None else compare(base_out, ref_out)["rel_err"],
     }
-    grads = first["grads"]
+    grads = _kept_on_rank0(first["grads"])
+    params, all_cp, all_base = grad_errors(grads, base_grads, ref_grads, first["layout"], ref_layout)
     grads_row = {
-        **compare(grads, ref_grads),
+        **all_cp,
         "worst_rank": None,
         "per_rank_rel_err": [],
-        "baseline_rel_err": None if base_grads is None else compare(base_grads, ref_grads)["rel_err"],
+        "baseline_rel_err": None if all_base is None else all_base["rel_err"],
     }
     result.tensors = {"out": out_row, "grads": grads_row}
-    result.details["params"] = _param_errors(grads, base_grads, ref_grads, first["layout"], ref_layout)
+    result.details["params"] = params
 
     op_results = []
     for i, op_request in enumerate(case.options.get("op_requests", ())):

@@ -28,6 +28,7 @@ class ModelRequest(LayoutRequest):
     text_len: int | None = None
     frames: int | None = None
     batch: int = 1
+    emulate: bool = False  # the CUDA backends' CP code on CPU through cpdoctor's kernel stand-ins
     # where a checkpoint's weights come from (cpdoctor.models.checkpoints): the hub revision (branch, tag or
     # commit; `prepare` pins it to the commit found), the file variant (fp16, bf16), whether to fetch a hub
     # checkpoint missing from the local cache, whether pickle weights (.bin) may be loaded
@@ -35,12 +36,21 @@ class ModelRequest(LayoutRequest):
     variant: str | None = None
     download: bool = False
     allow_pickle: bool = False
+    # examine the input embedders, the first `blocks` blocks of each block stack and the output layers (None:
+    # `prepare` picks the most that fit in memory and records the number here)
+    blocks: int | None = None
+    # the reference's dtype, "fp64" or "fp32" where fp64 does not fit (set by `prepare` from the memory plan)
+    reference: str | None = None
 
     def validate(self) -> "ModelRequest":
         if not isinstance(self.model, str) or not self.model.strip():
             raise BadInput("give a MODEL: a short name (see `cpdoctor plan --list`), a class name or a checkpoint directory")
         self.validate_common()
-        require_ints(self, ("batch", "height", "width", "text_len", "frames"))
+        require_ints(self, ("batch", "height", "width", "text_len", "frames", "blocks"))
+        if self.reference not in (None, "fp64", "fp32"):
+            raise BadInput(f"reference must be fp64 or fp32, got {self.reference!r}")
+        if self.blocks is not None and self.blocks < 1:
+            raise BadInput(f"--blocks must be at least 1, got {self.blocks}")
         if self.batch < 1:
             raise BadInput(f"--batch must be at least 1, got {self.batch}")
         for name in ("height", "width", "text_len", "frames"):

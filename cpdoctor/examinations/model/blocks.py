@@ -1,0 +1,137 @@
+"""Every block's output and input gradient, recorded with hooks, and their errors against the reference.
+
+`BlockRecorder(model)` hooks every block of every stack (`cpdoctor.models.slicing.block_stacks`): a forward
+pre-hook registers a gradient hook on each sequence tensor the block takes (floating, at least 3-D, requiring
+grad: hidden_states, encoder_hidden_states), a forward hook keeps each sequence tensor it returns. Under CP each
+rank records its own shard; `assemble` puts the shards back along the dimension the model's `_cp_plan` split
+(the one whose reference length is world × the shard's), so rank 0 compares whole sequences. Numbers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _seq_tensors(values: Any) -> list[Any]:
+    import torch
+
+    out = []
+    stack = list(values) if isinstance(values, (tuple, list)) else [values]
+    for v in stack:
+        if isinstance(v, (tuple, list)):
+            out.extend(_seq_tensors(v))
+        elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim >= 3:
+            out.append(v)
+    return out
+
+
+class BlockRecorder:
+    """Hooks on every block of `model`; `outputs[name]` and `grads[name]` are lists of CPU tensors."""
+
+    def __init__(self, model: Any) -> None:
+        from cpdoctor.models.slicing import block_stacks
+
+        self.order: list[str] = []
+        self.outputs: dict[str, list[Any]] = {}
+        self.grads: dict[str, list[Any]] = {}
+        self.handles: list[Any] = []
+        for stack, blocks in block_stacks(model):
+            for i, block in enumerate(blocks):
+                name = f"{stack}.{i}"
+                self.handles.append(block.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                self.handles.append(block.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            if name not in self.order:
+                self.order.append(name)
+            inputs = [t for t in _seq_tensors(list(args) + list(kwargs.values())) if t.requires_grad]
+            slots: list[Any] = [None] * len(inputs)
+            self.grads[name] = slots
+            for i, t in enumerate(inputs):
+                t.register_hook(self._grad(slots, i))
+
+        return hook
+
+    @staticmethod
+    def _grad(slots: list[Any], i: int) -> Any:
+        def hook(g: Any) -> None:
+            slots[i] = g.detach().cpu().clone()
+
+        return hook
+
+    def _post(self, name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self.outputs[name] = [t.detach().cpu().clone() for t in _seq_tensors(output)]
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def record(self) -> dict[str, Any]:
+        """{order, outputs, grads}: plain data for a payload."""
+        return {"order": list(self.order), "outputs": dict(self.outputs), "grads": {k: list(v) for k, v in self.grads.items()}}
+
+
+def assemble(shards: list[Any], ref: Any) -> Any:
+    """The whole tensor from the ranks' shards: concatenated along the dimension where the reference is
+    len(shards) times longer; the rank-0 copy when the tensor was not split."""
+    import torch
+
+    first = shards[0]
+    if first is None:
+        return None
+    if tuple(first.shape) == tuple(ref.shape):
+        return first
+    w = len(shards)
+    for d in range(ref.ndim):
+        if ref.shape[d] == w * first.shape[d] and all(ref.shape[e] == first.shape[e] for e in range(ref.ndim) if e != d):
+            return torch.cat([s for s in shards], dim=d)
+    return None
+
+
+def _flat(tensors: list[Any]) -> Any:
+    import torch
+
+    return torch.cat([t.double().reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float64)
+
+
+def _error(parts: list[Any], refs: list[Any]) -> dict[str, float] | None:
+    from cpdoctor.examinations.measurement import compare
+
+    pairs = [(p, r) for p, r in zip(parts, refs) if p is not None and r is not None]
+    if not pairs or len(parts) != len(refs):
+        return None
+    return compare(_flat([p for p, _ in pairs]), _flat([r for _, r in pairs]))
+
+
+def block_errors(cp: list[dict], base: dict | None, ref: dict) -> list[dict[str, Any]]:
+    """Per block in the reference's call order: the CP run's output and input-gradient errors (shards of every
+    rank assembled) and the no-CP baseline's, against the reference."""
+    rows = []
+    for name in ref["order"]:
+        ref_out, ref_grad = ref["outputs"].get(name, []), ref["grads"].get(name, [])
+        out_parts = [assemble([p["outputs"].get(name, [None] * len(ref_out))[i] for p in cp], r) for i, r in enumerate(ref_out)]
+        grad_parts = [
+            None if r is None else assemble([(p["grads"].get(name) or [None] * len(ref_grad))[i] for p in cp], r)
+            for i, r in enumerate(ref_grad)
+        ]
+        out_c, grad_c = _error(out_parts, ref_out), _error(grad_parts, ref_grad)
+        row: dict[str, Any] = {
+            "name": name,
+            "out_rel_err": None if out_c is None else out_c["rel_err"],
+            "grad_rel_err": None if grad_c is None else grad_c["rel_err"],
+            "nonfinite": (0 if out_c is None else out_c["nonfinite"]) + (0 if grad_c is None else grad_c["nonfinite"]),
+            "baseline_out_rel_err": None,
+            "baseline_grad_rel_err": None,
+        }
+        if base is not None:
+            bo = _error(base["outputs"].get(name, []), ref_out)
+            bg = _error(base["grads"].get(name, []), ref_grad)
+            row["baseline_out_rel_err"] = None if bo is None else bo["rel_err"]
+            row["baseline_grad_rel_err"] = None if bg is None else bg["rel_err"]
+        rows.append(row)
+    return rows

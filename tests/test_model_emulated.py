@@ -1,0 +1,19 @@
+"""`cpdoctor model --emulate`: a real model class through enable_parallelism on a CUDA backend's CP code, its
+kernels replaced by the CPU stand-ins (0.39.0's _native_flash backward transposes K/V twice: a CRASH)."""
+
+from __future__ import annotations
+
+from conftest import run_cli
+
+
+def test_model_on_emulated_native_flash(has_stale_kv_backward, tmp_path):
+    junit = tmp_path / "model.xml"
+    run = run_cli("model", "flux", "--ring", "2", "--backend", "_native_flash", "--dtype", "bf16", "--emulate", "--json", "-", "--junit", str(junit))
+    (finding,) = run.json["findings"]
+    assert finding["probe"].endswith("emulated") and "not examined: the CUDA kernel itself" in run.json["environment"]["emulated"]
+    if has_stale_kv_backward:
+        assert finding["verdict"] == "CRASH" and "double transpose" in finding["diagnosis"], finding["diagnosis"]
+        assert "<error" in junit.read_text()
+    else:
+        assert finding["verdict"] == "PASS", finding["diagnosis"]
+        assert run.code == 0 and "<failure" not in junit.read_text()

@@ -1,0 +1,50 @@
+"""The model-level verdict fed with numbers: its own tensors, the worst parameter, and the op-level
+cross-check at the same layout (no process, no diffusers)."""
+
+from __future__ import annotations
+
+from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.examinations.model.judge import model_finding
+from cpdoctor.examinations.model.request import ModelRequest
+from cpdoctor.report import Verdict
+
+
+def row(err: float, base: float, world: int = 2, per_rank: bool = True) -> dict:
+    return {"rel_err": err, "max_abs": err, "nonfinite": 0, "worst_rank": 0, "per_rank_rel_err": [err] * world if per_rank else [], "baseline_rel_err": base}
+
+
+def op(ring: int, **errors: float) -> dict:
+    tensors = {n: row(errors.get(n, 4e-7), 4e-7, ring) for n in ("out", "dq", "dk", "dv")}
+    return {"request": AttentionRequest(ring=ring), "evaluated": Measurement("cpdoctor_cpu", {"routes_cp": True}, {}, tensors)}
+
+
+def measured(out: float, grads: float, base: float, *ops: dict) -> Measurement:
+    params = {"w": {**row(grads, base, per_rank=False), "numel": 10}}
+    return Measurement("cpdoctor_cpu", {}, {}, {"out": row(out, base), "grads": row(grads, base, per_rank=False)}, details={"params": params, "op_level": list(ops), "model": {"parameter_tensors": 1}})
+
+
+def test_exact_model_and_op_pass():
+    f = model_finding(ModelRequest(ring=2, height=64, width=64, text_len=8), measured(1.7e-7, 1.7e-7, 1.6e-7, op(2)))
+    assert f.verdict == Verdict.PASS and "match the single-process fp64 model" in f.diagnosis
+
+
+def test_backward_wrong_names_the_op_level_stale_kv():
+    f = model_finding(ModelRequest(ring=2, height=64, width=64, text_len=8), measured(1.7e-7, 7.5e-2, 1.6e-7, op(2, dq=2.19, dk=1.7, dv=1.5)))
+    assert f.verdict == Verdict.FAIL
+    assert "forward exact" in f.diagnosis and "`cpdoctor check --ring 2`" in f.diagnosis and "stale iteration-0" in f.diagnosis
+
+
+def test_noise_does_not_hide_a_wrong_attention_op():
+    """bf16 full-width Flux: the model's own no-CP error is large, the defect sits inside it for one step, but
+    the op at the same layout is wrong: that is corruption, and the verdict says so."""
+    req = ModelRequest(ring=2, dtype="bf16", height=256, width=256, text_len=64)
+    f = model_finding(req, measured(3e-3, 7.2e-2, 7e-2, op(2, dq=2.19, dk=1.7, dv=1.5)))
+    assert f.verdict == Verdict.FAIL
+    assert "noise hides" in f.diagnosis and "stale iteration-0" in f.diagnosis and "--dtype fp32" in f.remedy
+    assert all(t["verdict"] == Verdict.PASS for t in f.tensors.values())  # the model's own numbers are within tolerance
+
+
+def test_model_path_defect_when_the_op_passes():
+    f = model_finding(ModelRequest(ring=2, height=64, width=64, text_len=8), measured(1e-2, 1e-2, 1.6e-7, op(2)))
+    assert f.verdict == Verdict.FAIL and "the defect lies in the model's CP path" in f.diagnosis
