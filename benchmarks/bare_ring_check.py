@@ -27,8 +27,10 @@ out.backward(g.chunk(world, dim=1)[rank])
 qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
 ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (qr, kr, vr))).transpose(1, 2)
 ref.backward(g)
-errs = [((a - b.chunk(world, dim=1)[rank]).norm() / b.chunk(world, dim=1)[rank].norm()).item()
-        for a, b in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad))]
+errs = [
+    ((a - b.chunk(world, dim=1)[rank]).norm() / b.chunk(world, dim=1)[rank].norm()).item()
+    for a, b in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad))
+]
 print(f"rank {rank}: out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs))
 dist.barrier()
 dist.destroy_process_group()

@@ -26,7 +26,16 @@ def main() -> None:
     import diffusers  # noqa: F401 - only to record the version
     import torch
 
-    bare = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533", os.path.join(HERE, "bare_ring_check.py")]
+    bare = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29533",
+        os.path.join(HERE, "bare_ring_check.py"),
+    ]
     ours = [sys.executable, "-m", "cpdoctor", "check", "--ring", "2", "--json", os.devnull]
     t_bare, t_ours = alternate(bare, ours, args.repeats)
     result = {

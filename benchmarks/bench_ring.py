@@ -142,7 +142,11 @@ def worker(spec: dict) -> None:
                 timers.totals.clear()
                 rec: dict = {}
                 fwd_bwd(rec)
-                per[impl] = {"fwd": rec["fwd"], "bwd": rec["bwd"], **{k.split(":")[1]: v for k, v in timers.totals.items() if k.startswith(impl)}}
+                per[impl] = {
+                    "fwd": rec["fwd"],
+                    "bwd": rec["bwd"],
+                    **{k.split(":")[1]: v for k, v in timers.totals.items() if k.startswith(impl)},
+                }
         else:  # memory
             for impl in IMPLS:
                 patch.set_patched(impl == "patched", dkv=spec["dkv"])
@@ -228,7 +232,13 @@ def summarise(world: int, seqs: list[int], timing: list, pieces: list, memory: l
         # ranks beyond the core count share cores: a rank can at best get cores/world of one core's time
         share = max(1.0, world / (os.cpu_count() or 1))
         single = ideal(seq, world, max(1, reps if seq <= 4096 else 1))
-        row["ideal"] = {"fwd": single["fwd"] * share, "bwd": single["bwd"] * share, "single_process_fwd": single["fwd"], "single_process_bwd": single["bwd"], "core_share_factor": share}
+        row["ideal"] = {
+            "fwd": single["fwd"] * share,
+            "bwd": single["bwd"] * share,
+            "single_process_fwd": single["fwd"],
+            "single_process_bwd": single["bwd"],
+            "core_share_factor": share,
+        }
         p, b = row["patched"], row["builtin"]
         row["ratio_time"] = p["total_s"] / b["total_s"]
         row["ratio_fwd"] = p["fwd_s"] / b["fwd_s"]
@@ -292,8 +302,10 @@ def main() -> None:
         if not table:
             continue
         print(title)
-        print(f"{'ring':>4} {'S':>6} {'dK/dV':>14} | {'built-in s':>10} {'patched s':>10} {'time ×':>7} | {'fwd ×':>6} {'bwd ×':>6} | "
-              f"{'built-in MiB':>12} {'patched MiB':>11} {'mem ×':>6} | {'bwd/ideal':>9} {'(built-in)':>10}")
+        print(
+            f"{'ring':>4} {'S':>6} {'dK/dV':>14} | {'built-in s':>10} {'patched s':>10} {'time ×':>7} | {'fwd ×':>6} {'bwd ×':>6} | "
+            f"{'built-in MiB':>12} {'patched MiB':>11} {'mem ×':>6} | {'bwd/ideal':>9} {'(built-in)':>10}"
+        )
         for r in table:
             print(
                 f"{r['ring']:>4} {r['seq']:>6} {r['dkv_method']:>14} | {r['builtin']['total_s']:>10.4f} {r['patched']['total_s']:>10.4f} {r['ratio_time']:>7.3f} | "

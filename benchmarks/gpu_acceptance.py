@@ -72,7 +72,9 @@ def standin_agreement(backend: str, ring: int, ulysses: int, seq: int, timeout: 
     """The unpatched check on the CPU stand-ins, to set beside the same check on the real kernels."""
     import cpdoctor
 
-    report = cpdoctor.check_attention(ring=ring, ulysses=ulysses, backend=backend, dtype="bf16", seq=seq, device="cpu", emulate=True, timeout_s=timeout)
+    report = cpdoctor.check_attention(
+        ring=ring, ulysses=ulysses, backend=backend, dtype="bf16", seq=seq, device="cpu", emulate=True, timeout_s=timeout
+    )
     finding = report.to_dict()["findings"][0]
     return {"verdict": finding["verdict"], "worst": _worst(finding)}
 
@@ -95,7 +97,11 @@ def kernel_speed(backend: str, seq: int, dry: bool, chunks: int = 4, reps: int =
         standins.activate()
     device = torch.device("cpu" if dry else "cuda")
     b, h, d = 1, 24, 128
-    kernel = {"_native_flash": kernels.NativeFlashKernel, "_native_cudnn": kernels.CudnnKernel, "_native_efficient": kernels.EfficientKernel}[backend]()
+    kernel = {
+        "_native_flash": kernels.NativeFlashKernel,
+        "_native_cudnn": kernels.CudnnKernel,
+        "_native_efficient": kernels.EfficientKernel,
+    }[backend]()
     # model layout (B, S, H, D) into the kernel's own layout, as the fixed ring does
     q, k, v, g = (kernel.to_layout(torch.randn(b, seq, h, d, device=device, dtype=torch.bfloat16)).contiguous() for _ in range(4))
     seq_dim = kernel.seq_dim
@@ -159,7 +165,9 @@ def render(rows: list[dict], agreement: dict, speed: list[dict], env: dict) -> s
         if "error" in s:
             perf.add_row(s["backend"], str(s["seq"]), s["error"][:60], "–", "–")
         else:
-            perf.add_row(s["backend"], str(s["seq"]), f"{s['kernel']['tflops']:.3g}", f"{s['fix blocks']['tflops']:.3g}", f"{s['ratio']:.2f}")
+            perf.add_row(
+                s["backend"], str(s["seq"]), f"{s['kernel']['tflops']:.3g}", f"{s['fix blocks']['tflops']:.3g}", f"{s['ratio']:.2f}"
+            )
     console.print(perf)
     return console.export_text()
 

@@ -22,7 +22,18 @@ from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.report import Finding, Report, RunResult, Verdict
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PreflightFailed", "build_request", "check_attention", "check_model", "examine", "preflight", "request_for", "run_findings", "run_suite"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "PreflightFailed",
+    "build_request",
+    "check_attention",
+    "check_model",
+    "examine",
+    "preflight",
+    "request_for",
+    "run_findings",
+    "run_suite",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
 Tick = Callable[[], None] | None
@@ -85,14 +96,25 @@ def case_findings(kind: str, cases: list[Case], outcomes: list[CaseOutcome], tim
     findings = []
     for n, case in enumerate(cases):
         if n < len(outcomes):
-            findings.append(outcome_findings(kind, outcomes[n], timeout_s)[0] if outcomes[n].completed else _first_failure(kind, outcomes[n], timeout_s))
+            findings.append(
+                outcome_findings(kind, outcomes[n], timeout_s)[0] if outcomes[n].completed else _first_failure(kind, outcomes[n], timeout_s)
+            )
         else:
             probe = registry.get(kind).describe(case.request)
-            findings.append(Finding(probe, Verdict.UNSUPPORTED, "not examined: an earlier case of the same launch timed out in a collective", "run this check alone"))
+            findings.append(
+                Finding(
+                    probe,
+                    Verdict.UNSUPPORTED,
+                    "not examined: an earlier case of the same launch timed out in a collective",
+                    "run this check alone",
+                )
+            )
     return findings
 
 
-def run_findings(kind: str, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Finding]:
+def run_findings(
+    kind: str, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[Finding]:
     """Launch the given cases of one kind once and return one finding per case, in order."""
     result = run_cases(kind, cases, world_size, device, timeout_s)
     return case_findings(kind, cases, result.outcomes, timeout_s)
@@ -137,7 +159,9 @@ def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on
     return Report.of(final.findings, env, req.to_dict(), before=before, wall_s=result.wall_s, extra=warnings_seen(result.outcomes))
 
 
-def check_attention(request: AttentionRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
+def check_attention(
+    request: AttentionRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any
+) -> Report:
     """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix."""
     req = request if request is not None else registry.get("attention").build_request(**fields)
     return examine("attention", req, timeout_s=timeout_s, on_tick=on_tick)
@@ -190,7 +214,9 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     if patch or any(getattr(r, "patch", False) for _, r in requests):
         before_run = RunResult.of([b for b in before if b is not None])
     request = {"suite": suite.name, "source": suite.source, "patch": patch, "checks": [{k: r.to_dict()} for k, r in requests]}
-    return Report.of(findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name, **warnings_seen(outcomes_seen)})
+    return Report.of(
+        findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name, **warnings_seen(outcomes_seen)}
+    )
 
 
 class PreflightFailed(RuntimeError):

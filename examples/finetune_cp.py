@@ -113,7 +113,11 @@ def plot(curves: dict[str, dict[str, list[float]]], path: str, title: str) -> bo
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-    styles = {"single process": dict(color="black", lw=3, alpha=0.35), "CP, stock diffusers": dict(color="tab:red", lw=1.5), "CP, after cpdoctor.preflight": dict(color="tab:green", lw=1.5, ls="--")}
+    styles = {
+        "single process": dict(color="black", lw=3, alpha=0.35),
+        "CP, stock diffusers": dict(color="tab:red", lw=1.5),
+        "CP, after cpdoctor.preflight": dict(color="tab:green", lw=1.5, ls="--"),
+    }
     for ax, key, label in zip(axes, ("loss", "grad_norm"), ("loss", "gradient norm")):
         for name, c in curves.items():
             ax.plot(range(1, len(c[key]) + 1), c[key], label=name, **styles.get(name, {}))

@@ -10,8 +10,15 @@ import os
 from pathlib import Path
 
 TINY_FLUX = dict(
-    patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-    joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 4, 8),
 )
 """FACTS.md "Tiny models"."""
 

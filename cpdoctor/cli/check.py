@@ -24,13 +24,19 @@ def check(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
     emulate: bool = typer.Option(
-        False, "--emulate", help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash, ...) on CPU through cpdoctor's kernel stand-ins."
+        False,
+        "--emulate",
+        help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash, ...) on CPU through cpdoctor's kernel stand-ins.",
     ),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
     junit_path: Optional[str] = junit_option(),
     markdown_path: Optional[str] = markdown_option(),
-    repro_dir: Optional[str] = typer.Option(None, "--repro", help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape)."),
+    repro_dir: Optional[str] = typer.Option(
+        None,
+        "--repro",
+        help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape).",
+    ),
 ) -> None:
     """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
     a full-sequence reference. Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."""
@@ -40,8 +46,19 @@ def check(
     check_run_options(timeout, json_path, junit_path, markdown_path)
     request = api.request_for(
         "attention",
-        ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, batch=batch, seq=seq, heads=heads,
-        head_dim=head_dim, seed=seed, mask_pad=mask_pad, device=device, patch=patch, emulate=emulate,
+        ring=ring,
+        ulysses=ulysses,
+        backend=backend,
+        dtype=dtype,
+        batch=batch,
+        seq=seq,
+        heads=heads,
+        head_dim=head_dim,
+        seed=seed,
+        mask_pad=mask_pad,
+        device=device,
+        patch=patch,
+        emulate=emulate,
     )
     with waiting(f"examining CP attention on {request.world_size} ranks", quiet="-" in (json_path, junit_path, markdown_path)):
         report = api.check_attention(request, timeout_s=timeout)

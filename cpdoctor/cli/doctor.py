@@ -92,14 +92,22 @@ def render_doctor(report: Any, out: Any) -> None:
         )
 
 
-def doctor(patch: bool = False, timeout: Optional[float] = None, json_path: Optional[str] = None, junit_path: Optional[str] = None, markdown_path: Optional[str] = None) -> None:
+def doctor(
+    patch: bool = False,
+    timeout: Optional[float] = None,
+    json_path: Optional[str] = None,
+    junit_path: Optional[str] = None,
+    markdown_path: Optional[str] = None,
+) -> None:
     """Run the doctor and exit with its code (shared by `cpdoctor` alone and `cpdoctor doctor`)."""
     from cpdoctor.api import DEFAULT_TIMEOUT_S
     from cpdoctor.doctor import examine
 
     timeout_s = DEFAULT_TIMEOUT_S if timeout is None else timeout
     check_run_options(timeout_s, json_path, junit_path, markdown_path)
-    with waiting("examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)):
+    with waiting(
+        "examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)
+    ):
         report = examine(patch=patch, timeout_s=timeout_s)
     emit(report, json_path, render_doctor, junit_path=junit_path, markdown_path=markdown_path, command="doctor")
 

@@ -120,7 +120,12 @@ def _render_backends(data: dict, console: Any) -> None:
     from rich.table import Table
 
     env = data["environment"]
-    table = Table(title=f"attention backends on {env.get('probe_device')} ({env.get('probe_dtype')})", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title=f"attention backends on {env.get('probe_device')} ({env.get('probe_dtype')})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     for col in COLUMNS[:-1]:
         table.add_column(col, justify="left" if col == "backend" else "center", no_wrap=True)
     notes: dict[str, list[str]] = {}
@@ -194,9 +199,17 @@ def register(app: typer.Typer) -> None:
     def env(
         device: str = typer.Option("auto", "--device", help="auto (this rank's CUDA device, else cpu), cpu or cuda."),
         dtype: str = typer.Option("auto", "--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
-        json_path: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."),
-        as_markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."),
-        emulate: bool = typer.Option(False, "--emulate", help="Run the CUDA backends' ops on CPU through cpdoctor's kernel stand-ins (capabilities found by running them)."),
+        json_path: Optional[str] = typer.Option(
+            None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."
+        ),
+        as_markdown: bool = typer.Option(
+            False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."
+        ),
+        emulate: bool = typer.Option(
+            False,
+            "--emulate",
+            help="Run the CUDA backends' ops on CPU through cpdoctor's kernel stand-ins (capabilities found by running them).",
+        ),
     ) -> None:
         from cpdoctor.cli.output import check_run_options, emit, waiting
         from cpdoctor.errors import BadInput

@@ -57,13 +57,26 @@ def blocks_table(finding: Any) -> Any:
         return None
     first = finding.details.get("first_bad_block")
     table = Table(title="per block (output / input grad vs reference; bars: log10 err, ▁ 1e-8 … █ 1)", title_justify="left")
-    for title, justify in (("block", "left"), ("out err", "right"), ("no-CP", "right"), ("grad err", "right"), ("no-CP", "right"), ("out│grad", "center"), ("verdict", "center")):
+    for title, justify in (
+        ("block", "left"),
+        ("out err", "right"),
+        ("no-CP", "right"),
+        ("grad err", "right"),
+        ("no-CP", "right"),
+        ("out│grad", "center"),
+        ("verdict", "center"),
+    ):
         table.add_column(title, justify=justify)
     for b in blocks:
         name = f"[bold]{b['name']}[/] ← first bad" if b["name"] == first else b["name"]
         table.add_row(
-            name, fmt(b["out_rel_err"]), fmt(b.get("baseline_out_rel_err")), fmt(b["grad_rel_err"]),
-            fmt(b.get("baseline_grad_rel_err")), f"{spark(b['out_rel_err'])}│{spark(b['grad_rel_err'])}", styled(b["verdict"]),
+            name,
+            fmt(b["out_rel_err"]),
+            fmt(b.get("baseline_out_rel_err")),
+            fmt(b["grad_rel_err"]),
+            fmt(b.get("baseline_grad_rel_err")),
+            f"{spark(b['out_rel_err'])}│{spark(b['grad_rel_err'])}",
+            styled(b["verdict"]),
         )
     return table
 
@@ -102,12 +115,18 @@ def print_plan(request: Any) -> None:
 
 
 def model(
-    model_name: str = typer.Argument(..., metavar="MODEL", help="short name (flux, qwen-image, wan), class name, hub id (org/name, from the local Hugging Face cache), or a pipeline / transformer directory"),
+    model_name: str = typer.Argument(
+        ...,
+        metavar="MODEL",
+        help="short name (flux, qwen-image, wan), class name, hub id (org/name, from the local Hugging Face cache), or a pipeline / transformer directory",
+    ),
     ring: Optional[int] = typer.Option(None, "--ring", help="Ring degree (default 2, or 1 when only --ulysses is given)."),
     ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree (default 1)."),
     backend: str = typer.Option("auto", "--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
-    height: Optional[int] = typer.Option(None, "--height", help="Image height in pixels (default 8 x the family's step: 128 for Flux / Qwen-Image)."),
+    height: Optional[int] = typer.Option(
+        None, "--height", help="Image height in pixels (default 8 x the family's step: 128 for Flux / Qwen-Image)."
+    ),
     width: Optional[int] = typer.Option(None, "--width", help="Image width in pixels (default as height)."),
     text_len: Optional[int] = typer.Option(None, "--text-len", help="Text tokens (default 8)."),
     frames: Optional[int] = typer.Option(None, "--frames", help="Video frames, video models only (default 5)."),
@@ -116,25 +135,60 @@ def model(
     mask_pad: int = typer.Option(0, "--mask-pad", help="Mask the last N text tokens as padding (models whose forward takes a text mask)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Hub id only: branch, tag or commit in the local Hugging Face cache (default main)."),
-    variant: Optional[str] = typer.Option(None, "--variant", help="Weight file variant, e.g. fp16 or bf16 (diffusion_pytorch_model.fp16.safetensors)."),
-    download: bool = typer.Option(False, "--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."),
-    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only)."),
-    blocks: Optional[int] = typer.Option(None, "--blocks", help="Examine the input embedders, the first N blocks of each block stack and the output layers, reading only their tensors (default: the most that fit in memory)."),
+    revision: Optional[str] = typer.Option(
+        None, "--revision", help="Hub id only: branch, tag or commit in the local Hugging Face cache (default main)."
+    ),
+    variant: Optional[str] = typer.Option(
+        None, "--variant", help="Weight file variant, e.g. fp16 or bf16 (diffusion_pytorch_model.fp16.safetensors)."
+    ),
+    download: bool = typer.Option(
+        False, "--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."
+    ),
+    allow_pickle: bool = typer.Option(
+        False,
+        "--allow-pickle",
+        help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only).",
+    ),
+    blocks: Optional[int] = typer.Option(
+        None,
+        "--blocks",
+        help="Examine the input embedders, the first N blocks of each block stack and the output layers, reading only their tensors (default: the most that fit in memory).",
+    ),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
     junit_path: Optional[str] = junit_option(),
     markdown_path: Optional[str] = markdown_option(),
-    emulate: bool = typer.Option(False, "--emulate", help="Examine a CUDA backend's CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins."),
+    emulate: bool = typer.Option(
+        False,
+        "--emulate",
+        help="Examine a CUDA backend's CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
+    ),
 ) -> None:
     from cpdoctor import api
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
     request = api.request_for(
         "model",
-        model=model_name, ring=ring, ulysses=ulysses, backend=backend, dtype=dtype, height=height, width=width,
-        text_len=text_len, frames=frames, batch=batch, seed=seed, mask_pad=mask_pad, device=device, patch=patch,
-        revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, blocks=blocks, emulate=emulate,
+        model=model_name,
+        ring=ring,
+        ulysses=ulysses,
+        backend=backend,
+        dtype=dtype,
+        height=height,
+        width=width,
+        text_len=text_len,
+        frames=frames,
+        batch=batch,
+        seed=seed,
+        mask_pad=mask_pad,
+        device=device,
+        patch=patch,
+        revision=revision,
+        variant=variant,
+        download=download,
+        allow_pickle=allow_pickle,
+        blocks=blocks,
+        emulate=emulate,
     )
     print_plan(request)
     with waiting(f"examining {model_name} under CP on {request.world_size} ranks", quiet="-" in (json_path, junit_path, markdown_path)):

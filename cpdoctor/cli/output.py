@@ -17,7 +17,9 @@ def junit_option() -> Any:
 
 
 def markdown_option() -> Any:
-    return typer.Option(None, "--markdown", help="Write the table and verdict as Markdown to FILE, to paste into a pull request or issue ('-' for stdout).")
+    return typer.Option(
+        None, "--markdown", help="Write the table and verdict as Markdown to FILE, to paste into a pull request or issue ('-' for stdout)."
+    )
 
 
 def console(stderr: bool = False) -> Any:
@@ -51,7 +53,9 @@ def _check_writable(option: str, path: str) -> None:
         os.remove(path)
 
 
-def check_run_options(timeout: float | None, json_path: str | None, junit_path: str | None = None, markdown_path: str | None = None) -> None:
+def check_run_options(
+    timeout: float | None, json_path: str | None, junit_path: str | None = None, markdown_path: str | None = None
+) -> None:
     """Bad options caught before any rank starts: a timeout that is not a positive finite number, and an output
     FILE that cannot be written (found after a long run, it would also hide the run's exit code)."""
     if timeout is not None:
@@ -78,7 +82,15 @@ def _write(option: str, path: str, text: str) -> None:
         raise BadInput(f"cannot write {option} {path}: {exc.strerror}") from exc
 
 
-def emit(report: Any, json_path: str | None, render: Any, *, junit_path: str | None = None, markdown_path: str | None = None, command: str = "check") -> None:
+def emit(
+    report: Any,
+    json_path: str | None,
+    render: Any,
+    *,
+    junit_path: str | None = None,
+    markdown_path: str | None = None,
+    command: str = "check",
+) -> None:
     """Render the table unless a document goes to stdout; write JSON / JUnit XML / Markdown where asked; exit
     with the report's code. Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
     from cpdoctor.launch import is_reporting_rank

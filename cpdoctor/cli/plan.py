@@ -163,7 +163,5 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(0)
         if not model:
             raise BadInput("give a MODEL (see `cpdoctor plan --list`)")
-        report = planner.plan_model(
-            model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames
-        )
+        report = planner.plan_model(model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames)
         emit(report, json_out, render_plan, markdown_path=markdown_out, command="plan")

@@ -12,8 +12,9 @@ device and dtype, with tiny tensors and in one process:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from cpdoctor.compat import diffusers as compat
 
@@ -78,13 +79,17 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def discover_ops(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> tuple[bool | None, Callable | None, Callable | None, str | None]:
+def discover_ops(
+    name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64
+) -> tuple[bool | None, Callable | None, Callable | None, str | None]:
     """(routes_cp, forward_op, backward_op, error): call the backend with a parallel config while a spy
     stands in for diffusers' templated CP attention. Nothing is computed when the backend routes to CP."""
     return _call_with_spy(name, device, dtype, heads, head_dim)[:4]
 
 
-def _call_with_spy(name: str, device: Any, dtype: Any, heads: int, head_dim: int) -> tuple[bool | None, Callable | None, Callable | None, str | None, Any]:
+def _call_with_spy(
+    name: str, device: Any, dtype: Any, heads: int, head_dim: int
+) -> tuple[bool | None, Callable | None, Callable | None, str | None, Any]:
     """discover_ops, plus the output when the backend computed local attention instead (a leaf that
     requires grad went in, so its backward can be tried without a second forward)."""
     import torch
@@ -176,7 +181,9 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
     return facts
 
 
-def resolve_auto(device: Any, dtype: Any, heads: int, head_dim: int, ring: int, emulated: bool = False) -> tuple[str | None, list[BackendFacts]]:
+def resolve_auto(
+    device: Any, dtype: Any, heads: int, head_dim: int, ring: int, emulated: bool = False
+) -> tuple[str | None, list[BackendFacts]]:
     """The first backend of PREFERENCE that can run CP here (ring needs an LSE), with the facts seen."""
     seen = []
     for name in PREFERENCE:

@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import inspect
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from cpdoctor.errors import BadInput
 

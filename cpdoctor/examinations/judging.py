@@ -25,8 +25,12 @@ EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
 GRADS_FAR_WORSE = 10.0
 """A gradient whose error is this many times the forward's is wrong for a reason of its own."""
 
-LSE_REMEDY = "use a backend with an LSE for ring attention (cpdoctor_cpu on CPU; _native_flash, _native_cudnn or flash on GPU), or Ulysses-only CP"
-CP_BACKEND_REMEDY = "use a CP-capable backend (`cpdoctor env` lists them; on CPU cpdoctor_cpu, on GPU _native_flash, _native_cudnn or flash)"
+LSE_REMEDY = (
+    "use a backend with an LSE for ring attention (cpdoctor_cpu on CPU; _native_flash, _native_cudnn or flash on GPU), or Ulysses-only CP"
+)
+CP_BACKEND_REMEDY = (
+    "use a CP-capable backend (`cpdoctor env` lists them; on CPU cpdoctor_cpu, on GPU _native_flash, _native_cudnn or flash)"
+)
 OTHER_BACKEND_REMEDY = "pick a backend that runs on this device (`cpdoctor env` lists them)"
 
 
@@ -82,7 +86,11 @@ def diagnose(rules: Iterable[Rule[S]], signature: S) -> tuple[str, str, list[str
         if rule.aspect not in spoken and rule.applies(signature):
             spoken[rule.aspect] = rule
     parts = [r.says(signature) for r in spoken.values()]
-    return "; ".join(p for p in parts if p), join_remedies(rem for r in spoken.values() for rem in r.remedies), [r.name for r in spoken.values()]
+    return (
+        "; ".join(p for p in parts if p),
+        join_remedies(rem for r in spoken.values() for rem in r.remedies),
+        [r.name for r in spoken.values()],
+    )
 
 
 def join_remedies(remedies: Iterable[str]) -> str:
@@ -141,7 +149,10 @@ CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
     ),
     CrashSignature(
         "LSE rank",
-        (r"must match the size of tensor|[Dd]imension out of range|number of dimensions", r"\b(\w*_)?(lse|logsumexp)\b\s*[-+*/)\]]|[-+*/(\[]\s*(\w*_)?(lse|logsumexp)\b"),
+        (
+            r"must match the size of tensor|[Dd]imension out of range|number of dimensions",
+            r"\b(\w*_)?(lse|logsumexp)\b\s*[-+*/)\]]|[-+*/(\[]\s*(\w*_)?(lse|logsumexp)\b",
+        ),
         "the ring merge got an LSE of another rank (number of dimensions) than it expects: older releases choose "
         "the LSE layout by the torch version, not by the tensor the kernel returned",
         "cpdoctor.patch() (its merge takes the kernel's LSE as returned); or a diffusers release that checks the LSE's shape",

@@ -82,7 +82,9 @@ class BlockKernel:
         """An LSE in diffusers' (B, S, H) -> this kernel's (shaped like `out[..., 0]`), and back (a view)."""
         return lse.transpose(1, 2) if self.seq_dim == 2 else lse
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def backward(
@@ -162,7 +164,9 @@ class CpuFlashKernel(BlockKernel):
     name = "aten _scaled_dot_product_flash_attention_for_cpu"
 
     def forward(self, q, k, v, mask, scale):
-        out, lse = _aten("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, False, attn_mask=additive_mask(mask, q.dtype), scale=scale)
+        out, lse = _aten("_scaled_dot_product_flash_attention_for_cpu")(
+            q, k, v, 0.0, False, attn_mask=additive_mask(mask, q.dtype), scale=scale
+        )
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
@@ -316,7 +320,9 @@ def select(forward_op: Callable, parallel_config: Any = None) -> BlockKernel:
         name = getattr(forward_op, "__name__", kind)
         fns = compat.flash_attn_functions(forward_op)
         if fns is None:
-            raise KernelUnavailable(f"{name}: the flash-attn forward/backward functions are not available here (is flash-attn installed and importable?)")
+            raise KernelUnavailable(
+                f"{name}: the flash-attn forward/backward functions are not available here (is flash-attn installed and importable?)"
+            )
         return FlashAttnKernel(*fns, name=f"flash-attn ({name})")
     return BackendForwardKernel(forward_op, parallel_config)
 

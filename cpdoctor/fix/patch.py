@@ -138,7 +138,9 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     _originals[(mod.__name__, compat.RING_CLASS)] = current
     _set_dkv(strategy)
     setattr(mod, compat.RING_CLASS, replacement)
-    report.replaced.append(Replacement(mod.__name__, compat.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement)))
+    report.replaced.append(
+        Replacement(mod.__name__, compat.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement))
+    )
     _last_report = report
     return report
 
@@ -147,9 +149,13 @@ def _reasons(report: PatchReport) -> list[str]:
     """What the replaced code does wrong, as read from its source (nothing when it cannot be read)."""
     reasons = []
     if report.original_backward_passes_tensors is False:
-        reasons.append("its backward calls backward_op(ctx, grad_out) without the rotated chunk: every step recomputes against the step-0 K/V (stale KV)")
+        reasons.append(
+            "its backward calls backward_op(ctx, grad_out) without the rotated chunk: every step recomputes against the step-0 K/V (stale KV)"
+        )
     if report.original_sends_dkv_to_next:
-        reasons.append("its dK/dV accumulator travels to rank r+1, right only for ring degree 2 (the fix sends it to r−1, where its keys go next)")
+        reasons.append(
+            "its dK/dV accumulator travels to rank r+1, right only for ring degree 2 (the fix sends it to r−1, where its keys go next)"
+        )
     if report.original_gathers_mask is False:
         reasons.append("it hands the local attention mask to every rotated KV chunk (the fix gathers the mask with the keys)")
     return reasons

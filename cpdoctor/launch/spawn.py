@@ -104,7 +104,11 @@ class _Watch:
             if rank not in self.errors and code not in (None, 0) and not self.killed:
                 log = _tail(os.path.join(self.out_dir, f"rank{rank}.log"))
                 self.errors[rank] = (-1, RankPayload(RankStatus.ERROR, message=f"rank {rank} died with exit code {code}", traceback=log))
-        pending = [(i, p) for i, p in self.errors.values() if p.status is RankStatus.ERROR and not p.timed_out and (i < 0 or i not in self.outcomes)]
+        pending = [
+            (i, p)
+            for i, p in self.errors.values()
+            if p.status is RankStatus.ERROR and not p.timed_out and (i < 0 or i not in self.outcomes)
+        ]
         if pending and self.failed_at is None:
             self.failed_at = now
         if not pending:
@@ -128,12 +132,25 @@ def _failures(watch: _Watch, index: int) -> list[RankFailure]:
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
     others = {r: s for r, s in steps.items() if r not in crashed}
     if crashed:
-        return failures + [RankFailure(r, FailureKind.CRASH, "stopped while waiting for the failed rank in a collective", waiting=True, where=_where(s)) for r, s in others.items()]
+        return failures + [
+            RankFailure(r, FailureKind.CRASH, "stopped while waiting for the failed rank in a collective", waiting=True, where=_where(s))
+            for r, s in others.items()
+        ]
     hung, waiting = blame(others)
     for r in hung:
-        failures.append(RankFailure(r, FailureKind.HANG, "did not finish within the timeout", _tail(os.path.join(watch.out_dir, f"rank{r}.log")), where=_where(others[r])))
+        failures.append(
+            RankFailure(
+                r,
+                FailureKind.HANG,
+                "did not finish within the timeout",
+                _tail(os.path.join(watch.out_dir, f"rank{r}.log")),
+                where=_where(others[r]),
+            )
+        )
     for r in waiting:
-        failures.append(RankFailure(r, FailureKind.HANG, "was waiting for the hung rank in a collective", waiting=True, where=_where(others[r])))
+        failures.append(
+            RankFailure(r, FailureKind.HANG, "was waiting for the hung rank in a collective", waiting=True, where=_where(others[r]))
+        )
     return failures
 
 
@@ -169,7 +186,9 @@ def _launch_once(job: Job, world_size: int, on_tick: Callable[[], None] | None) 
             _kill_all(procs)
 
 
-def _supervise(watch: _Watch, job: Job, deadline: float, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
+def _supervise(
+    watch: _Watch, job: Job, deadline: float, on_tick: Callable[[], None] | None
+) -> tuple[list[CaseOutcome], RankPayload | None]:
     n = len(job.cases)
     while True:
         now = time.monotonic()

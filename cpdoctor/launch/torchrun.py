@@ -53,7 +53,6 @@ def leave_together(code: int) -> None:
     import contextlib
     import time
 
-
     sys.stdout.flush()
     sys.stderr.flush()
     deadline = time.time() + EXIT_DELAY_S

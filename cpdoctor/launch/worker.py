@@ -91,7 +91,13 @@ def _judge_payloads(entry: Any, case: Case, payloads: list[RankPayload], ctx: Di
         return CaseOutcome(case, failures=[RankFailure(0, FailureKind.CRASH, p.message, p.traceback)])
 
 
-def execute_job(job: Job, ctx: DistContext, log: StepLog, on_local_error: Callable[[int, RankPayload], None] | None = None, on_outcome: OutcomeSink | None = None) -> list[CaseOutcome] | None:
+def execute_job(
+    job: Job,
+    ctx: DistContext,
+    log: StepLog,
+    on_local_error: Callable[[int, RankPayload], None] | None = None,
+    on_outcome: OutcomeSink | None = None,
+) -> list[CaseOutcome] | None:
     """Run every case on this rank; rank 0 returns the outcomes (None elsewhere).
 
     A rank that fails reports through `on_local_error` at once (the spawning parent reacts without waiting

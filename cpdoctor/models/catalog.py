@@ -405,9 +405,7 @@ def _build_wan(
         "return_dict": False,
     }
     if config.get("image_dim") and "encoder_hidden_states_image" in _forward_params(cls):
-        kw["encoder_hidden_states_image"] = _rand(
-            (batch, _WAN_IMAGE_TOKENS, int(config["image_dim"])), device, dtype, generator
-        )
+        kw["encoder_hidden_states_image"] = _rand((batch, _WAN_IMAGE_TOKENS, int(config["image_dim"])), device, dtype, generator)
     snapped = (lat_f - 1) * _WAN_VAE_TEMPORAL + 1
     return ModelInputs(kw, lat_h * _WAN_VAE_SPATIAL, lat_w * _WAN_VAE_SPATIAL, snapped, text_len)
 
@@ -551,9 +549,7 @@ def _build_ltx2(
     lat_f, lat_h, lat_w, spatial, temporal = _ltx_latent_grid(config, height, width, frames)
     p, pt = int(config.get("patch_size") or 1), int(config.get("patch_size_t") or 1)
     n_tok = (lat_f // pt) * (lat_h // p) * (lat_w // p)
-    audio_per_s = (
-        float(config["audio_sampling_rate"]) / float(config["audio_hop_length"]) / float(config["audio_scale_factor"])
-    )
+    audio_per_s = float(config["audio_sampling_rate"]) / float(config["audio_hop_length"]) / float(config["audio_scale_factor"])
     n_audio = round(frames / _LTX2_FPS * audio_per_s)
     caption = int(config["caption_channels"])
     kw: dict[str, Any] = {
@@ -606,8 +602,7 @@ BUILDERS: dict[str, InputBuilder] = {
         default_text_len=512,
         default_frames=33,
         frames_step=_WAN_VAE_TEMPORAL,
-        convention="one window: latent (C, (F-1)/4+1, H/8, W/8) + history latents of 16/2/2 frames; "
-        "text = text_len x text_dim",
+        convention="one window: latent (C, (F-1)/4+1, H/8, W/8) + history latents of 16/2/2 frames; text = text_len x text_dim",
     ),
     "ltx": InputBuilder(
         name="ltx",

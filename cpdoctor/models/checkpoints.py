@@ -187,7 +187,15 @@ def _known_class(name: str, config_file: str) -> None:
         raise BadInput(f"{config_file} names {name}, which is not a class of diffusers {diffusers.__version__}")
 
 
-def _checkpoint(directory: str, subfolder: str | None, variant: str | None, allow_pickle: bool, source: str | None, revision: str | None = None, partial: bool = False) -> Checkpoint:
+def _checkpoint(
+    directory: str,
+    subfolder: str | None,
+    variant: str | None,
+    allow_pickle: bool,
+    source: str | None,
+    revision: str | None = None,
+    partial: bool = False,
+) -> Checkpoint:
     model_dir = os.path.join(directory, subfolder) if subfolder else directory
     config_file = os.path.join(model_dir, "config.json")
     config = _read_json(config_file, "config")
@@ -305,7 +313,9 @@ def weight_files(model_dir: str, variant: str | None = None, allow_pickle: bool 
         return _shards(index), False
     if os.path.isfile(single):
         return [single], False
-    raise BadInput(f"{os.path.join(model_dir, pickles[0])} is not a diffusers weights file (from_pretrained reads {os.path.basename(single)})")
+    raise BadInput(
+        f"{os.path.join(model_dir, pickles[0])} is not a diffusers weights file (from_pretrained reads {os.path.basename(single)})"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -129,9 +129,11 @@ def single(sizes: Sizes, dtype: str) -> Part:
     return Part(sizes.params * b, sizes.params * b, activations(sizes, dtype, sizes.tokens), other=4 * sizes.params)
 
 
-def plan(sizes: Sizes, available: int | None, blocks_by_stack: dict[str, int] | None = None, reference_dtype: str | None = None) -> MemoryPlan:
+def plan(
+    sizes: Sizes, available: int | None, blocks_by_stack: dict[str, int] | None = None, reference_dtype: str | None = None
+) -> MemoryPlan:
     """The plan at these sizes; the reference in fp64 when that fits, else fp32 (unless `reference_dtype`)."""
-    for ref_dtype in ([reference_dtype] if reference_dtype else ["fp64", "fp32"]):
+    for ref_dtype in [reference_dtype] if reference_dtype else ["fp64", "fp32"]:
         per_rank = cp_rank(sizes)
         base = single(sizes, sizes.dtype)
         ref = single(sizes, ref_dtype)

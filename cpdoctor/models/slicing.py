@@ -211,7 +211,11 @@ def read_tensors(names: Iterable[str], where: Mapping[str, str], stats: ReadStat
     names = list(names)
     missing = [n for n in names if n not in where]
     if missing:
-        raise BadInput(f"the checkpoint has no tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; is it this model class's?")
+        raise BadInput(
+            f"the checkpoint has no tensor {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; is it this model class's?"
+        )
     by_file: dict[str, list[str]] = {}
     for n in names:
         by_file.setdefault(where[n], []).append(n)
@@ -230,7 +234,9 @@ def read_tensors(names: Iterable[str], where: Mapping[str, str], stats: ReadStat
         except BadInput:
             raise
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError
-            raise BadInput(f"cannot read {path}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+            raise BadInput(
+                f"cannot read {path}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            ) from exc
     return out
 
 

@@ -51,7 +51,12 @@ def to_junit(report: Report, command: str) -> str:
         kind = _testcase(suite, command, finding, befores[i] if i < len(befores) else None)
         if kind is not None:
             counts[kind] += 1
-    totals = {"tests": str(len(report.findings)), "failures": str(counts["failure"]), "errors": str(counts["error"]), "skipped": str(counts["skipped"])}
+    totals = {
+        "tests": str(len(report.findings)),
+        "failures": str(counts["failure"]),
+        "errors": str(counts["error"]),
+        "skipped": str(counts["skipped"]),
+    }
     for element in (root, suite):
         element.attrib.update(totals)
     root.set("time", f"{report.wall_s:.3f}")

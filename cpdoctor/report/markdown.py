@@ -13,14 +13,26 @@ def _cell(text: Any) -> str:
 
 
 def _tensor_rows(finding: Finding, before: Finding | None) -> list[str]:
-    head = ["tensor"] + (["before: rel err"] if before is not None and before.tensors else []) + ["rel L2 err", "max abs err", "tolerance", "no-CP err", "worst rank", "NaN/Inf", "verdict"]
+    head = (
+        ["tensor"]
+        + (["before: rel err"] if before is not None and before.tensors else [])
+        + ["rel L2 err", "max abs err", "tolerance", "no-CP err", "worst rank", "NaN/Inf", "verdict"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, t in finding.tensors.items():
         row = [TENSOR_LABELS.get(name, name)]
         if before is not None and before.tensors:
             b = before.tensors.get(name)
             row.append(f"{fmt(b['rel_err'])} {Verdict(b['verdict']).value}" if b else "–")
-        row += [fmt(t["rel_err"]), fmt(t["max_abs"]), fmt(t.get("tolerance")), fmt(t.get("baseline_rel_err")), fmt(t.get("worst_rank")), str(t["nonfinite"]), f"**{Verdict(t['verdict']).value}**"]
+        row += [
+            fmt(t["rel_err"]),
+            fmt(t["max_abs"]),
+            fmt(t.get("tolerance")),
+            fmt(t.get("baseline_rel_err")),
+            fmt(t.get("worst_rank")),
+            str(t["nonfinite"]),
+            f"**{Verdict(t['verdict']).value}**",
+        ]
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return lines
 
@@ -46,7 +58,11 @@ def _summary_table(report: Report) -> list[str]:
     head = ["#", "check"] + (["before"] if befores else []) + ["verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, f in enumerate(report.findings, 1):
-        row = [str(i), f"`{f.probe}`"] + ([Verdict(befores[i - 1].verdict).value if i - 1 < len(befores) else "–"] if befores else []) + [f"**{Verdict(f.verdict).value}**"]
+        row = (
+            [str(i), f"`{f.probe}`"]
+            + ([Verdict(befores[i - 1].verdict).value if i - 1 < len(befores) else "–"] if befores else [])
+            + [f"**{Verdict(f.verdict).value}**"]
+        )
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return lines + [""]
 
@@ -54,7 +70,12 @@ def _summary_table(report: Report) -> list[str]:
 def to_markdown(report: Report, command: str) -> str:
     """The Markdown document of `report`, produced by `cpdoctor <command>`."""
     label = "after the patch: " if report.before is not None else ""
-    lines = [f"### cpdoctor {command}: {label}{Verdict(report.verdict).value} (exit {report.exit_code})", "", f"_{environment_line(report.environment)}_", ""]
+    lines = [
+        f"### cpdoctor {command}: {label}{Verdict(report.verdict).value} (exit {report.exit_code})",
+        "",
+        f"_{environment_line(report.environment)}_",
+        "",
+    ]
     if len(report.findings) > 1:
         lines += _summary_table(report)
     befores = report.before.findings if report.before is not None else []

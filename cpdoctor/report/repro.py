@@ -172,7 +172,10 @@ def _ops_source() -> str:
     """The CPU backend's ops, verbatim (they need only torch)."""
     from cpdoctor.kernels import cpu_backend
 
-    parts = [inspect.getsource(getattr(cpu_backend, name)) for name in ("_kernel_layout", "additive_mask", "forward_op", "block_backward", "backward_op")]
+    parts = [
+        inspect.getsource(getattr(cpu_backend, name))
+        for name in ("_kernel_layout", "additive_mask", "forward_op", "block_backward", "backward_op")
+    ]
     return "from typing import Any\n\n\n" + "\n\n".join(parts)
 
 
@@ -193,20 +196,39 @@ def write_repro(report: Report, directory: str, command: str) -> list[str]:
     backend = report.environment.get("backend") or req["backend"]
     world = req["ring"] * req["ulysses"]
     ops = _ops_source() if backend == CPU_BACKEND else "forward_op = backward_op = None  # the backend's own ops are used"
-    layout = " × ".join(p for p in (f"ring {req['ring']}" if req["ring"] > 1 else "", f"Ulysses {req['ulysses']}" if req["ulysses"] > 1 else "") if p)
+    layout = " × ".join(
+        p for p in (f"ring {req['ring']}" if req["ring"] > 1 else "", f"Ulysses {req['ulysses']}" if req["ulysses"] > 1 else "") if p
+    )
     title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if Verdict(t['verdict']) is Verdict.FAIL)} wrong under {layout}"
     tolerance = {n: t["tolerance"] for n, t in finding.tensors.items()}
-    fields = dict(req, backend=backend, dtype=DTYPES[req["dtype"]], world=world, title=title, tolerance=tolerance, ops=ops, cpu_backend=CPU_BACKEND, filename="repro.py")
+    fields = dict(
+        req,
+        backend=backend,
+        dtype=DTYPES[req["dtype"]],
+        world=world,
+        title=title,
+        tolerance=tolerance,
+        ops=ops,
+        cpu_backend=CPU_BACKEND,
+        filename="repro.py",
+    )
     os.makedirs(directory, exist_ok=True)
     script = os.path.join(directory, "repro.py")
     with open(script, "w") as fh:
         fh.write(SCRIPT.format(**fields))
     rows = "\n".join(
-        f"| {TENSOR_LABELS.get(n, n)} | {t['rel_err']:.3e} | {t['tolerance']:.2e} | {Verdict(t['verdict']).value} |" for n, t in finding.tensors.items()
+        f"| {TENSOR_LABELS.get(n, n)} | {t['rel_err']:.3e} | {t['tolerance']:.2e} | {Verdict(t['verdict']).value} |"
+        for n, t in finding.tensors.items()
     )
-    baseline = ", ".join(f"{TENSOR_LABELS.get(n, n)} {t['baseline_rel_err']:.1e}" for n, t in finding.tensors.items() if t.get("baseline_rel_err") is not None)
+    baseline = ", ".join(
+        f"{TENSOR_LABELS.get(n, n)} {t['baseline_rel_err']:.1e}"
+        for n, t in finding.tensors.items()
+        if t.get("baseline_rel_err") is not None
+    )
     env = report.environment
-    system = "\n".join(f"- {k}: {env[k]}" for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend") if k in env)
+    system = "\n".join(
+        f"- {k}: {env[k]}" for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend") if k in env
+    )
     issue = ISSUE.format(
         title=title,
         layout=layout,

@@ -19,7 +19,14 @@ def rows(world: int, **errors: float) -> dict[str, dict]:
     out = {}
     for name in ("out", "dq", "dk", "dv"):
         err = errors.get(name, BASE)
-        out[name] = {"rel_err": err, "max_abs": err, "nonfinite": 0, "worst_rank": 0, "per_rank_rel_err": [err] * world, "baseline_rel_err": BASE}
+        out[name] = {
+            "rel_err": err,
+            "max_abs": err,
+            "nonfinite": 0,
+            "worst_rank": 0,
+            "per_rank_rel_err": [err] * world,
+            "baseline_rel_err": BASE,
+        }
     return out
 
 
@@ -97,9 +104,14 @@ def test_finding_carries_the_command_to_look_closer():
     m = Measurement("cpdoctor_cpu", {"routes_cp": True}, {}, rows(3, dk=1.1, dv=0.9))
     finding = attention_finding(req, m)
     assert finding.verdict == Verdict.FAIL and finding.command == "cpdoctor check --ring 3 --patch"  # seq 513 is the default at ring 3
-    assert check_command(AttentionRequest(ring=2, ulysses=2, mask_pad=3, dtype="bf16")) == "cpdoctor check --ring 2 --ulysses 2 --dtype bf16 --mask-pad 3"
+    assert (
+        check_command(AttentionRequest(ring=2, ulysses=2, mask_pad=3, dtype="bf16"))
+        == "cpdoctor check --ring 2 --ulysses 2 --dtype bf16 --mask-pad 3"
+    )
 
 
 def test_unsupported_has_a_remedy():
-    finding = attention_finding(AttentionRequest(ring=2), Measurement("native", unsupported="native has no LSE, and ring attention needs one"))
+    finding = attention_finding(
+        AttentionRequest(ring=2), Measurement("native", unsupported="native has no LSE, and ring attention needs one")
+    )
     assert finding.verdict == Verdict.UNSUPPORTED and "backend with an LSE" in finding.remedy

@@ -122,7 +122,9 @@ def test_variant_files_are_found(cache, saved):
     assert ckpt.weight_files == (str(saved["pipe"] / "transformer" / "diffusion_pytorch_model.fp16.safetensors"),)
     hub = locate(REPO, variant="fp16")
     assert hub.weight_files == (snapshot(cache, MAIN) + "/transformer/diffusion_pytorch_model.fp16.safetensors",)
-    with pytest.raises(BadInput, match=r"has no bf16 variant \(diffusion_pytorch_model.bf16.safetensors or its index\); use --variant fp16 or no --variant"):
+    with pytest.raises(
+        BadInput, match=r"has no bf16 variant \(diffusion_pytorch_model.bf16.safetensors or its index\); use --variant fp16 or no --variant"
+    ):
         locate(str(saved["pipe"]), variant="bf16")
 
 

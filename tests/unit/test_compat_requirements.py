@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cpdoctor.compat.requirements import parse_requirements
 
-SOURCE = '''
+SOURCE = """
 _REQUIRED_FLASH_VERSION = "2.6.3"
 
 class AttentionBackendName(str, Enum):
@@ -22,7 +22,7 @@ def _check_attention_backend_requirements(backend: AttentionBackendName) -> None
     elif backend in [AttentionBackendName.FLASH_HUB]:
         if not is_kernels_available():
             raise RuntimeError(f"Backend '{backend.value}' needs `kernels`. Please install it with `pip install kernels`.")
-'''
+"""
 
 
 def test_branches_map_backends_to_packages_and_versions():

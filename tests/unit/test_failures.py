@@ -20,7 +20,9 @@ def test_double_transpose_signature():
 
 
 def test_wrong_number_of_gradients_signature():
-    sig = crash_signature([crash(1, "RuntimeError: function TemplatedRingAttentionBackward returned an incorrect number of gradients (expected 13, got 12)")])
+    sig = crash_signature(
+        [crash(1, "RuntimeError: function TemplatedRingAttentionBackward returned an incorrect number of gradients (expected 13, got 12)")]
+    )
     assert sig is not None and sig.name == "wrong number of gradients"
 
 
@@ -28,7 +30,7 @@ def test_lse_rank_signature_needs_an_lse_in_the_failing_line():
     tb = '  File "attention_dispatch.py", line 1, in forward\n    out = out - F.sigmoid(block_lse - prev_lse) * (out - block_out)\n'
     msg = "RuntimeError: The size of tensor a (512) must match the size of tensor b (8) at non-singleton dimension 2"
     assert crash_signature([crash(0, msg, tb)]).name == "LSE rank"
-    assert crash_signature([crash(0, msg, '    x = a + b  # return_lse=False\n')]) is None
+    assert crash_signature([crash(0, msg, "    x = a + b  # return_lse=False\n")]) is None
 
 
 def test_an_unknown_crash_says_read_the_traceback():

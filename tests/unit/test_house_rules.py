@@ -35,7 +35,12 @@ def _diffusers_private_uses(tree: ast.AST) -> list[str]:
     for node in ast.walk(tree):  # getattr(module, "_name") on a diffusers module
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2:
             target, name = node.args[0], node.args[1]
-            if isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("_") and not name.value.startswith("__"):
+            if (
+                isinstance(name, ast.Constant)
+                and isinstance(name.value, str)
+                and name.value.startswith("_")
+                and not name.value.startswith("__")
+            ):
                 if isinstance(target, ast.Name) and target.id in aliases | {"mod", "dispatch", "module"}:
                     found.append(name.value)
     return found
@@ -51,14 +56,29 @@ def test_private_diffusers_names_only_in_compat():
 
 
 def test_the_rule_catches_an_offender():
-    tree = ast.parse("import diffusers.models.attention_dispatch as ad\nx = ad._AttentionBackendRegistry\nfrom diffusers.models import _modeling_parallel\n")
+    tree = ast.parse(
+        "import diffusers.models.attention_dispatch as ad\nx = ad._AttentionBackendRegistry\nfrom diffusers.models import _modeling_parallel\n"
+    )
     assert set(_diffusers_private_uses(tree)) == {"_AttentionBackendRegistry", "_modeling_parallel"}
 
 
 def _process_calls(tree: ast.AST) -> list[str]:
     """Calls that start processes or run collectives (code only: a generated script's text does not count)."""
-    names = {"init_process_group", "all_reduce", "gather_object", "all_gather_object", "broadcast_object_list", "barrier", "Popen", "new_group"}
-    return [node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names]
+    names = {
+        "init_process_group",
+        "all_reduce",
+        "gather_object",
+        "all_gather_object",
+        "broadcast_object_list",
+        "barrier",
+        "Popen",
+        "new_group",
+    }
+    return [
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+    ]
 
 
 def test_collectives_only_in_launch_and_the_fix():

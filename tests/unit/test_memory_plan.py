@@ -13,7 +13,9 @@ FLUX_DOUBLE, FLUX_SINGLE, FLUX_OTHER = 339_831_296, 141_591_808, 64_124_992
 
 def flux_sizes(n: int, dtype: str = "bf16", world: int = 2, tokens: int = 256 + 64, device: str = "cpu") -> Sizes:
     params = FLUX_OTHER + min(n, 19) * FLUX_DOUBLE + min(n, 38) * FLUX_SINGLE
-    return Sizes(params=params, blocks=min(n, 19) + min(n, 38), tokens=tokens, hidden=3072, batch=1, dtype=dtype, world=world, device=device)
+    return Sizes(
+        params=params, blocks=min(n, 19) + min(n, 38), tokens=tokens, hidden=3072, batch=1, dtype=dtype, world=world, device=device
+    )
 
 
 def test_parts_are_bytes_per_parameter_and_token():
@@ -79,8 +81,18 @@ def test_prepare_refuses_what_does_not_fit_and_names_the_blocks_that_do(monkeypa
     from cpdoctor.examinations.model import probe
     from cpdoctor.examinations.model.request import ModelRequest
 
-    config = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-                  joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    config = dict(
+        patch_size=1,
+        in_channels=64,
+        num_layers=19,
+        num_single_layers=38,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    )
     spec = probe.ModelSpec(FluxTransformer2DModel, "flux", "FluxTransformer2DModel", config, "test", None)
     survey = probe.model_survey(spec)
     kwargs = {"hidden_states": torch.empty(1, 256, 64, device="meta"), "encoder_hidden_states": torch.empty(1, 64, 4096, device="meta")}

@@ -11,7 +11,14 @@ from cpdoctor.report import Verdict
 
 
 def row(err: float, base: float, world: int = 2, per_rank: bool = True) -> dict:
-    return {"rel_err": err, "max_abs": err, "nonfinite": 0, "worst_rank": 0, "per_rank_rel_err": [err] * world if per_rank else [], "baseline_rel_err": base}
+    return {
+        "rel_err": err,
+        "max_abs": err,
+        "nonfinite": 0,
+        "worst_rank": 0,
+        "per_rank_rel_err": [err] * world if per_rank else [],
+        "baseline_rel_err": base,
+    }
 
 
 def op(ring: int, **errors: float) -> dict:
@@ -21,7 +28,13 @@ def op(ring: int, **errors: float) -> dict:
 
 def measured(out: float, grads: float, base: float, *ops: dict) -> Measurement:
     params = {"w": {**row(grads, base, per_rank=False), "numel": 10}}
-    return Measurement("cpdoctor_cpu", {}, {}, {"out": row(out, base), "grads": row(grads, base, per_rank=False)}, details={"params": params, "op_level": list(ops), "model": {"parameter_tensors": 1}})
+    return Measurement(
+        "cpdoctor_cpu",
+        {},
+        {},
+        {"out": row(out, base), "grads": row(grads, base, per_rank=False)},
+        details={"params": params, "op_level": list(ops), "model": {"parameter_tensors": 1}},
+    )
 
 
 def test_exact_model_and_op_pass():
@@ -30,7 +43,9 @@ def test_exact_model_and_op_pass():
 
 
 def test_backward_wrong_names_the_op_level_stale_kv():
-    f = model_finding(ModelRequest(ring=2, height=64, width=64, text_len=8), measured(1.7e-7, 7.5e-2, 1.6e-7, op(2, dq=2.19, dk=1.7, dv=1.5)))
+    f = model_finding(
+        ModelRequest(ring=2, height=64, width=64, text_len=8), measured(1.7e-7, 7.5e-2, 1.6e-7, op(2, dq=2.19, dk=1.7, dv=1.5))
+    )
     assert f.verdict == Verdict.FAIL
     assert "forward exact" in f.diagnosis and "`cpdoctor check --ring 2`" in f.diagnosis and "stale iteration-0" in f.diagnosis
 

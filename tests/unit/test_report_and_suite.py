@@ -32,7 +32,15 @@ def test_overall(verdicts, expected):
 
 
 def test_json_keys_and_plain_strings():
-    row = {"rel_err": 2.19, "max_abs": 3.0, "tolerance": 1e-6, "baseline_rel_err": 4e-7, "worst_rank": 1, "nonfinite": 0, "verdict": Verdict.FAIL}
+    row = {
+        "rel_err": 2.19,
+        "max_abs": 3.0,
+        "tolerance": 1e-6,
+        "baseline_rel_err": 4e-7,
+        "worst_rank": 1,
+        "nonfinite": 0,
+        "verdict": Verdict.FAIL,
+    }
     before = RunResult.of([finding("FAIL", tensors={"dq": row})])
     report = Report.of([finding("PASS")], {"torch": "x"}, {"ring": 2}, before=before, wall_s=1.23456)
     data = json.loads(report.to_json())
@@ -47,7 +55,12 @@ def test_render_shows_before_and_after_and_tracebacks():
 
     row = {"rel_err": 2.19, "max_abs": 3.0, "tolerance": 1e-6, "baseline_rel_err": 4e-7, "worst_rank": 1, "nonfinite": 0}
     crash = finding("CRASH", details={"tracebacks": {"1": "Traceback (most recent call last): boom"}})
-    report = Report.of([finding("PASS", tensors={"dq": {**row, "rel_err": 4e-7, "verdict": Verdict.PASS}})], {"torch": "2.x", "world_size": 2}, {}, before=RunResult.of([crash]))
+    report = Report.of(
+        [finding("PASS", tensors={"dq": {**row, "rel_err": 4e-7, "verdict": Verdict.PASS}})],
+        {"torch": "2.x", "world_size": 2},
+        {},
+        before=RunResult.of([crash]),
+    )
     buf = io.StringIO()
     render(report, Console(file=buf, width=200, color_system=None))
     text = buf.getvalue()

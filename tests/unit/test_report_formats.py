@@ -9,15 +9,36 @@ from cpdoctor.report import Finding, Report, RunResult, Verdict
 from cpdoctor.report.junit import to_junit
 from cpdoctor.report.markdown import to_markdown
 
-ROW = {"rel_err": 1.16, "max_abs": 3.0, "tolerance": 9.6e-7, "baseline_rel_err": 4.2e-7, "worst_rank": 1, "nonfinite": 0, "verdict": Verdict.FAIL}
+ROW = {
+    "rel_err": 1.16,
+    "max_abs": 3.0,
+    "tolerance": 9.6e-7,
+    "baseline_rel_err": 4.2e-7,
+    "worst_rank": 1,
+    "nonfinite": 0,
+    "verdict": Verdict.FAIL,
+}
 
 
 def report() -> Report:
     findings = [
         Finding("attention ring=2", Verdict.PASS, "exact", tensors={"dk": {**ROW, "rel_err": 4e-7, "verdict": Verdict.PASS}}),
-        Finding("attention ring=3", Verdict.FAIL, "the dK/dV accumulator travels the wrong way", "cpdoctor.patch()", tensors={"dk": ROW}, command="cpdoctor check --ring 3 --patch"),
+        Finding(
+            "attention ring=3",
+            Verdict.FAIL,
+            "the dK/dV accumulator travels the wrong way",
+            "cpdoctor.patch()",
+            tensors={"dk": ROW},
+            command="cpdoctor check --ring 3 --patch",
+        ),
         Finding("attention ring=2 backend=flash", Verdict.UNSUPPORTED, "install flash-attn>=2.6.3", "install it"),
-        Finding("attention ring=4", Verdict.CRASH, "rank 1 raised: RuntimeError: boom", "read the traceback below", details={"tracebacks": {"1": "Traceback (most recent call last):\n  boom"}}),
+        Finding(
+            "attention ring=4",
+            Verdict.CRASH,
+            "rank 1 raised: RuntimeError: boom",
+            "read the traceback below",
+            details={"tracebacks": {"1": "Traceback (most recent call last):\n  boom"}},
+        ),
         Finding("attention ring=2 mask", Verdict.HANG, "rank 1 did not finish within 25 s", "raise --timeout"),
     ]
     return Report.of(findings, {"torch": "2.13", "diffusers": "0.42.1"}, {}, wall_s=12.5)
@@ -43,7 +64,12 @@ def test_junit_parses_with_one_testcase_per_finding(tmp_path):
 
 def test_junit_keeps_the_unpatched_verdict_in_system_out(tmp_path):
     junitparser = pytest.importorskip("junitparser")
-    after = Report.of([Finding("attention ring=3", Verdict.PASS, "exact")], {}, {}, before=RunResult.of([Finding("attention ring=3", Verdict.FAIL, "wrong way")]))
+    after = Report.of(
+        [Finding("attention ring=3", Verdict.PASS, "exact")],
+        {},
+        {},
+        before=RunResult.of([Finding("attention ring=3", Verdict.FAIL, "wrong way")]),
+    )
     path = tmp_path / "r.xml"
     path.write_text(to_junit(after, "check"))
     (case,) = list(list(junitparser.JUnitXml.fromfile(str(path)))[0])

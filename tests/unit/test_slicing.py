@@ -37,7 +37,19 @@ def test_stacks_and_the_keys_that_size_them():
     ]
     assert survey.depth == 3 and survey.blocks(1) == 2 and survey.blocks(5) == 6
     assert survey.params(3) == sum(p.numel() for p in FluxTransformer2DModel(**FLUX33).parameters())
-    qwen = slicing.survey(QwenImageTransformer2DModel, dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4)))
+    qwen = slicing.survey(
+        QwenImageTransformer2DModel,
+        dict(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            axes_dims_rope=(8, 4, 4),
+        ),
+    )
     assert [(s.name, s.depth, s.key) for s in qwen.stacks] == [("transformer_blocks", 2, "num_layers")]
 
 

@@ -50,7 +50,9 @@ class Signature:
     def grads_bad(self) -> list[str]:
         """Gradients wrong for a reason of their own (not just following a wrong forward)."""
         out = self.errors.get("out", 0.0)
-        return [n for n in ("dq", "dk", "dv") if n in self.bad and ("out" not in self.bad or self.errors[n] > GRADS_FAR_WORSE * max(out, 1e-30))]
+        return [
+            n for n in ("dq", "dk", "dv") if n in self.bad and ("out" not in self.bad or self.errors[n] > GRADS_FAR_WORSE * max(out, 1e-30))
+        ]
 
     def grads_text(self) -> tuple[str, str]:
         labels = "/".join(TENSOR_LABELS[n] for n in self.grads_bad)
@@ -110,7 +112,13 @@ RULES: tuple[Rule[Signature], ...] = (
         ),
         (f"{PATCH} (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"),
     ),
-    Rule("forward", "forward wrong", lambda s: "out" in s.bad, lambda s: f"forward wrong {s.where} through {s.layout} (out rel err {s.errors['out']:.2g})", (REPORT_IT,)),
+    Rule(
+        "forward",
+        "forward wrong",
+        lambda s: "out" in s.bad,
+        lambda s: f"forward wrong {s.where} through {s.layout} (out rel err {s.errors['out']:.2g})",
+        (REPORT_IT,),
+    ),
     Rule(
         "backward",
         "dK/dV direction",
@@ -123,7 +131,11 @@ RULES: tuple[Rule[Signature], ...] = (
         "stale K/V",
         lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" in s.grads_bad and s.ring > 1,
         _stale_kv,
-        (PATCH, "upgrade diffusers to a release whose ring backward passes the rotated key/value (then re-check ring ≥ 3)", "Ulysses-only CP"),
+        (
+            PATCH,
+            "upgrade diffusers to a release whose ring backward passes the rotated key/value (then re-check ring ≥ 3)",
+            "Ulysses-only CP",
+        ),
     ),
     Rule("backward", "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
 )
@@ -158,7 +170,8 @@ def diagnose_attention(req: Any, facts: dict[str, Any], tensors: dict[str, dict[
 def describe(req: Any, backend: str | None = None) -> str:
     return (
         f"attention ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} {req.dtype} "
-        f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}" + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
+        f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}"
+        + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
         + (" emulated" if getattr(req, "emulate", False) else "")
     )
 
@@ -199,7 +212,13 @@ def attention_finding(req: Any, evaluated: Measurement) -> Finding:
     facts = evaluated.facts
     emulated = {"emulated": emulation_note(evaluated.backend)} if getattr(req, "emulate", False) else {}
     if evaluated.unsupported is not None:
-        return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts, **emulated})
+        return Finding(
+            probe,
+            Verdict.UNSUPPORTED,
+            evaluated.unsupported,
+            unsupported_remedy(evaluated.unsupported),
+            details={"facts": facts, **emulated},
+        )
     tensors = {name: judge_row(row, req.dtype) for name, row in evaluated.tensors.items()}
     diagnosis, remedy = diagnose_attention(req, facts, tensors)
     verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) else Verdict.FAIL

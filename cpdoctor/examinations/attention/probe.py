@@ -54,8 +54,8 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     import difflib
 
     from cpdoctor.compat import backends
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.compat import diffusers as compat
+    from cpdoctor.kernels import cpu_backend
 
     cpu_backend.register()
     dtype = torch_dtype(req.dtype)

@@ -30,7 +30,7 @@ class AttentionRequest(LayoutRequest):
     emulate: bool = False
     """Run the CUDA backends' CP code on a CPU through cpdoctor's kernel stand-ins (cpdoctor/kernels/standins.py)."""
 
-    def validate(self) -> "AttentionRequest":
+    def validate(self) -> AttentionRequest:
         self.validate_common()
         require_ints(self, ("batch", "seq", "heads", "head_dim"))
         for name in ("batch", "seq", "heads", "head_dim"):

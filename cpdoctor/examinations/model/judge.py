@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.attention.judge import attention_finding, check_command
-from cpdoctor.examinations.judging import GRADS_FAR_WORSE, emulation_note, Rule, diagnose, judge_row, tolerance, unsupported_remedy
+from cpdoctor.examinations.judging import GRADS_FAR_WORSE, Rule, diagnose, emulation_note, judge_row, tolerance, unsupported_remedy
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
 
@@ -96,7 +96,11 @@ def judge_blocks(rows: list[dict], dtype: str) -> list[dict]:
         out_tol = tolerance(dtype, row.get("baseline_out_rel_err"))
         grad_tol = tolerance(dtype, row.get("baseline_grad_rel_err"))
         out, grad = row.get("out_rel_err"), row.get("grad_rel_err")
-        bad = bool(row.get("nonfinite")) or (out is not None and not out <= BLOCK_SLACK * out_tol) or (grad is not None and not grad <= BLOCK_SLACK * grad_tol)
+        bad = (
+            bool(row.get("nonfinite"))
+            or (out is not None and not out <= BLOCK_SLACK * out_tol)
+            or (grad is not None and not grad <= BLOCK_SLACK * grad_tol)
+        )
         judged.append({**row, "out_tolerance": out_tol, "grad_tolerance": grad_tol, "verdict": Verdict.FAIL if bad else Verdict.PASS})
     return judged
 
@@ -130,7 +134,9 @@ class OpCheck:
 
     def bad_tensors(self) -> str:
         assert self.finding is not None
-        return ", ".join(f"{TENSOR_LABELS.get(n, n)} {t['rel_err']:.2g}" for n, t in self.finding.tensors.items() if t["verdict"] == Verdict.FAIL)
+        return ", ".join(
+            f"{TENSOR_LABELS.get(n, n)} {t['rel_err']:.2g}" for n, t in self.finding.tensors.items() if t["verdict"] == Verdict.FAIL
+        )
 
 
 def fmt_or_dash(x: float | None) -> str:
@@ -184,7 +190,14 @@ class ModelSignature:
 
     @property
     def masked_op_fails_forward_only_with_mask(self) -> bool:
-        return self.masked is not None and self.masked.finding is not None and self.plain is not None and self.plain.finding is not None and self.masked.bad_out and not self.plain.bad_out
+        return (
+            self.masked is not None
+            and self.masked.finding is not None
+            and self.plain is not None
+            and self.plain.finding is not None
+            and self.masked.bad_out
+            and not self.plain.bad_out
+        )
 
 
 def _forward_wrong(s: ModelSignature) -> str:
@@ -198,7 +211,9 @@ def _forward_wrong(s: ModelSignature) -> str:
 
 def _op_fails(s: ModelSignature) -> str:
     assert s.plain is not None and s.plain.finding is not None
-    return f"the attention op alone fails at this layout: `{op_check_command(s.req)}` → {s.plain.bad_tensors()} ({s.plain.finding.diagnosis})"
+    return (
+        f"the attention op alone fails at this layout: `{op_check_command(s.req)}` → {s.plain.bad_tensors()} ({s.plain.finding.diagnosis})"
+    )
 
 
 def _op_remedies(s: ModelSignature) -> tuple[str, ...]:
@@ -222,7 +237,9 @@ RULES: tuple[Rule[ModelSignature], ...] = (
         "what",
         "backward wrong",
         lambda s: True,
-        lambda s: f"forward exact (out {s.out['rel_err']:.2g}), backward wrong: all parameter grads {s.grads['rel_err']:.2g} (tolerance {s.grads['tolerance']:.2g}){s.worst_text}",
+        lambda s: (
+            f"forward exact (out {s.out['rel_err']:.2g}), backward wrong: all parameter grads {s.grads['rel_err']:.2g} (tolerance {s.grads['tolerance']:.2g}){s.worst_text}"
+        ),
     ),
     Rule(
         "mask",
@@ -257,7 +274,10 @@ RULES: tuple[Rule[ModelSignature], ...] = (
     Rule(
         "op level",
         "op passes: model path",
-        lambda s: _plain_verdict(s) == Verdict.PASS and not (s.req.mask_pad and s.masked is not None and s.masked.finding is not None and s.masked.finding.verdict == Verdict.FAIL),
+        lambda s: (
+            _plain_verdict(s) == Verdict.PASS
+            and not (s.req.mask_pad and s.masked is not None and s.masked.finding is not None and s.masked.finding.verdict == Verdict.FAIL)
+        ),
         lambda s: (
             f"the attention op alone passes at this layout (`{op_check_command(s.req)}`): the defect lies in the model's CP path around "
             "attention (its _cp_plan splits and gathers, rotary embeddings, masks), not in the attention op"
@@ -276,7 +296,9 @@ RULES: tuple[Rule[ModelSignature], ...] = (
 def diagnose_model(req: Any, evaluated: Measurement, tensors: dict[str, dict]) -> tuple[str, str]:
     """(diagnosis, remedy): forward vs backward, the op level at the same layout, the mask."""
     ops = op_checks(evaluated)
-    sig = ModelSignature(req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None))
+    sig = ModelSignature(
+        req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None)
+    )
     failing_ops = [o for o in ops if o.finding is not None and o.finding.verdict == Verdict.FAIL]
     if sig.out["verdict"] == Verdict.PASS and not sig.grads_bad and failing_ops:
         op = failing_ops[0]
@@ -310,7 +332,9 @@ def model_finding(req: Any, evaluated: Measurement) -> Finding:
     probe = describe_model(req, evaluated.backend, evaluated.details.get("model"))
     facts = evaluated.facts
     if evaluated.unsupported is not None:
-        return Finding(probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts})
+        return Finding(
+            probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts}
+        )
     tensors = judge_model_tensors(evaluated, req.dtype)
     diagnosis, remedy = diagnose_model(req, evaluated, tensors)
     op_fails = any(op.finding is not None and op.finding.verdict == Verdict.FAIL for op in op_checks(evaluated))
@@ -333,7 +357,11 @@ def model_finding(req: Any, evaluated: Measurement) -> Finding:
     for op in op_checks(evaluated):
         entry: dict[str, Any] = {"command": op_check_command(req, mask=bool(op.request.mask_pad))}
         if op.finding is not None:
-            entry.update(verdict=op.finding.verdict.value, diagnosis=op.finding.diagnosis, rel_err={n: t["rel_err"] for n, t in op.finding.tensors.items()})
+            entry.update(
+                verdict=op.finding.verdict.value,
+                diagnosis=op.finding.diagnosis,
+                rel_err={n: t["rel_err"] for n, t in op.finding.tensors.items()},
+            )
         else:
             entry["error"] = op.error
         ops.append(entry)

@@ -22,7 +22,8 @@ import dataclasses
 import inspect
 import os
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, torch_dtype
@@ -31,16 +32,37 @@ from cpdoctor.launch.jobs import Case
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "flux": dict(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
     ),
     "qwen-image": dict(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        axes_dims_rope=(8, 4, 4),
     ),
     "wan": dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=32,
-        freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=32,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=1,
+        rope_max_seq_len=32,
     ),
 }
 """Family short name -> a config of the same architecture small enough that one fwd+bwd takes milliseconds on
@@ -105,7 +127,11 @@ def resolve_spec(
     cls, entry = resolved.cls, resolved.entry
     builder = builder_for(cls)
     if weights is None:
-        given = [o for o, v in (("--revision", revision), ("--variant", variant), ("--download", download), ("--allow-pickle", allow_pickle)) if v]
+        given = [
+            o
+            for o, v in (("--revision", revision), ("--variant", variant), ("--download", download), ("--allow-pickle", allow_pickle))
+            if v
+        ]
         if given:
             raise BadInput(f"{' and '.join(given)} apply to a checkpoint (a hub id org/name or a directory), not to the name {model}")
         config = TINY_CONFIGS.get(entry.short_name)
@@ -122,8 +148,12 @@ def request_spec(req: ModelRequest, *, local_only: bool = False) -> ModelSpec:
     """resolve_spec for a request. The ranks and rank 0's evaluation pass local_only: they never download, and
     `prepare` pinned a hub checkpoint's revision to the commit the parent resolved, so they load the same one."""
     return resolve_spec(
-        req.model, revision=req.revision, variant=req.variant, download=req.download and not local_only,
-        allow_pickle=req.allow_pickle, partial=req.blocks is not None,
+        req.model,
+        revision=req.revision,
+        variant=req.variant,
+        download=req.download and not local_only,
+        allow_pickle=req.allow_pickle,
+        partial=req.blocks is not None,
     )
 
 
@@ -167,7 +197,9 @@ def prepare(req: ModelRequest) -> tuple[ModelRequest, ModelSpec]:
             raise BadInput(f"--mask-pad must be between 0 and text-len - 1 = {text_len - 1}, got {req.mask_pad}")
     heads = full.get("num_attention_heads")
     if isinstance(heads, int) and heads % req.ulysses:
-        raise BadInput(f"{spec.short_name} has {heads} attention heads, which do not divide by --ulysses {req.ulysses}: Ulysses splits the heads")
+        raise BadInput(
+            f"{spec.short_name} has {heads} attention heads, which do not divide by --ulysses {req.ulysses}: Ulysses splits the heads"
+        )
     inputs = build_inputs(spec.cls, full, height, width, text_len, frames, batch=req.batch, device="meta", text_mask=bool(req.mask_pad))
     req = req.with_fields(height=inputs.height, width=inputs.width, text_len=text_len, frames=inputs.frames)
     survey = model_survey(spec)
@@ -252,7 +284,9 @@ def _tokens(kwargs: dict[str, Any]) -> int:
     return total
 
 
-def memory_plan(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[str, Any], blocks: int | None = None, available: Any = "measure") -> Any:
+def memory_plan(
+    spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[str, Any], blocks: int | None = None, available: Any = "measure"
+) -> Any:
     """The memory plan of this examination with `blocks` (default req.blocks) blocks per stack."""
     from cpdoctor.models import memory
 
@@ -261,8 +295,14 @@ def memory_plan(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[st
     hidden = int(full.get("num_attention_heads") or 0) * int(full.get("attention_head_dim") or 0)
     device = _plan_device(req)
     sizes = memory.Sizes(
-        params=survey.params(n), blocks=survey.blocks(n), tokens=_tokens(kwargs), hidden=hidden, batch=req.batch,
-        dtype=req.dtype, world=req.world_size, device=device,
+        params=survey.params(n),
+        blocks=survey.blocks(n),
+        tokens=_tokens(kwargs),
+        hidden=hidden,
+        batch=req.batch,
+        dtype=req.dtype,
+        world=req.world_size,
+        device=device,
     )
     avail = _available(device) if available == "measure" else available
     return memory.plan(sizes, avail, {s.name: min(n, s.depth) for s in survey.stacks})
@@ -315,7 +355,11 @@ def check_needed_files(spec: ModelSpec, req: ModelRequest) -> None:
     needed = slicing.selected_keys(spec.cls, sliced_config(spec, req.blocks))
     missing = [k for k in needed if k not in where]
     if missing:
-        raise BadInput(f"{index} names no shard for {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + f"; is it a {spec.class_name}?")
+        raise BadInput(
+            f"{index} names no shard for {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + f"; is it a {spec.class_name}?"
+        )
     for path in sorted({where[k] for k in needed}):
         if not os.path.isfile(path):
             raise BadInput(f"{index} names the shard {os.path.basename(path)}, which is missing (--blocks {req.blocks} needs it)")
@@ -341,7 +385,17 @@ def check_divisibility(spec: ModelSpec, req: ModelRequest, survey: Any) -> None:
     config = sliced_config(spec, 1) if survey.stacks else spec.full_config()
     resolved = ResolvedModel(spec.cls, entry, config, spec.source)
     builder = spec.builder
-    setup = Setup(resolved, builder, builder.resolution_multiple(resolved.full_config()), req.height, req.width, req.text_len, req.frames, req.ring, req.ulysses)
+    setup = Setup(
+        resolved,
+        builder,
+        builder.resolution_multiple(resolved.full_config()),
+        req.height,
+        req.width,
+        req.text_len,
+        req.frames,
+        req.ring,
+        req.ulysses,
+    )
     plan = measure_plan(setup)
     if not plan.problems:
         return
@@ -405,7 +459,9 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any, sta
     if weights is not None:
         try:
             model = spec.cls.from_pretrained(
-                weights.directory, subfolder=weights.subfolder, variant=weights.variant,
+                weights.directory,
+                subfolder=weights.subfolder,
+                variant=weights.variant,
                 use_safetensors=weights.use_safetensors,
             )
         except (OSError, ValueError, RuntimeError) as exc:
@@ -427,8 +483,17 @@ def make_inputs(spec: ModelSpec, req: ModelRequest, config: Any) -> dict[str, An
 
     gen = torch.Generator().manual_seed(req.seed + 1)
     inputs = build_inputs(
-        spec.cls, dict(config), req.height, req.width, req.text_len, req.frames, batch=req.batch, device="cpu",
-        dtype=torch.float32, text_mask=bool(req.mask_pad), generator=gen,
+        spec.cls,
+        dict(config),
+        req.height,
+        req.width,
+        req.text_len,
+        req.frames,
+        batch=req.batch,
+        device="cpu",
+        dtype=torch.float32,
+        text_mask=bool(req.mask_pad),
+        generator=gen,
     )
     kwargs = cast_inputs(inputs.kwargs, torch_dtype(req.dtype), "cpu")
     if req.mask_pad:
@@ -517,13 +582,19 @@ class _Errors:
         import math
 
         denom = math.sqrt(self.ref_sq) or 1.0
-        return {"rel_err": math.sqrt(self.sq) / denom if not self.nonfinite else float("inf"), "max_abs": self.max_abs, "nonfinite": self.nonfinite}
+        return {
+            "rel_err": math.sqrt(self.sq) / denom if not self.nonfinite else float("inf"),
+            "max_abs": self.max_abs,
+            "nonfinite": self.nonfinite,
+        }
 
 
 CHUNK = 1 << 22
 
 
-def grad_errors(cp: Any, base: Any | None, ref: Any, layout: list[tuple[str, int, bool]], ref_layout: list) -> tuple[dict, dict, dict | None]:
+def grad_errors(
+    cp: Any, base: Any | None, ref: Any, layout: list[tuple[str, int, bool]], ref_layout: list
+) -> tuple[dict, dict, dict | None]:
     """(per parameter, all of the CP grads, all of the no-CP grads) against the reference, in one pass over the
     flat vectors: each reference chunk is converted to fp64 once and serves both."""
     import math
@@ -577,7 +648,9 @@ def select_backend(req: ModelRequest, spec: ModelSpec, device: Any) -> tuple[str
     full = spec.full_config()
     heads = int(full.get("num_attention_heads") or 2)
     head_dim = int(full.get("attention_head_dim") or 64)
-    probe_req = AttentionRequest(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, heads=heads, head_dim=head_dim, emulate=req.emulate)
+    probe_req = AttentionRequest(
+        ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, heads=heads, head_dim=head_dim, emulate=req.emulate
+    )
     return attention.select_backend(probe_req, device)
 
 
@@ -593,10 +666,10 @@ def _is_split_assertion(exc: BaseException) -> bool:
 def run_rank(case: Case, ctx: Any) -> dict:
     """This rank's CP run of the model: its (gathered) output, the parameter gradients summed over the CP
     group (rank 0 keeps them), and the op-level payloads at the same layout."""
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.fix import patch as fix_patch
     from cpdoctor.examinations.attention import probe as attention
+    from cpdoctor.fix import patch as fix_patch
+    from cpdoctor.kernels import cpu_backend
 
     req: ModelRequest = case.request.validate()
     attention.prepare_emulation(req)  # the kernel stand-ins, before diffusers is imported (with --emulate)
@@ -748,7 +821,9 @@ def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
         result.details["model"] = _model_info(spec, req, kwargs, ref_layout)
         result.details["model"]["reference_dtype"] = str(ref_dtype).replace("torch.float", "fp")
         result.details["model"]["read"] = first.get("read")
-        result.details["model"]["stacks"] = {s.name: {"examined": min(req.blocks or s.depth, s.depth), "depth": s.depth} for s in model_survey(spec).stacks}
+        result.details["model"]["stacks"] = {
+            s.name: {"examined": min(req.blocks or s.depth, s.depth), "depth": s.depth} for s in model_survey(spec).stacks
+        }
         del ref_model, ref_rec
         result.details["blocks"] = block_errors([p["blocks"] for p in payloads], base_blocks, ref_blocks)
 

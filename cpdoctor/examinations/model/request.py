@@ -42,7 +42,7 @@ class ModelRequest(LayoutRequest):
     # the reference's dtype, "fp64" or "fp32" where fp64 does not fit (set by `prepare` from the memory plan)
     reference: str | None = None
 
-    def validate(self) -> "ModelRequest":
+    def validate(self) -> ModelRequest:
         if not isinstance(self.model, str) or not self.model.strip():
             raise BadInput("give a MODEL: a short name (see `cpdoctor plan --list`), a class name or a checkpoint directory")
         self.validate_common()
@@ -61,5 +61,5 @@ class ModelRequest(LayoutRequest):
             raise BadInput(f"--mask-pad must be between 0 and text-len - 1 = {self.text_len - 1}, got {self.mask_pad}")
         return self
 
-    def with_fields(self, **changes: object) -> "ModelRequest":
+    def with_fields(self, **changes: object) -> ModelRequest:
         return replace(self, **changes)

@@ -53,7 +53,9 @@ class TrainStepExamination(Examination):
     def finding(self, case: Case, evaluated: Any) -> Finding:
         worst = max((v for k, v in evaluated.items() if k.endswith("rel_err") and isinstance(v, float)), default=0.0)
         verdict = Verdict.PASS if worst < 1e-5 else Verdict.FAIL
-        return Finding(self.describe(case.request), verdict, f"worst relative error {worst:.2g} against one process", details=dict(evaluated))
+        return Finding(
+            self.describe(case.request), verdict, f"worst relative error {worst:.2g} against one process", details=dict(evaluated)
+        )
 
     def describe(self, request: TrainStepRequest) -> str:
         return f"train step ring={request.ring} ulysses={request.ulysses} mask={request.mask}"

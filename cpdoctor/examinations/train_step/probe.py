@@ -71,7 +71,9 @@ def _model(c: dict) -> Any:
         def forward(self, x: Any, mask: Any, parallel_config: Any) -> Any:
             b, s, _ = x.shape
             q, k, v = self.to_qkv(x).view(b, s, 3, c["heads"], c["head_dim"]).unbind(2)
-            o = compat.dispatch_module().dispatch_attention_fn(q, k, v, attn_mask=mask, backend=c["backend"], parallel_config=parallel_config)
+            o = compat.dispatch_module().dispatch_attention_fn(
+                q, k, v, attn_mask=mask, backend=c["backend"], parallel_config=parallel_config
+            )
             return x + self.to_out(o.flatten(2))
 
     class Tiny(torch.nn.Module):
@@ -186,7 +188,13 @@ def evaluate(case: Any, payloads: list[dict], ctx: Any) -> dict:
     c = _case(case)
     inputs = _inputs(c)
     model = _model(c).to(ctx.device)
-    out, x_grad = _step(model, inputs["x"].to(ctx.device), inputs["target"].to(ctx.device), None if inputs["mask"] is None else inputs["mask"].to(ctx.device), None)
+    out, x_grad = _step(
+        model,
+        inputs["x"].to(ctx.device),
+        inputs["target"].to(ctx.device),
+        None if inputs["mask"] is None else inputs["mask"].to(ctx.device),
+        None,
+    )
     order = sorted(range(len(payloads)), key=lambda r: payloads[r]["flat_rank"])
     cp_out = torch.cat([payloads[r]["out"] for r in order], dim=1)
     cp_x_grad = torch.cat([payloads[r]["x_grad"] for r in order], dim=1)

@@ -11,7 +11,7 @@ import pytest
 
 import cpdoctor
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_with_preflight.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_with_preflight.py")
 
 
 def _free_port() -> int:
@@ -22,7 +22,18 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("ring", [2, 3])
 def test_training_step_after_preflight_matches_single_process(ring, has_stale_kv_backward):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ring), "--master-port", str(_free_port()), EXAMPLE, "--ring", str(ring)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ring),
+        "--master-port",
+        str(_free_port()),
+        EXAMPLE,
+        "--ring",
+        str(ring),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("preflight:")), None)
     assert proc.returncode == 0 and line, proc.stdout + proc.stderr[-3000:]

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "finetune_cp.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "finetune_cp.py")
 
 
 def _free_port() -> int:
@@ -22,7 +22,9 @@ def test_curves_part_with_the_defect_and_coincide_after_the_preflight(tmp_path, 
     ring = 2 if has_stale_kv_backward else 3  # FACTS.md: 0.39.0 is wrong from ring 2 on, 0.42.1 from ring 3
     out = tmp_path / "curves.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ring), "--master-port", str(_free_port())]
-    proc = subprocess.run(cmd + [EXAMPLE, "--ring", str(ring), "--steps", "6", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd + [EXAMPLE, "--ring", str(ring), "--steps", "6", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "curves.json").read_text())
     assert summary["preflight"] == {"verdict": "PASS", "before": "FAIL", "fixed": True}

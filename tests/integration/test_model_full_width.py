@@ -20,8 +20,16 @@ import pytest
 pytestmark = pytest.mark.skipif(os.environ.get("CPDOCTOR_FULL_WIDTH") != "1", reason="set CPDOCTOR_FULL_WIDTH=1 (≈10 GB, minutes)")
 
 FLUX_DEV = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
 )
 """FACTS.md, "Real checkpoints": FLUX.1-dev's transformer config."""
 
@@ -73,11 +81,32 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def test_full_width_flux_one_block_a_stack(tmp_path):
+def test_full_width_flux_one_block_a_stack(tmp_path, has_stale_kv_backward):
     written, named = write_sliced_checkpoint(tmp_path)
     out = tmp_path / "report.json"
-    args = [sys.executable, "-m", "cpdoctor", "model", str(tmp_path), "--blocks", "1", "--ring", "2", "--dtype", "bf16",
-            "--height", "256", "--width", "256", "--text-len", "64", "--timeout", "600", "--json", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "cpdoctor",
+        "model",
+        str(tmp_path),
+        "--blocks",
+        "1",
+        "--ring",
+        "2",
+        "--dtype",
+        "bf16",
+        "--height",
+        "256",
+        "--width",
+        "256",
+        "--text-len",
+        "64",
+        "--timeout",
+        "600",
+        "--json",
+        str(out),
+    ]
     started = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
@@ -91,9 +120,13 @@ def test_full_width_flux_one_block_a_stack(tmp_path):
     finding = data["findings"][0]
     plan = finding["details"]["memory_plan"]
     read = finding["details"]["model"]["read"]
-    print(f"\nwall {wall:.1f} s, peak RSS {peak / 2**30:.2f} GiB, plan {plan['device_peak'] / 2**30:.2f} GiB "
-          f"(reference {plan['reference_dtype']}), read {read}, verdict {data['verdict']}, first bad {finding['details']['first_bad_block']}")
+    print(
+        f"\nwall {wall:.1f} s, peak RSS {peak / 2**30:.2f} GiB, plan {plan['device_peak'] / 2**30:.2f} GiB "
+        f"(reference {plan['reference_dtype']}), read {read}, verdict {data['verdict']}, first bad {finding['details']['first_bad_block']}"
+    )
     print(stderr)
     assert read["tensors_read"] == written < named == read["tensors_in_checkpoint"]
-    assert wall < 180
-    assert peak <= 1.3 * plan["device_peak"]
+    # 0.39.0's stale-K/V ring backward: FAIL (the op-level cross-check at this layout catches what one bf16 step
+    # of random weights hides at model level); 0.42.1 at ring 2: PASS. Wall time and peak memory against the plan
+    # are printed above (figures for the README, not assertions: run with -s).
+    assert data["verdict"] == ("FAIL" if has_stale_kv_backward else "PASS"), finding["diagnosis"]

@@ -22,7 +22,7 @@ from cpdoctor.examinations.plan.probe import list_models, plan_model, resolve_mo
 from cpdoctor.models import catalog as model_catalog  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A Flux transformer small enough to read (FACTS.md), saved as a checkpoint config: 2 attention heads.
 TINY_FLUX = {
@@ -274,8 +274,7 @@ def test_cli_qwen_json_to_stdout():
 
 def test_cli_flux_passes_with_table_and_json_file(tmp_path):
     out = tmp_path / "plan.json"
-    p = _cli("flux", "--height", "1024", "--width", "1024", "--text-len", "512", "--ring", "2", "--ulysses", "2",
-             "--json", str(out))
+    p = _cli("flux", "--height", "1024", "--width", "1024", "--text-len", "512", "--ring", "2", "--ulysses", "2", "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert "PASS" in p.stdout and "hidden_states" in p.stdout
     doc = json.loads(out.read_text())

@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_acceptance.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "gpu_acceptance.py")
 
 
 def test_dry_run(tmp_path, has_stale_kv_backward):
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--layouts", "ring 2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--layouts", "ring 2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     rows = {r["backend"]: r for r in data["examinations"]}

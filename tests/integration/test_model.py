@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import run_cli
+
 from cpdoctor import api
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.model import op_level_requests
 from cpdoctor.examinations import registry
+from cpdoctor.examinations.model import op_level_requests
 from cpdoctor.launch import Case
 
 TIMEOUT = 240
@@ -147,8 +147,8 @@ def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
 
-    from cpdoctor.models.catalog import resolve_model
     from cpdoctor.examinations.model.probe import TINY_CONFIGS
+    from cpdoctor.models.catalog import resolve_model
 
     torch.manual_seed(3)
     model = resolve_model("flux").cls(**TINY_CONFIGS["flux"])
@@ -187,6 +187,8 @@ def test_model_help_does_not_import_torch():
         "except SystemExit:\n    pass\n"
         "print('HEAVY=' + ','.join(m for m in ('torch', 'diffusers') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ, COLUMNS="200")).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ, COLUMNS="200")
+    ).stdout
     assert "--mask-pad" in out
     assert out.strip().endswith("HEAVY="), out

@@ -8,7 +8,9 @@ from conftest import run_cli
 
 def test_model_on_emulated_native_flash(has_stale_kv_backward, tmp_path):
     junit = tmp_path / "model.xml"
-    run = run_cli("model", "flux", "--ring", "2", "--backend", "_native_flash", "--dtype", "bf16", "--emulate", "--json", "-", "--junit", str(junit))
+    run = run_cli(
+        "model", "flux", "--ring", "2", "--backend", "_native_flash", "--dtype", "bf16", "--emulate", "--json", "-", "--junit", str(junit)
+    )
     (finding,) = run.json["findings"]
     assert finding["probe"].endswith("emulated") and "not examined: the CUDA kernel itself" in run.json["environment"]["emulated"]
     if has_stale_kv_backward:
