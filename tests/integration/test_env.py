@@ -40,7 +40,7 @@ def test_exit_code_and_contract(env_run, data):
     assert data["verdict"] == "FAIL" and env_run.code == 1, data["verdict"]
     assert set(data) >= {"verdict", "exit_code", "environment", "backends", "findings", "wall_s"}
     # the Report every examination returns: its request, and a command field on every finding
-    assert data["request"] == {"kind": "env", "device": "auto", "dtype": "auto"}
+    assert data["request"] == {"kind": "env", "device": "auto", "dtype": "auto", "emulate": False}
     for f in data["findings"]:
         assert set(f) >= {"probe", "verdict", "diagnosis", "remedy", "command"}
         assert f["verdict"] in ("PASS", "FAIL", "WARN", "INFO")
