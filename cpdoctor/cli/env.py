@@ -202,8 +202,11 @@ def register(app: typer.Typer) -> None:
         json_path: Optional[str] = typer.Option(
             None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."
         ),
-        as_markdown: bool = typer.Option(
-            False, "--markdown", help="Print a Markdown block to paste into a bug report instead of the table."
+        markdown_path: Optional[str] = typer.Option(
+            None,
+            "--markdown",
+            metavar="FILE",
+            help="Write a Markdown block for a bug report to FILE ('-' for stdout instead of the table).",
         ),
         emulate: bool = typer.Option(
             False,
@@ -215,16 +218,22 @@ def register(app: typer.Typer) -> None:
         from cpdoctor.errors import BadInput
         from cpdoctor.examinations.env import probe
 
-        if as_markdown and json_path == "-":
-            raise BadInput("--markdown and --json - both write to stdout; give --json a FILE")
-        check_run_options(None, json_path)
-        with waiting("examining the environment and the attention backends", quiet=json_path == "-"):
+        if markdown_path == "-" and json_path == "-":
+            raise BadInput("--markdown - and --json - both write to stdout; give one of them a FILE")
+        check_run_options(None, json_path, None, markdown_path)
+        with waiting("examining the environment and the attention backends", quiet="-" in (json_path, markdown_path)):
             report = probe.examine(device=device, dtype=dtype, emulate=emulate)
         if probe.rank_of_this_process() != 0:  # under torchrun every rank examines its device; rank 0 reports
             raise typer.Exit(report.exit_code)
+        if markdown_path and markdown_path != "-":
+            try:
+                with open(markdown_path, "w") as fh:
+                    fh.write(markdown(report))
+            except OSError as exc:
+                raise BadInput(f"cannot write --markdown {markdown_path}: {exc.strerror}") from exc
 
         def show(rep: Any, console: Any) -> None:
-            if as_markdown:
+            if markdown_path == "-":
                 sys.stdout.write(markdown(rep))
             else:
                 render(rep, console)

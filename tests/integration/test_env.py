@@ -139,7 +139,7 @@ def test_backend_op_defects_seen_on_the_meta_device(findings, rows, has_stale_kv
 
 
 def test_markdown_block():
-    run = run_cli("env", "--markdown", timeout=120)
+    run = run_cli("env", "--markdown", "-", timeout=120)
     assert run.code == 1, run.stderr
     out = run.stdout
     assert out.startswith("### `cpdoctor env`: FAIL (exit 1)")
@@ -151,7 +151,7 @@ def test_markdown_block():
 
 @pytest.mark.parametrize(
     "args, words",
-    [(["--dtype", "fp64"], "unknown dtype"), (["--device", "tpu"], "unknown device"), (["--markdown", "--json", "-"], "stdout")],
+    [(["--dtype", "fp64"], "unknown dtype"), (["--device", "tpu"], "unknown device"), (["--markdown", "-", "--json", "-"], "stdout")],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words):
     run = run_cli("env", *args, timeout=60)
