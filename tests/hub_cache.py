@@ -9,18 +9,25 @@ import hashlib
 import os
 from pathlib import Path
 
-TINY_FLUX = dict(
+from cpdoctor.examinations.model.probe import TINY_CONFIGS
+
+TINY_FLUX = TINY_CONFIGS["flux"]
+TINY_QWEN_IMAGE = TINY_CONFIGS["qwen-image"]
+"""FACTS.md "Tiny models": the same configs `cpdoctor model flux|qwen-image` builds."""
+
+FLUX_DEV = dict(
     patch_size=1,
-    in_channels=4,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    axes_dims_rope=(4, 4, 8),
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
 )
-"""FACTS.md "Tiny models"."""
+"""FACTS.md, "Real checkpoints": FLUX.1-dev's transformer config."""
 
 
 def tiny_flux(seed: int = 3):

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import torch
 from conftest import run_cli
-from hub_cache import add_to_cache, files_of, hub_env, save_pipeline, tiny_flux
-
-QWEN = dict(
-    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-    joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
-)  # fmt: skip
+from hub_cache import TINY_QWEN_IMAGE, add_to_cache, files_of, hub_env, save_pipeline, tiny_flux
 
 
 def test_hub_ids_give_the_tiny_configs_verdicts(tmp_path, has_stale_kv_backward):
@@ -21,7 +16,7 @@ def test_hub_ids_give_the_tiny_configs_verdicts(tmp_path, has_stale_kv_backward)
     flux_pipe = save_pipeline(tmp_path / "flux", tiny_flux(seed=3), max_shard_size="20KB")
     add_to_cache(hub, "org/tiny-flux", files_of(flux_pipe), "1" * 40)
     torch.manual_seed(4)
-    qwen_pipe = save_pipeline(tmp_path / "qwen", QwenImageTransformer2DModel(**QWEN), max_shard_size="20KB")
+    qwen_pipe = save_pipeline(tmp_path / "qwen", QwenImageTransformer2DModel(**TINY_QWEN_IMAGE), max_shard_size="20KB")
     add_to_cache(hub, "org/tiny-qwen-image", files_of(qwen_pipe), "2" * 40)
     suite = tmp_path / "hub.yaml"
     suite.write_text(

@@ -16,22 +16,9 @@ import sys
 import time
 
 import pytest
+from hub_cache import FLUX_DEV
 
 pytestmark = pytest.mark.skipif(os.environ.get("CPDOCTOR_FULL_WIDTH") != "1", reason="set CPDOCTOR_FULL_WIDTH=1 (≈10 GB, minutes)")
-
-FLUX_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
-"""FACTS.md, "Real checkpoints": FLUX.1-dev's transformer config."""
 
 
 def write_sliced_checkpoint(path, blocks: int = 1) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hub_cache import FLUX_DEV
 
 from cpdoctor.models import memory
 from cpdoctor.models.memory import PROCESS_OVERHEAD, GiB, Sizes
@@ -81,18 +82,7 @@ def test_prepare_refuses_what_does_not_fit_and_names_the_blocks_that_do(monkeypa
     from cpdoctor.examinations.model import probe
     from cpdoctor.examinations.model.request import ModelRequest
 
-    config = dict(
-        patch_size=1,
-        in_channels=64,
-        num_layers=19,
-        num_single_layers=38,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    )
+    config = dict(FLUX_DEV)
     spec = probe.ModelSpec(FluxTransformer2DModel, "flux", "FluxTransformer2DModel", config, "test", None)
     survey = probe.model_survey(spec)
     kwargs = {"hidden_states": torch.empty(1, 256, 64, device="meta"), "encoder_hidden_states": torch.empty(1, 64, 4096, device="meta")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hub_cache import TINY_FLUX
+from hub_cache import TINY_FLUX, TINY_QWEN_IMAGE
 
 from cpdoctor.errors import BadInput
 from cpdoctor.models import slicing
@@ -39,16 +39,7 @@ def test_stacks_and_the_keys_that_size_them():
     assert survey.params(3) == sum(p.numel() for p in FluxTransformer2DModel(**FLUX33).parameters())
     qwen = slicing.survey(
         QwenImageTransformer2DModel,
-        dict(
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=16,
-            axes_dims_rope=(8, 4, 4),
-        ),
+        TINY_QWEN_IMAGE,
     )
     assert [(s.name, s.depth, s.key) for s in qwen.stacks] == [("transformer_blocks", 2, "num_layers")]
 
