@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, junit_option, markdown_option, waiting
+from cpdoctor.cli.output import check_run_options, emit, emulate_option, json_option, junit_option, markdown_option, timeout_option, waiting
 from cpdoctor.errors import BadInput
 
 
@@ -23,13 +23,9 @@ def check(
     mask_pad: int = typer.Option(0, "--mask-pad", help="Mask out the last N keys of the sequence as padding."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
-    emulate: bool = typer.Option(
-        False,
-        "--emulate",
-        help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash, ...) on CPU through cpdoctor's kernel stand-ins.",
-    ),
-    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    emulate: bool = emulate_option(),
+    timeout: float = timeout_option(),
+    json_path: Optional[str] = json_option(),
     junit_path: Optional[str] = junit_option(),
     markdown_path: Optional[str] = markdown_option(),
     repro_dir: Optional[str] = typer.Option(

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, junit_option, markdown_option, waiting
+from cpdoctor.cli.output import check_run_options, emit, json_option, junit_option, markdown_option, timeout_option, waiting
 
 DOCTOR_HELP = (
     "The front door (what `cpdoctor` alone runs): the environment, then ring 2, ring 3, ring over every visible "
@@ -116,10 +116,8 @@ def register(app: typer.Typer) -> None:
     @app.command("doctor", help=DOCTOR_HELP)
     def doctor_command(
         patch: bool = typer.Option(False, "--patch", help="Also run every check with cpdoctor's fixed ring attention, side by side."),
-        timeout: float = typer.Option(300.0, "--timeout", help="Seconds per launch before a rank is reported as HANG."),
-        json_path: Optional[str] = typer.Option(
-            None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."
-        ),
+        timeout: float = timeout_option(per_launch=True),
+        json_path: Optional[str] = json_option(),
         junit_path: Optional[str] = junit_option(),
         markdown_path: Optional[str] = markdown_option(),
     ) -> None:

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import typer
 
+from cpdoctor.cli.output import emulate_option, json_option
+
 ENV_HELP = (
     "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
     "per diffusers attention backend (installed, CP-capable, runs here, LSE, backward, LSE saved for training, RNG, "
@@ -199,20 +201,14 @@ def register(app: typer.Typer) -> None:
     def env(
         device: str = typer.Option("auto", "--device", help="auto (this rank's CUDA device, else cpu), cpu or cuda."),
         dtype: str = typer.Option("auto", "--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
-        json_path: Optional[str] = typer.Option(
-            None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table)."
-        ),
+        json_path: Optional[str] = json_option(),
         markdown_path: Optional[str] = typer.Option(
             None,
             "--markdown",
             metavar="FILE",
             help="Write a Markdown block for a bug report to FILE ('-' for stdout instead of the table).",
         ),
-        emulate: bool = typer.Option(
-            False,
-            "--emulate",
-            help="Run the CUDA backends' ops on CPU through cpdoctor's kernel stand-ins (capabilities found by running them).",
-        ),
+        emulate: bool = emulate_option(),
     ) -> None:
         from cpdoctor.cli.output import check_run_options, emit, waiting
         from cpdoctor.errors import BadInput

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, junit_option, markdown_option, waiting
+from cpdoctor.cli.output import check_run_options, emit, emulate_option, json_option, junit_option, markdown_option, timeout_option, waiting
 
 MODEL_HELP = (
     "Run a real diffusers model class through its own enable_parallelism (ring / Ulysses) on every rank, forward "
@@ -154,15 +154,11 @@ def model(
         "--blocks",
         help="Examine the input embedders, the first N blocks of each block stack and the output layers, reading only their tensors (default: the most that fit in memory).",
     ),
-    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before a rank that has not finished is reported as HANG."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    timeout: float = timeout_option(),
+    json_path: Optional[str] = json_option(),
     junit_path: Optional[str] = junit_option(),
     markdown_path: Optional[str] = markdown_option(),
-    emulate: bool = typer.Option(
-        False,
-        "--emulate",
-        help="Examine a CUDA backend's CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
-    ),
+    emulate: bool = emulate_option(),
 ) -> None:
     from cpdoctor import api
 

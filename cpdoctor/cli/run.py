@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, console, emit, junit_option, markdown_option, waiting
+from cpdoctor.cli.output import check_run_options, console, emit, json_option, junit_option, markdown_option, timeout_option, waiting
 
 
 def _worst(finding: Any) -> str:
@@ -54,8 +54,8 @@ def render_suite(report: Any, out: Any) -> None:
 def run(
     suite: Optional[str] = typer.Argument(None, help="A shipped suite name (see --list) or a YAML file."),
     patch: bool = typer.Option(False, "--patch", help="Run every check before and after cpdoctor's fixed ring attention."),
-    timeout: float = typer.Option(300.0, "--timeout", help="Seconds per launch before a rank is reported as HANG."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report to FILE ('-' for stdout, no table)."),
+    timeout: float = timeout_option(per_launch=True),
+    json_path: Optional[str] = json_option(),
     junit_path: Optional[str] = junit_option(),
     markdown_path: Optional[str] = markdown_option(),
     list_suites: bool = typer.Option(False, "--list", help="List the shipped suites and exit."),
