@@ -85,7 +85,7 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.fix import kernels, patch, ring
+    from cpdoctor.fix import comm, kernels, patch
     from cpdoctor.kernels import cpu_backend
     from cpdoctor.launch.context import DistContext
 
@@ -100,7 +100,7 @@ def worker(spec: dict) -> None:
         # the patched ring: its kernel calls and its collective waits
         timers.wrap(kernels.CpuFlashKernel, "forward", "patched:kernel_fwd")
         timers.wrap(kernels.CpuFlashKernel, "backward", "patched:kernel_bwd")
-        timers.wrap(ring.RingComm, "wait", "patched:comm_wait")
+        timers.wrap(comm.GroupComm, "wait", "patched:comm_wait")
         # the built-in ring: the ops it is handed (kernel + their layout copies) and its collective waits
         timers.wrap(cpu_backend, "forward_op", "builtin:op_fwd")
         timers.wrap(cpu_backend, "backward_op", "builtin:op_bwd")

@@ -1,4 +1,4 @@
-"""`import cpdoctor.autopatch` puts the fixed ring attention into diffusers when CPDOCTOR_PATCH=1.
+"""`import cpdoctor.autopatch` puts the fixed CP attention (ring and Ulysses) into diffusers when CPDOCTOR_PATCH=1.
 
 Meant for training scripts you would rather not edit beyond one import (or a `sitecustomize`):
 

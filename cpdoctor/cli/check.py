@@ -22,7 +22,7 @@ def check(
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
     mask_pad: int = typer.Option(0, "--mask-pad", help="Mask out the last N keys of the sequence as padding."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
+    patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed CP attention, examine again."),
     emulate: bool = emulate_option(),
     timeout: float = timeout_option(),
     json_path: Optional[str] = json_option(),

@@ -88,7 +88,7 @@ def render_doctor(report: Any, out: Any) -> None:
         world = summary.get("torchrun_world")
         again = f"torchrun --nproc-per-node {world} -m cpdoctor --patch" if world else "cpdoctor --patch"
         out.print(
-            f"[dim]`{again}` shows every check again with cpdoctor's fixed ring attention; `cpdoctor.patch()` applies it in your script.[/]"
+            f"[dim]`{again}` shows every check again with cpdoctor's fixed CP attention; `cpdoctor.patch()` applies it in your script.[/]"
         )
 
 
@@ -115,7 +115,7 @@ def doctor(
 def register(app: typer.Typer) -> None:
     @app.command("doctor", help=DOCTOR_HELP)
     def doctor_command(
-        patch: bool = typer.Option(False, "--patch", help="Also run every check with cpdoctor's fixed ring attention, side by side."),
+        patch: bool = typer.Option(False, "--patch", help="Also run every check with cpdoctor's fixed CP attention, side by side."),
         timeout: float = timeout_option(per_launch=True),
         json_path: Optional[str] = json_option(),
         junit_path: Optional[str] = junit_option(),

@@ -134,7 +134,7 @@ def model(
     seed: int = typer.Option(0, "--seed", help="Seed of the weights (tiny configs), inputs and upstream gradient."),
     mask_pad: int = typer.Option(0, "--mask-pad", help="Mask the last N text tokens as padding (models whose forward takes a text mask)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed ring attention, examine again."),
+    patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed CP attention, examine again."),
     revision: Optional[str] = typer.Option(
         None, "--revision", help="Hub id only: branch, tag or commit in the local Hugging Face cache (default main)."
     ),

@@ -53,7 +53,7 @@ def render_suite(report: Any, out: Any) -> None:
 
 def run(
     suite: Optional[str] = typer.Argument(None, help="A shipped suite name (see --list) or a YAML file."),
-    patch: bool = typer.Option(False, "--patch", help="Run every check before and after cpdoctor's fixed ring attention."),
+    patch: bool = typer.Option(False, "--patch", help="Run every check before and after cpdoctor's fixed CP attention."),
     timeout: float = timeout_option(per_launch=True),
     json_path: Optional[str] = json_option(),
     junit_path: Optional[str] = junit_option(),

@@ -50,7 +50,12 @@ class BackendFacts:
         if self.requirement_error:
             return self.requirement_error
         if not self.runs_here:
-            return f"{self.name} does not run here: {self.run_error}"
+            cp = (
+                ""
+                if self.cp_registered
+                else f"; nor is {self.name} registered for context parallelism in this diffusers (enable_parallelism refuses it)"
+            )
+            return f"{self.name} does not run here: {self.run_error}{cp}"
         if self.has_backward is False and not self.emulated:
             # Under emulation every kernel has a backward: a backward that fails is the backend's own code
             # (e.g. K/V transposed twice), which the examination must run and report, not skip.

@@ -257,25 +257,48 @@ takes exactly these, so a release with another signature must not be patched bli
 CALLERS = ("_templated_context_parallel_attention", "_templated_unified_attention")
 """Functions of attention_dispatch that look the ring class up as a module global at call time."""
 
+ULYSSES_CLASS = "TemplatedUlyssesAttention"
+"""The Ulysses template the fix also replaces: same forward parameters as the ring (RING_FORWARD_PARAMS) in
+every release with CP, looked up by name in `_templated_context_parallel_attention`."""
 
-def ring_class_problem(mod: Any) -> str | None:
-    """Why `mod.TemplatedRingAttention` is not the class the fix knows how to replace, or None."""
+
+def template_class_problem(mod: Any, name: str = RING_CLASS, callers: tuple[str, ...] = CALLERS) -> str | None:
+    """Why `mod.<name>` (one of diffusers' CP templates) is not the class the fix knows how to replace, or
+    None: missing, not an autograd Function, another forward signature, or nobody looking it up by name."""
     import torch
 
-    cls = getattr(mod, RING_CLASS, None)
+    cls = getattr(mod, name, None)
     if cls is None:
-        return f"diffusers.models.attention_dispatch has no {RING_CLASS}"
+        return f"diffusers.models.attention_dispatch has no {name}"
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
-        return f"{RING_CLASS} is not a torch.autograd.Function ({cls!r})"
+        return f"{name} is not a torch.autograd.Function ({cls!r})"
     try:
         params = tuple(inspect.signature(cls.forward).parameters)
     except (TypeError, ValueError) as exc:
-        return f"cannot read the signature of {RING_CLASS}.forward ({exc})"
+        return f"cannot read the signature of {name}.forward ({exc})"
     if params != RING_FORWARD_PARAMS:
-        return f"{RING_CLASS}.forward has the parameters ({', '.join(params)}), expected ({', '.join(RING_FORWARD_PARAMS)})"
-    if not any(RING_CLASS in global_names(getattr(mod, name, None)) for name in CALLERS):
-        return f"no function of attention_dispatch looks {RING_CLASS} up by name ({', '.join(CALLERS)}); replacing it would change nothing"
+        return f"{name}.forward has the parameters ({', '.join(params)}), expected ({', '.join(RING_FORWARD_PARAMS)})"
+    if not any(name in global_names(getattr(mod, caller, None)) for caller in callers):
+        return f"no function of attention_dispatch looks {name} up by name ({', '.join(callers)}); replacing it would change nothing"
     return None
+
+
+def ring_class_problem(mod: Any) -> str | None:
+    """Why `mod.TemplatedRingAttention` is not the class the fix knows how to replace, or None."""
+    return template_class_problem(mod, RING_CLASS)
+
+
+def ulysses_class_problem(mod: Any) -> str | None:
+    """Why `mod.TemplatedUlyssesAttention` is not the class the fix knows how to replace, or None."""
+    return template_class_problem(mod, ULYSSES_CLASS, CALLERS[:1])
+
+
+def backward_calls_backend_op(cls: Any) -> bool | None:
+    """Does this template's backward hand the work to the backend's `backward_op` (`ctx.backward_op(...)`)?
+    Then every defect of a backend's backward op (0.39.0's double transpose) reaches CP through it. None when
+    the source cannot be read."""
+    source = _source(getattr(cls, "backward", None))
+    return None if source is None else "backward_op(" in source
 
 
 def global_names(fn: Any) -> tuple[str, ...]:

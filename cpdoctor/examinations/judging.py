@@ -137,7 +137,7 @@ CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
         (r"[Nn]umber of heads in key/value must divide|GQA|[Nn]um(ber of)? ?heads.*must (match|divide)",),
         "the backend's backward op transposes K/V again although its forward saved them in the kernel's layout, so "
         "the kernel sees sequence and heads swapped (a heads/shape error)",
-        "cpdoctor.patch() (its ring calls the kernels with explicit layouts); or upgrade diffusers to a release whose "
+        "cpdoctor.patch() (its ring and Ulysses call the kernels with explicit layouts); or upgrade diffusers to a release whose "
         "_native_flash / _native_cudnn backward ops do not transpose twice; or another backend",
     ),
     CrashSignature(

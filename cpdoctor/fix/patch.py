@@ -1,10 +1,17 @@
-"""Apply / revert / detect the fixed ring attention in an imported diffusers (in memory only, never files).
+"""Apply / revert / detect the fixed CP attention in an imported diffusers (in memory only, never files).
 
-diffusers looks `TemplatedRingAttention` up as a module global of `diffusers.models.attention_dispatch` each
-time ring (and ring × Ulysses) attention runs, so replacing that global with `cpdoctor.fix.ring.RingAttention`
-is the whole patch, and putting the original object back is the whole revert. Code that does not look like
-the class the fix was written against (missing, another `forward` signature, nobody looking it up by name)
-is refused with `PatchRefused` unless `force=True`. `dkv` chooses how the fixed ring's backward delivers
+diffusers looks its CP templates up as module globals of `diffusers.models.attention_dispatch` each time CP
+attention runs, so replacing two globals is the whole patch and putting the original objects back is the
+whole revert:
+
+| global                      | replaced by                           | used for                 |
+|-----------------------------|---------------------------------------|--------------------------|
+| `TemplatedRingAttention`    | `cpdoctor.fix.ring.RingAttention`     | ring, ring × Ulysses     |
+| `TemplatedUlyssesAttention` | `cpdoctor.fix.ulysses.UlyssesAttention` | Ulysses                |
+
+A ring class that does not look like the one the fix was written against (missing, another `forward`
+signature, nobody looking it up by name) is refused with `PatchRefused` unless `force=True`; a Ulysses class
+like that is left in place and the report says why (`skipped`). `dkv` chooses how the fixed ring's backward delivers
 dK/dV (`cpdoctor.fix.ring.DkvStrategy`: "ring", the default, or "reduce_scatter").
 
     from cpdoctor.fix import patch
@@ -51,6 +58,7 @@ class PatchReport:
     original_gathers_mask: bool | None = None
     callers: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +67,8 @@ class PatchReport:
         names = ", ".join(f"{r.module}.{r.name}" for r in self.replaced) or "nothing"
         state = "already patched: " if self.already_patched else ""
         forced = " (forced past: " + self.problem + ")" if self.forced and self.problem else ""
-        return f"cpdoctor: {state}replaced {names} with the fixed ring attention (diffusers {self.diffusers}){forced}"
+        kept = "; kept " + "; ".join(self.skipped) if self.skipped else ""
+        return f"cpdoctor: {state}replaced {names} with cpdoctor's fixed CP attention (diffusers {self.diffusers}){forced}{kept}"
 
 
 _originals: dict[tuple[str, str], Any] = {}
@@ -71,6 +80,12 @@ def _replacement() -> Any:
     from cpdoctor.fix.ring import RingAttention
 
     return RingAttention
+
+
+def _ulysses_replacement() -> Any:
+    from cpdoctor.fix.ulysses import UlyssesAttention
+
+    return UlyssesAttention
 
 
 def _dkv_strategy(dkv: str) -> Any:
@@ -103,7 +118,7 @@ def is_patched() -> bool:
 
 
 def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
-    """Replace diffusers' ring attention with the fixed one (idempotent). Raises PatchRefused for code it
+    """Replace diffusers' ring and Ulysses templates with the fixed ones (idempotent). Raises PatchRefused for a ring it
     does not recognise unless `force`, and when diffusers or its CP support is missing (force or not).
     `dkv`: the fixed ring's dK/dV strategy ("ring" or "reduce_scatter"; BadInput otherwise), applied also
     when the fix is already in place."""
@@ -122,7 +137,7 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
         report.already_patched = True
         if previous is not None:
             report.replaced, report.forced, report.problem = previous.replaced, previous.forced, previous.problem
-            for name in ("original_backward_passes_tensors", "original_sends_dkv_to_next", "original_gathers_mask", "reasons"):
+            for name in ("original_backward_passes_tensors", "original_sends_dkv_to_next", "original_gathers_mask", "reasons", "skipped"):
                 setattr(report, name, getattr(previous, name))
         return report
     problem = compat.ring_class_problem(mod)
@@ -135,14 +150,39 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
         report.original_sends_dkv_to_next = compat.backward_sends_dkv_to_next(current)
         report.original_gathers_mask = compat.forward_gathers_mask(current)
     report.reasons = _reasons(report)
-    _originals[(mod.__name__, compat.RING_CLASS)] = current
     _set_dkv(strategy)
-    setattr(mod, compat.RING_CLASS, replacement)
-    report.replaced.append(
-        Replacement(mod.__name__, compat.RING_CLASS, _qualname(current) if current is not None else "(absent)", _qualname(replacement))
-    )
+    _replace(mod, compat.RING_CLASS, replacement, report)
+    _replace_ulysses(mod, force, report)
     _last_report = report
     return report
+
+
+def _replace(mod: Any, name: str, replacement: Any, report: PatchReport) -> Any:
+    """mod.<name> := replacement, the original kept for `revert`; returns the original."""
+    current = getattr(mod, name, None)
+    _originals[(mod.__name__, name)] = current
+    setattr(mod, name, replacement)
+    report.replaced.append(
+        Replacement(mod.__name__, name, _qualname(current) if current is not None else "(absent)", _qualname(replacement))
+    )
+    return current
+
+
+def _replace_ulysses(mod: Any, force: bool, report: PatchReport) -> None:
+    """The Ulysses template too, when it is the class the fix knows (or `force` and it exists); otherwise it
+    stays and `report.skipped` says why."""
+    problem = compat.ulysses_class_problem(mod)
+    original = getattr(mod, compat.ULYSSES_CLASS, None)
+    if problem and not (force and original is not None):
+        report.skipped.append(f"{compat.ULYSSES_CLASS} ({problem})")
+        return
+    if compat.backward_calls_backend_op(original):
+        report.reasons.append(
+            "its Ulysses backward runs the backend's own backward op, so that op's defects (0.39.0's _native_flash and "
+            "_native_cudnn transpose K/V twice) reach Ulysses; the fix's Ulysses calls the fused kernel with explicit layouts"
+        )
+    _ulysses_replacement().original = original
+    _replace(mod, compat.ULYSSES_CLASS, _ulysses_replacement(), report)
 
 
 def _reasons(report: PatchReport) -> list[str]:
@@ -178,6 +218,7 @@ def revert() -> bool:
         del _originals[(module_name, attr)]
     _last_report = None
     _set_dkv("ring")
+    _ulysses_replacement().original = None
     return True
 
 

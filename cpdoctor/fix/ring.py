@@ -5,7 +5,7 @@ backward_op, _parallel_config)` and the same outputs (out, or (out, lse) with ls
 ring and ring × Ulysses paths call it unchanged once patch.py has put it in place of the module global.
 
 The algorithm is three plain functions, each readable on its own: `ring_forward`, `ring_backward` and the
-LSE `merge`; `RingComm` is all the communication they do, and `RingAttention` (the autograd Function) only
+LSE `merge`; `comm.GroupComm` is all the communication they do, and `RingAttention` (the autograd Function) only
 unpacks diffusers' arguments, calls them and saves what backward needs. Per ring rank r of W (inputs are
 this rank's sequence shard, model layout (B, S, H, D)):
 
@@ -39,12 +39,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from cpdoctor.compat import diffusers as compat
 from cpdoctor.fix import kernels
+from cpdoctor.fix.comm import GroupComm, all_gather_last
 
 
 class DkvStrategy(str, enum.Enum):
@@ -57,68 +56,6 @@ class DkvStrategy(str, enum.Enum):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Communication
-# ----------------------------------------------------------------------------------------------------------
-
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-"""torch renamed the functional collectives (the old names warn); same signatures."""
-
-
-class RingComm:
-    """Everything the ring communicates, over one process group: this rank's position and three collectives
-    on flat buffers. `all_gather` and `shift` return at once (torch's functional collectives) and `wait`
-    blocks, so a transfer overlaps whatever is computed between the two. With one rank every call is the
-    identity. A test can stand in an in-memory object with the same attributes and methods."""
-
-    def __init__(self, group: Any, rank: int, world: int) -> None:
-        self.group, self.rank, self.world = group, rank, world
-
-    @classmethod
-    def ring(cls, parallel_config: Any) -> RingComm:
-        """The ring group of diffusers' parallel config (where the KV chunks travel)."""
-        pc = parallel_config
-        return cls(compat.ring_group(pc), compat.ring_rank(pc), compat.ring_degree(pc))
-
-    @classmethod
-    def ulysses(cls, parallel_config: Any) -> RingComm | None:
-        """The Ulysses group, None without Ulysses: under ring × Ulysses the all-to-all before the ring
-        gathered this ring rank's keys over it, but not their mask, which the ring then gathers itself."""
-        world = compat.ulysses_degree(parallel_config)
-        if world == 1:
-            return None
-        group = compat.ulysses_group(parallel_config)
-        return cls(group, dist.get_rank(group), world)
-
-    def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
-        """Every rank's 1-D `flat`, concatenated in rank order (pending: pass it to `wait`)."""
-        return _all_gather(flat, 0, self.group) if self.world > 1 else flat
-
-    def shift(self, t: torch.Tensor, offset: int) -> torch.Tensor:
-        """Send `t` to rank r+offset and receive rank r−offset's (pending: pass it to `wait`)."""
-        if self.world == 1:
-            return t
-        return funcol.permute_tensor(t, [(s + offset) % self.world for s in range(self.world)], self.group)
-
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` is W equal parts; part r summed over the ranks (waited)."""
-        return self.wait(_reduce_scatter(flat, "sum", 0, self.group)) if self.world > 1 else flat
-
-    def wait(self, t: torch.Tensor) -> torch.Tensor:
-        """The finished result of `all_gather` or `shift`."""
-        return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-def _all_gather_last(x: torch.Tensor, comm: RingComm) -> torch.Tensor:
-    """Concatenate every rank's `x` along the last dim, in rank order (bool sent as uint8)."""
-    is_bool = x.dtype == torch.bool
-    send = (x.to(torch.uint8) if is_bool else x).contiguous()
-    got = comm.wait(comm.all_gather(send.view(-1)))
-    out = torch.cat(got.view(comm.world, *send.shape).unbind(0), dim=-1)
-    return out.bool() if is_bool else out
-
-
-# ----------------------------------------------------------------------------------------------------------
 # What travels: the key mask of every chunk, K and V packed in one buffer
 # ----------------------------------------------------------------------------------------------------------
 
@@ -127,7 +64,7 @@ class ChunkMasks:
     """The key mask of every KV chunk, from the local shards every rank was handed (gathered in rank order,
     so chunk j always gets rank j's keys' mask), and which chunks and rows it empties."""
 
-    def __init__(self, attn_mask: torch.Tensor | None, chunk_len: int, comm: RingComm, ulysses: RingComm | None = None):
+    def __init__(self, attn_mask: torch.Tensor | None, chunk_len: int, comm: GroupComm, ulysses: GroupComm | None = None):
         self.full: torch.Tensor | None = None
         self.chunk_len = chunk_len
         self.all_empty: list[bool] = []
@@ -152,11 +89,11 @@ class ChunkMasks:
                 )
             if ulysses is not None and length * ulysses.world == chunk_len:
                 # ring × Ulysses: the Ulysses all-to-all gathered the keys of this ring rank, not the mask
-                m = _all_gather_last(m, ulysses)
+                m = all_gather_last(m, ulysses)
                 length = m.shape[-1]
             if length != chunk_len:
                 raise ValueError(f"ring attention: the mask covers {length} keys but this rank holds {chunk_len}")
-            m = _all_gather_last(m, comm)
+            m = all_gather_last(m, comm)
         self.full = m
         allowed = m if m.dtype == torch.bool else m != float("-inf")
         empty = ~allowed.unflatten(-1, (world, chunk_len)).any(-1)  # (B|1, H|1, Sq|1, W)
@@ -188,7 +125,7 @@ class PackedKV:
     """This rank's K and V packed into one flat buffer in the kernel's layout (one all-gather moves both,
     and every chunk reaches the kernel without a copy), and the same packing for dK/dV buffers."""
 
-    def __init__(self, kernel: kernels.BlockKernel, key: torch.Tensor, value: torch.Tensor, comm: RingComm):
+    def __init__(self, kernel: kernels.BlockKernel, key: torch.Tensor, value: torch.Tensor, comm: GroupComm):
         self.k_shape = kernel.to_layout(key).shape
         self.v_shape = kernel.to_layout(value).shape
         self.nk = key.numel()
@@ -263,7 +200,7 @@ def ring_forward(
     v: torch.Tensor,
     masks: ChunkMasks,
     kernel: kernels.BlockKernel,
-    comm: RingComm,
+    comm: GroupComm,
     scale: float,
     acc_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +240,7 @@ class RingDkv:
     """`DkvStrategy.RING`: the accumulator of the chunk this rank holds goes to rank r−1, which holds that
     chunk at the next step; after W steps one final hop brings each chunk's sum to its owner."""
 
-    def __init__(self, comm: RingComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
+    def __init__(self, comm: GroupComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
         self.comm, self.kv, self.dtype, self.device = comm, kv, dtype, device
         self.pending: torch.Tensor | None = None
 
@@ -324,7 +261,7 @@ class ReduceScatterDkv:
     """`DkvStrategy.REDUCE_SCATTER`: row j of a (W, |K|+|V|) buffer holds this rank's dK/dV of chunk j; one
     reduce-scatter sums row j over the ranks onto rank j."""
 
-    def __init__(self, comm: RingComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
+    def __init__(self, comm: GroupComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
         self.comm, self.kv = comm, kv
         self.grads = torch.empty(comm.world, kv.numel, dtype=dtype, device=device)
 
@@ -335,7 +272,7 @@ class ReduceScatterDkv:
         return self.comm.reduce_scatter(self.grads.view(-1))
 
 
-DKV_EXCHANGES: dict[DkvStrategy, Callable[[RingComm, PackedKV, torch.dtype, torch.device], DkvExchange]] = {
+DKV_EXCHANGES: dict[DkvStrategy, Callable[[GroupComm, PackedKV, torch.dtype, torch.device], DkvExchange]] = {
     DkvStrategy.RING: RingDkv,
     DkvStrategy.REDUCE_SCATTER: ReduceScatterDkv,
 }
@@ -350,7 +287,7 @@ def ring_backward(
     lse: torch.Tensor,
     masks: ChunkMasks,
     kernel: kernels.BlockKernel,
-    comm: RingComm,
+    comm: GroupComm,
     scale: float,
     acc_dtype: torch.dtype,
     dkv: DkvStrategy | Callable[..., DkvExchange] = DkvStrategy.RING,
@@ -415,8 +352,8 @@ class RingAttention(torch.autograd.Function):
             raise ValueError("cpdoctor's ring attention does not implement causal attention")
         if enable_gqa:
             raise ValueError("cpdoctor's ring attention does not implement GQA")
-        comm = RingComm.ring(_parallel_config)
-        ulysses = RingComm.ulysses(_parallel_config) if attn_mask is not None else None
+        comm = GroupComm.ring(_parallel_config)
+        ulysses = GroupComm.ulysses(_parallel_config) if attn_mask is not None else None
         kernel = kernels.select(forward_op, _parallel_config)
         scale = kernels.default_scale(query.shape[-1], scale)
         masks = ChunkMasks(attn_mask, key.shape[1], comm, ulysses)

@@ -35,6 +35,11 @@ WORLD2 = [
     ({"ring": 2, "backend": "flash", **BF16}, True),
     ({"ring": 2, "backend": "_native_cudnn", "mask_pad": 3, **BF16}, True),
     ({"ulysses": 2, "backend": "_native_cudnn", **BF16}, False),  # 11
+    ({"ulysses": 2, "backend": "_native_flash", **BF16}, True),  # 12.. patched Ulysses
+    ({"ulysses": 2, "backend": "_native_cudnn", **BF16}, True),
+    ({"ulysses": 2, "backend": "flash", **BF16}, True),
+    ({"ulysses": 2, "backend": "_native_cudnn", "mask_pad": 3, **BF16}, True),
+    ({"ulysses": 2, "backend": "_native_cudnn", "mask_pad": 3, **BF16}, False),  # 16
 ]
 
 
@@ -50,7 +55,8 @@ def world3():
 
 @pytest.fixture(scope="module")
 def world4():
-    return run(4, *[({"ring": 2, "ulysses": 2, "backend": b, **BF16}, p) for p in (False, True) for b in CUDA_BACKENDS])
+    layouts = ({"ring": 2, "ulysses": 2}, {"ring": 4})
+    return run(4, *[({**layout, "backend": b, **BF16}, p) for layout in layouts for p in (False, True) for b in CUDA_BACKENDS])
 
 
 def test_every_emulated_report_says_what_was_examined(world2):
@@ -76,14 +82,15 @@ def test_native_flash_double_transpose(world2, has_stale_kv_backward):
 
 
 def test_native_cudnn(world2, has_stale_kv_backward):
-    ring, masked, ulysses = world2[2], world2[5], world2[11]
+    ring, masked, ulysses, masked_ulysses = world2[2], world2[5], world2[11], world2[16]
     if has_stale_kv_backward:
-        for f in (ring, masked):
+        for f in (ring, masked, ulysses, masked_ulysses):
             assert f.verdict in ("CRASH", "FAIL"), f.diagnosis
             assert "double transpose" in f.diagnosis or "LSE" in f.diagnosis
     else:
         assert ring.verdict == "PASS" and ulysses.verdict == "PASS", (ring.diagnosis, ulysses.diagnosis)
         assert masked.verdict == "FAIL" and "padding mask" in masked.diagnosis
+        assert masked_ulysses.verdict == "PASS", masked_ulysses.diagnosis  # Ulysses gathers the mask itself
 
 
 def test_flash_attn(world2, has_stale_kv_backward):
@@ -110,8 +117,16 @@ def test_patched_ring_runs_every_cuda_block_kernel(world2):
         assert max(t["rel_err"] for t in f.tensors.values()) < 1e-2
 
 
-def test_ring3(world3, has_stale_kv_backward):
-    stock, patched = world3[:3], world3[3:]
+def test_patched_ulysses_runs_every_cuda_block_kernel(world2):
+    """0.39.0's _native_flash/_native_cudnn backward ops transpose twice and crash under Ulysses; the fixed
+    Ulysses never calls them: PASS on every release, masked too."""
+    for f in world2[12:16]:
+        assert f.verdict == "PASS", (f.probe, f.diagnosis)
+        assert max(t["rel_err"] for t in f.tensors.values()) < 1e-2
+
+
+def assert_direction_then_fixed(stock, patched, has_stale_kv_backward) -> None:
+    """Ring ≥ 3: stale K/V (0.39.0) or the dK/dV direction (0.42.1) before the patch, PASS after it."""
     for f in stock:
         if has_stale_kv_backward:
             assert f.verdict in ("CRASH", "FAIL"), f.diagnosis
@@ -122,8 +137,16 @@ def test_ring3(world3, has_stale_kv_backward):
         assert f.verdict == "PASS", (f.probe, f.diagnosis)
 
 
+def test_ring3(world3, has_stale_kv_backward):
+    assert_direction_then_fixed(world3[:3], world3[3:], has_stale_kv_backward)
+
+
+def test_ring4(world4, has_stale_kv_backward):
+    assert_direction_then_fixed(world4[6:9], world4[9:], has_stale_kv_backward)
+
+
 def test_ring_times_ulysses(world4, has_stale_kv_backward):
-    stock, patched = world4[:3], world4[3:]
+    stock, patched = world4[:3], world4[3:6]
     if not has_stale_kv_backward:
         for f in stock:
             assert f.verdict == "PASS", (f.probe, f.diagnosis)

@@ -74,6 +74,9 @@ W2 = {
     "mask_whole_chunk": attention_case(ring=2, mask_pad=300),
     "unpatched": attention_case(patched=False, ring=2),
     "unpatched_mask": attention_case(patched=False, ring=2, mask_pad=3),
+    "ulysses2": attention_case(ring=1, ulysses=2),
+    "ulysses2_mask": attention_case(ring=1, ulysses=2, mask_pad=3),
+    "ulysses2_bf16": attention_case(ring=1, ulysses=2, dtype="bf16"),
 }
 W3 = {
     "fp32": attention_case(ring=3, seq=513),
@@ -93,6 +96,7 @@ TRAIN2 = {
     "additive_whole_chunk": {"ring": 2, "patched": True, "mask": "additive", "mask_pad": 40},
     "unpatched_mask": {"ring": 2, "patched": False, "mask": "bool4d"},
     "unpatched": {"ring": 2, "patched": False},
+    "ulysses2_bool2d": {"ring": 1, "ulysses": 2, "patched": True, "mask": "bool2d", "compare_original": True},
 }
 TRAIN4 = {
     "ring4": {"ring": 4, "patched": True},
@@ -168,6 +172,12 @@ def test_ring2_bf16_patched(att2):
     assert_pass(att2["bf16"], "bf16")
 
 
+@pytest.mark.parametrize("name,dtype", [("ulysses2", "fp32"), ("ulysses2_mask", "fp32"), ("ulysses2_bf16", "bf16")])
+def test_ulysses2_patched(att2, name, dtype):
+    """The fixed Ulysses (all-to-all, the backend's fused kernel with explicit layouts, all-to-all back)."""
+    assert_pass(att2[name], dtype)
+
+
 @pytest.mark.parametrize("name,dtype", [("fp32", "fp32"), ("bf16", "bf16")])
 def test_ring3_patched(att3, name, dtype):
     assert_pass(att3[name], dtype)
@@ -208,7 +218,7 @@ def test_unpatched_forward_without_mask_is_right(att2, att3):
 TRAIN_TOL = 2e-6
 
 
-@pytest.mark.parametrize("name", ["plain", "bool2d", "additive_whole_chunk"])
+@pytest.mark.parametrize("name", ["plain", "bool2d", "additive_whole_chunk", "ulysses2_bool2d"])
 def test_train_step_ring2_patched_matches_single_process(train2, name):
     ev = train2[name]
     assert ev["out_rel_err"] < TRAIN_TOL and ev["x_grad_rel_err"] < TRAIN_TOL
@@ -219,6 +229,7 @@ def test_train_step_ring2_patched_matches_single_process(train2, name):
 def test_patched_forward_equals_original_forward(train2):
     """Same blocks, same merge order, same formula: the forward is unchanged where the original is right."""
     assert train2["plain"]["forward_vs_other"] < 1e-6
+    assert train2["ulysses2_bool2d"]["forward_vs_other"] < 1e-6  # Ulysses: the same one fused block
 
 
 @pytest.mark.parametrize("name", ["ring4", "ring2_ulysses2_mask"])
@@ -252,21 +263,26 @@ def clean_patch():
 def test_apply_revert_identity_and_idempotence(clean_patch):
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix.ring import RingAttention
+    from cpdoctor.fix.ulysses import UlyssesAttention
 
     patch = clean_patch
     mod = compat.dispatch_module()
     original = mod.TemplatedRingAttention
     assert not patch.is_patched()
+    original_ulysses = mod.TemplatedUlyssesAttention
     report = patch.apply()
     assert mod.TemplatedRingAttention is RingAttention and patch.is_patched()
-    assert [r.name for r in report.replaced] == ["TemplatedRingAttention"]
+    assert mod.TemplatedUlyssesAttention is UlyssesAttention and UlyssesAttention.original is original_ulysses
+    assert [r.name for r in report.replaced] == ["TemplatedRingAttention", "TemplatedUlyssesAttention"]
     assert report.replaced[0].original.endswith("attention_dispatch.TemplatedRingAttention")
+    assert any("Ulysses backward runs the backend's own backward op" in r for r in report.reasons) and not report.skipped
     assert "_templated_context_parallel_attention" in report.callers
     assert report.original_gathers_mask is False and report.reasons
     again = patch.apply()
     assert again.already_patched and again.replaced == report.replaced
     assert patch.revert() is True
-    assert mod.TemplatedRingAttention is original
+    assert mod.TemplatedRingAttention is original and mod.TemplatedUlyssesAttention is original_ulysses
+    assert UlyssesAttention.original is None
     assert patch.revert() is False
     with patch.patched() as r:
         assert patch.is_patched() and r.replaced
@@ -299,6 +315,27 @@ def test_refuses_unrecognised_ring(clean_patch, monkeypatch):
     assert report.forced and "parameters" in report.problem
     patch.revert()
     assert mod.TemplatedRingAttention is Other
+
+
+def test_unrecognised_ulysses_is_kept_and_reported(clean_patch, monkeypatch):
+    """The ring is still fixed; a Ulysses template of another shape stays, and the report says why."""
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.fix.ring import RingAttention
+
+    patch = clean_patch
+    mod = compat.dispatch_module()
+
+    class Other(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, query, key, value, _parallel_config=None):  # another signature
+            return query
+
+    monkeypatch.setattr(mod, "TemplatedUlyssesAttention", Other)
+    report = patch.apply()
+    assert mod.TemplatedRingAttention is RingAttention and mod.TemplatedUlyssesAttention is Other
+    assert [r.name for r in report.replaced] == ["TemplatedRingAttention"]
+    assert len(report.skipped) == 1 and "TemplatedUlyssesAttention" in report.skipped[0] and "parameters" in report.skipped[0]
+    assert "kept TemplatedUlyssesAttention" in report.summary()
 
 
 def test_autopatch_env():

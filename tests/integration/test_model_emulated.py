@@ -19,3 +19,14 @@ def test_model_on_emulated_native_flash(has_stale_kv_backward, tmp_path):
     else:
         assert finding["verdict"] == "PASS", finding["diagnosis"]
         assert run.code == 0 and "<failure" not in junit.read_text()
+
+
+def test_model_ulysses_on_emulated_native_flash_with_the_patch(has_stale_kv_backward):
+    """Ulysses runs the backend's own backward op; the fix's Ulysses never does, so the patched run passes on
+    every release (0.39.0: the stock run crashes on the double transpose)."""
+    run = run_cli("model", "flux", "--ulysses", "2", "--backend", "_native_flash", "--dtype", "bf16", "--emulate", "--patch", "--json", "-")
+    (before,) = run.json["before"]["findings"]
+    (after,) = run.json["findings"]
+    assert after["verdict"] == "PASS", after["diagnosis"]
+    assert before["verdict"] == ("CRASH" if has_stale_kv_backward else "PASS"), before["diagnosis"]
+    assert run.code == 0

@@ -1,11 +1,13 @@
-"""The ring algorithm of cpdoctor.fix.ring, on W simulated ranks in one process (no process group).
+"""The ring algorithm of cpdoctor.fix.ring and the fixed Ulysses of cpdoctor.fix.ulysses, on W simulated ranks
+in one process (no process group).
 
 Each rank is a thread running `ring_forward` / `ring_backward` with an in-memory communicator that has
-`RingComm`'s interface (barriers around a shared slot list), and the CPU block kernel. Every rank's out, lse,
+`GroupComm`'s interface (barriers around a shared slot list), and the CPU block kernel. Every rank's out, lse,
 dQ, dK, dV must match an fp64 full-sequence SDPA reference, for both dK/dV strategies, at W = 2, 3, 4, with
 and without key masks (one of which empties a whole chunk). A dK/dV accumulator sent the wrong way round
 (to rank r+1, like diffusers 0.42.1) is written here too: exact at W = 2, wrong at W = 3, so these tests can
-fail.
+fail. The fixed Ulysses (all-to-all, one fused block, all-to-all back) must match the same reference, out,
+lse and gradients through autograd, with and without a key mask of the local length.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from cpdoctor.fix import kernels, ring
+from cpdoctor.fix import kernels, ring, ulysses
 
 B, H, D, S_LOCAL = 2, 2, 16, 24
 TOL = 1e-5
@@ -33,7 +35,7 @@ class _Hub:
 
 
 class ThreadComm:
-    """`RingComm`'s interface over threads: every call is a collective all W threads make in the same order.
+    """`GroupComm`'s interface over threads: every call is a collective all W threads make in the same order.
     Transfers complete at once (`wait` is the identity); `calls` counts them per kind."""
 
     def __init__(self, hub: _Hub, rank: int) -> None:
@@ -52,6 +54,10 @@ class ThreadComm:
 
     def shift(self, t: torch.Tensor, offset: int) -> torch.Tensor:
         return self._post("shift", (self.rank + offset) % self.world, t.clone())[self.rank]
+
+    def all_to_all(self, flat: torch.Tensor) -> torch.Tensor:
+        parts = self._post("all_to_all", self.rank, flat.clone())
+        return torch.cat([p.view(self.world, -1)[self.rank] for p in parts])
 
     def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         parts = self._post("reduce_scatter", self.rank, flat.clone())
@@ -85,11 +91,11 @@ def run_ranks(world: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
     return results
 
 
-def make_inputs(world: int, mask: str | None, seed: int = 0) -> dict[str, Any]:
+def make_inputs(world: int, mask: str | None, seed: int = 0, heads: int = H) -> dict[str, Any]:
     """Full-sequence q, k, v, dout (model layout) and a key mask (B, S) True = attend, or None."""
     g = torch.Generator().manual_seed(seed)
     s = world * S_LOCAL
-    q, k, v, dout = (torch.randn(B, s, H, D, generator=g) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, s, heads, D, generator=g) for _ in range(4))
     keep = None
     if mask == "pad":  # batch 0: the last chunk and 5 more keys masked (a chunk emptied for one batch row)
         keep = torch.ones(B, s, dtype=torch.bool)
@@ -205,3 +211,80 @@ def test_wrong_direction_is_caught_at_three_ranks() -> None:
     at3 = errors(3, None, AccumulatorToNextRank)
     assert at3["out"] < TOL and at3["dq"] < TOL, at3  # forward and dQ never travel
     assert at3["dk"] > 0.1 and at3["dv"] > 0.1, at3
+
+
+# --------------------------------------------------------------------------------------------------------
+# The fixed Ulysses
+# --------------------------------------------------------------------------------------------------------
+
+
+def run_ulysses(world: int, inp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every rank's `_FixedUlysses` forward (out, lse) and autograd backward; the shards concatenated."""
+    kernel = kernels.CpuFlashKernel()
+
+    def rank_fn(comm: ThreadComm) -> dict[str, torch.Tensor]:
+        local = slice(comm.rank * S_LOCAL, (comm.rank + 1) * S_LOCAL)
+        q, k, v = (inp[n][:, local].clone().requires_grad_(True) for n in ("q", "k", "v"))
+        keep = inp["keep"]
+        attn_mask = None if keep is None else keep[:, local]  # this rank's keys only: Ulysses gathers the rest
+        out, lse = ulysses._FixedUlysses.apply(q, k, v, attn_mask, kernel, D**-0.5, True, comm)
+        out.backward(inp["dout"][:, local])
+        return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+    per_rank = run_ranks(world, rank_fn)
+    return {n: torch.cat([r[n] for r in per_rank], dim=1) for n in per_rank[0]}
+
+
+@pytest.mark.parametrize("mask", [None, "pad"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_fixed_ulysses_is_exact(world: int, mask: str | None) -> None:
+    inp = make_inputs(world, mask, seed=10 + world, heads=4)
+    got, ref = run_ulysses(world, inp), reference(inp)
+    errs = {n: rel_err(got[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
+    finite = torch.isfinite(ref["lse"])
+    errs["lse"] = rel_err(got["lse"][finite], ref["lse"][finite])
+    assert max(errs.values()) < TOL, errs
+
+
+def test_all_to_all_round_trip_moves_heads_and_sequence() -> None:
+    """heads_to_sequence gives rank r heads [r·H/W, (r+1)·H/W) of the whole sequence, in rank order;
+    sequence_to_heads undoes it (also for an LSE with a trailing 1)."""
+    world, heads = 2, 4
+    full = torch.arange(B * world * S_LOCAL * heads * 3, dtype=torch.float32).view(B, world * S_LOCAL, heads, 3)
+
+    def rank_fn(comm: ThreadComm) -> tuple[torch.Tensor, torch.Tensor]:
+        local = full[:, comm.rank * S_LOCAL : (comm.rank + 1) * S_LOCAL]
+        spread = ulysses.heads_to_sequence(local, comm)
+        return spread, ulysses.sequence_to_heads(spread, comm)
+
+    for rank, (spread, back) in enumerate(run_ranks(world, rank_fn)):
+        h = heads // world
+        assert torch.equal(spread, full[:, :, rank * h : (rank + 1) * h])
+        assert torch.equal(back, full[:, rank * S_LOCAL : (rank + 1) * S_LOCAL])
+
+
+class _RecordingOriginal:
+    """Stands where diffusers' TemplatedUlyssesAttention would: records what was handed to it."""
+
+    calls: list[tuple] = []
+
+    @classmethod
+    def apply(cls, *args: Any) -> str:
+        cls.calls.append(args)
+        return "original"
+
+
+@pytest.mark.parametrize("why", ["no fused kernel", "dropout"])
+def test_fixed_ulysses_steps_aside(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """Without a fused block kernel (exact fp32 math at the full length would be O(S²)) or with dropout, the
+    original class runs, with exactly the arguments diffusers passed."""
+    from cpdoctor.kernels import cpu_backend
+
+    monkeypatch.setattr(ulysses.UlyssesAttention, "original", _RecordingOriginal)
+    _RecordingOriginal.calls = []
+    q = torch.zeros(1, 4, 2, 8)
+    op = (lambda *a, **k: None) if why == "no fused kernel" else cpu_backend.forward_op
+    dropout = 0.1 if why == "dropout" else 0.0
+    args = (q, q, q, None, dropout, False, None, False, False, op, None, None)
+    assert ulysses.UlyssesAttention.apply(*args) == "original"
+    assert len(_RecordingOriginal.calls) == 1 and _RecordingOriginal.calls[0][4] == dropout

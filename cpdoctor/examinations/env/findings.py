@@ -295,8 +295,9 @@ OP_RULES: list[Rule] = [
         "called as Ulysses calls it in training (return_lse=False), {name}'s forward op {lse_how} although its "
         "backward reads one: training through it (Ulysses, and the ring's first step) gets wrong gradients or an "
         "error; {on}",
-        "another backend for training (cpdoctor_cpu on CPU; one with ✓ in the training column); or upgrade "
-        "diffusers to a release whose {name} forward computes the LSE whenever a backward may need it",
+        "cpdoctor.patch() (its ring and Ulysses call the kernel with the LSE on and never this op); or another "
+        "backend for training (cpdoctor_cpu on CPU; one with ✓ in the training column); or upgrade diffusers to a "
+        "release whose {name} forward computes the LSE whenever a backward may need it",
         "{command}",
         details=lambda row: {"kernel_args": row.op.kernel_args},
     ),
@@ -305,7 +306,7 @@ OP_RULES: list[Rule] = [
         lambda row: bool(row.op.backward_error),
         FAIL,
         "{name}'s backward op raises after a forward that was not asked for an LSE: {backward_error}; {on}",
-        "another backend for training",
+        "cpdoctor.patch() (its ring and Ulysses never call this backward op); or another backend for training",
         "{command}",
     ),
     Rule(
@@ -315,7 +316,9 @@ OP_RULES: list[Rule] = [
         "{name}'s backward op returns {grads} for q/k/v of shape {shape} = (B, S, H, D) (it transposes tensors its "
         "forward saved in kernel layout once more): training through it raises, or, where the shapes happen to "
         "agree, gets wrong gradients; {on}",
-        "another backend for training; or upgrade diffusers to a release whose backward ops return model layout",
+        "cpdoctor.patch() (its ring and Ulysses never call this backward op; they call the kernel with explicit "
+        "layouts); or another backend for training; or upgrade diffusers to a release whose backward ops return "
+        "model layout",
         "{command}",
     ),
     Rule(
