@@ -1,4 +1,5 @@
-"""cpdoctor's fixed ring attention vs diffusers' built-in ring: wall time and peak memory per rank.
+"""cpdoctor's fixed ring attention vs diffusers' built-in ring (and its fixed Ulysses vs diffusers' Ulysses): wall
+time and peak memory per rank.
 
 Same backend (cpdoctor_cpu: torch's fused CPU flash kernel), same shapes (B1 H8 D64 fp32, sequence S split
 over the ring), same processes: every timed repetition runs the built-in ring and the patched ring back to
@@ -19,7 +20,7 @@ Three passes, each in fresh worker processes:
 The ideal per-rank time is the same fused kernel run once in one process (one thread, like one rank) on
 the rank's share of the total work: its S/W queries against all S keys, forward and backward.
 
-Usage: python benchmarks/bench_ring.py [--seqs 512 4096 16384] [--ring4-seqs 4096] [--reps 3]
+Usage: python benchmarks/bench_ring.py [--seqs 512 4096 16384] [--ring4-seqs 4096] [--ulysses-seqs 2048 8192] [--reps 3]
 Writes benchmarks/results/ring_cpu.json and prints a table.
 """
 
@@ -92,8 +93,9 @@ def worker(spec: dict) -> None:
     ctx = DistContext.join(600)
     world, mode = ctx.world_size, spec["mode"]
     name = cpu_backend.register()
-    mesh = ctx.cp_mesh(world, 1)
-    config = compat.setup_parallel_config(world, 1, ctx.rank, world, ctx.device, mesh)
+    ring_deg, ulysses_deg = (1, world) if spec.get("layout") == "ulysses" else (world, 1)
+    mesh = ctx.cp_mesh(ring_deg, ulysses_deg)
+    config = compat.setup_parallel_config(ring_deg, ulysses_deg, ctx.rank, world, ctx.device, mesh)
     dispatch = compat.dispatch_module()
     timers = _Timers()
     if mode == "pieces":
@@ -210,7 +212,9 @@ def ideal(seq: int, world: int, reps: int) -> dict:
     return {"fwd": statistics.median(fwd), "bwd": statistics.median(bwd)}
 
 
-def summarise(world: int, seqs: list[int], timing: list, pieces: list, memory: list, reps: int, method: str) -> list[dict]:
+def summarise(
+    world: int, seqs: list[int], timing: list, pieces: list, memory: list, reps: int, method: str, layout: str = "ring"
+) -> list[dict]:
     rows = []
     for seq in seqs:
         key = str(seq)
@@ -220,7 +224,7 @@ def summarise(world: int, seqs: list[int], timing: list, pieces: list, memory: l
             per_rank = [r[key][impl][part] for r in timing]
             return statistics.median(max(vals) for vals in zip(*per_rank))
 
-        row: dict = {"ring": world, "seq": seq, "dkv_method": method}
+        row: dict = {"layout": layout, "world": world, "ring": world if layout == "ring" else 1, "seq": seq, "dkv_method": method}
         for impl in IMPLS:
             row[impl] = {
                 "fwd_s": slowest(impl, "fwd"),
@@ -256,6 +260,9 @@ def main() -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seqs", type=int, nargs="*", default=[512, 4096, 16384])
     parser.add_argument("--ring4-seqs", type=int, nargs="*", default=[4096])
+    parser.add_argument(
+        "--ulysses-seqs", type=int, nargs="*", default=[2048, 8192], help="Ulysses 2: diffusers' TemplatedUlyssesAttention vs cpdoctor's"
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compare-dkv", action=argparse.BooleanOptionalAction, default=True, help="also measure the other dK/dV strategy")
     parser.add_argument("--compare-max-seq", type=int, default=4096)
@@ -272,19 +279,25 @@ def main() -> None:
     rows, alternative = [], []
     default = ring.RingAttention.dkv.value  # the strategy patch.apply() chooses when not told
     other = [s.value for s in ring.DkvStrategy if s.value != default]
-    for method in [default] + (other if args.compare_dkv else []):
-        for world, seqs in ((2, args.seqs), (4, args.ring4_seqs)):
-            if method != default:  # the alternative only where it is cheap to measure
-                seqs = [s for s in seqs if s <= args.compare_max_seq]
-            if not seqs:
-                continue
-            spec = {"seqs": seqs, "reps": args.reps, "dkv": method}  # the workers patch with dkv=method
-            timing = spawn(world, dict(spec, mode="time"))
-            pieces = spawn(world, dict(spec, mode="pieces"))
-            memory = spawn(world, dict(spec, mode="memory"), {"MALLOC_MMAP_THRESHOLD_": "65536"})
-            (rows if method == default else alternative).extend(summarise(world, seqs, timing, pieces, memory, args.reps, method))
+    runs = [(default, "ring", 2, args.seqs), (default, "ring", 4, args.ring4_seqs), (default, "ulysses", 2, args.ulysses_seqs)]
+    if args.compare_dkv:  # the alternative only where it is cheap to measure
+        runs += [
+            (m, "ring", w, [s for s in seqs if s <= args.compare_max_seq])
+            for m in other
+            for w, seqs in ((2, args.seqs), (4, args.ring4_seqs))
+        ]
+    for method, layout, world, seqs in runs:
+        if not seqs:
+            continue
+        spec = {"seqs": seqs, "reps": args.reps, "dkv": method, "layout": layout}  # the workers patch with dkv=method
+        timing = spawn(world, dict(spec, mode="time"))
+        pieces = spawn(world, dict(spec, mode="pieces"))
+        memory = spawn(world, dict(spec, mode="memory"), {"MALLOC_MMAP_THRESHOLD_": "65536"})
+        (rows if method == default else alternative).extend(summarise(world, seqs, timing, pieces, memory, args.reps, method, layout))
     doc = {
-        "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64 fp32; built-in = diffusers' TemplatedRingAttention, patched = cpdoctor.fix.ring.RingAttention",
+        "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64 fp32; built-in = diffusers' TemplatedRingAttention "
+        "(layout ring) or TemplatedUlyssesAttention (layout ulysses), patched = cpdoctor.fix.ring.RingAttention or "
+        "cpdoctor.fix.ulysses.UlyssesAttention",
         "dkv_method": default,
         "reps": args.reps,
         "torch": torch.__version__,
@@ -303,12 +316,12 @@ def main() -> None:
             continue
         print(title)
         print(
-            f"{'ring':>4} {'S':>6} {'dK/dV':>14} | {'built-in s':>10} {'patched s':>10} {'time ×':>7} | {'fwd ×':>6} {'bwd ×':>6} | "
+            f"{'layout':>9} {'S':>6} {'dK/dV':>14} | {'built-in s':>10} {'patched s':>10} {'time ×':>7} | {'fwd ×':>6} {'bwd ×':>6} | "
             f"{'built-in MiB':>12} {'patched MiB':>11} {'mem ×':>6} | {'bwd/ideal':>9} {'(built-in)':>10}"
         )
         for r in table:
             print(
-                f"{r['ring']:>4} {r['seq']:>6} {r['dkv_method']:>14} | {r['builtin']['total_s']:>10.4f} {r['patched']['total_s']:>10.4f} {r['ratio_time']:>7.3f} | "
+                f"{r['layout'] + ' ' + str(r['world']):>9} {r['seq']:>6} {r['dkv_method']:>14} | {r['builtin']['total_s']:>10.4f} {r['patched']['total_s']:>10.4f} {r['ratio_time']:>7.3f} | "
                 f"{r['ratio_fwd']:>6.3f} {r['ratio_bwd']:>6.3f} | {r['builtin']['peak_mib']:>12.1f} {r['patched']['peak_mib']:>11.1f} "
                 f"{r['ratio_peak_mem']:>6.3f} | {r['patched_bwd_over_ideal']:>9.2f} {r['builtin_bwd_over_ideal']:>10.2f}"
             )
