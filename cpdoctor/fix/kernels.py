@@ -73,6 +73,9 @@ class BlockKernel:
 
     name = "base"
     seq_dim = 2  # bhsd
+    fused = True
+    """Calls a backend's fused kernel (memory linear in S). False for the exact fp32 math, which holds a whole
+    score matrix per block: fine for the ring's blocks, not for Ulysses' one block at the full length."""
 
     def to_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Model layout (B, S, H, D) -> this kernel's layout (a view; the same call maps it back)."""
@@ -106,6 +109,7 @@ class MathKernel(BlockKernel):
     dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = scale·dS K, dK = scale·dSᵀ Q. Layout bhsd."""
 
     name = "math-fp32"
+    fused = False
 
     def _scores(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)

@@ -29,9 +29,6 @@ from cpdoctor.fix import kernels
 from cpdoctor.fix.comm import GroupComm, all_gather_last
 from cpdoctor.fix.ring import ChunkMasks, ring_backward, ring_forward
 
-FUSED_KERNELS = (kernels.CpuFlashKernel, kernels.NativeFlashKernel, kernels.CudnnKernel, kernels.EfficientKernel, kernels.FlashAttnKernel)
-"""Block kernels that call a backend's fused kernel: the fixed Ulysses costs what diffusers' does with these."""
-
 
 def heads_to_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     """(B, S_local, H, D) sequence shards → (B, S, H/W, D): this rank's heads, every rank's sequence (rank
@@ -140,7 +137,7 @@ class UlyssesAttention:
             _parallel_config,
         )
         kernel = None if dropout_p or is_causal or enable_gqa else kernels.select(forward_op, _parallel_config)
-        if not isinstance(kernel, FUSED_KERNELS):
+        if kernel is None or not kernel.fused:
             if cls.original is None:
                 raise RuntimeError(
                     "cpdoctor's Ulysses attention has no original class to hand this call to (apply it through cpdoctor.fix.patch)"
