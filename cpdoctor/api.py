@@ -170,7 +170,7 @@ def check_attention(
 def check_model(request: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
     """Model-level CP parity of a diffusers model class through its own `enable_parallelism`: the gathered
     output and every parameter gradient (summed over the CP group) against the same model in one process in
-    fp64; with `patch=True`, before and after cpdoctor's fixed ring.
+    fp64; with `patch=True`, before and after cpdoctor's fixed CP attention (ring and Ulysses).
 
         report = cpdoctor.check_model(model="flux", ring=2)          # tiny Flux, 2 ranks
     """
@@ -247,8 +247,8 @@ def preflight(
 
     Examines diffusers' CP attention with this job's degrees (from `parallel_config` when given), backend,
     dtype and head shape (`heads=`, `head_dim=`, `seq=`, `mask_pad=`, `backend=`, `dtype=`), forward and
-    backward. If it is exact, nothing changes. If it is wrong and `fix` is true, cpdoctor's fixed ring
-    attention is examined too and, when it is exact, left patched into this process (every rank takes the
+    backward. If it is exact, nothing changes. If it is wrong and `fix` is true, cpdoctor's fixed CP
+    attention (ring and Ulysses) is examined too and, when it is exact, left patched into this process (every rank takes the
     same decision: under torchrun all ranks see rank 0's report). Otherwise raises PreflightFailed with the
     diagnosis, so the job stops before it learns from corrupted gradients. Returns the report."""
     from cpdoctor.fix import patch as fix_patch

@@ -31,7 +31,7 @@ def _run() -> None:
         report = patch.apply(force=value == "force")
         print(report.summary(), file=sys.stderr)
     except Exception as exc:  # noqa: BLE001 - an import-time hook must not take the training script down
-        print(f"cpdoctor: {ENV}={value} but the ring attention was NOT patched: {exc}", file=sys.stderr)
+        print(f"cpdoctor: {ENV}={value} but diffusers' CP attention was NOT patched: {exc}", file=sys.stderr)
 
 
 _run()

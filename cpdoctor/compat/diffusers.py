@@ -189,12 +189,6 @@ def accelerator_count_at_least_one() -> Iterator[None]:
         acc.device_count = original
 
 
-def ring_attention_class_names() -> list[str]:
-    """Names of the module globals the fixed ring replaces (present ones only)."""
-    mod = dispatch_module()
-    return [n for n in ("TemplatedRingAttention",) if hasattr(mod, n)]
-
-
 def meshless_parallel_config(ring: int, ulysses: int, device: Any = None) -> Any:
     """A ParallelConfig as diffusers' CP templates hand it to a backend's forward op on rank 0, but without a
     process group or mesh: the identity fields `setup()` fills (`_rank`, `_world_size`, `_ring_local_rank`,
@@ -230,13 +224,13 @@ def preserved_active_backend() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The ring class the fix replaces, recognised by shape, and the parallel-config fields it reads
+# The CP templates the fix replaces, recognised by shape, and the parallel-config fields they read
 # ----------------------------------------------------------------------------------------------------------
 
 RING_CLASS = "TemplatedRingAttention"
-"""The module global of diffusers.models.attention_dispatch the fix replaces."""
+"""The module global of diffusers.models.attention_dispatch the fixed ring replaces."""
 
-RING_FORWARD_PARAMS = (
+TEMPLATE_FORWARD_PARAMS = (
     "ctx",
     "query",
     "key",
@@ -251,15 +245,19 @@ RING_FORWARD_PARAMS = (
     "backward_op",
     "_parallel_config",
 )
-"""`TemplatedRingAttention.forward`'s parameters in every release with CP (0.36 onward); the fixed ring
-takes exactly these, so a release with another signature must not be patched blindly."""
+"""`TemplatedRingAttention.forward`'s and `TemplatedUlyssesAttention.forward`'s parameters in every release with
+CP (0.36 onward); the fixed ring and Ulysses take exactly these, so a release with another signature must not be
+patched blindly."""
 
 CALLERS = ("_templated_context_parallel_attention", "_templated_unified_attention")
 """Functions of attention_dispatch that look the ring class up as a module global at call time."""
 
 ULYSSES_CLASS = "TemplatedUlyssesAttention"
-"""The Ulysses template the fix also replaces: same forward parameters as the ring (RING_FORWARD_PARAMS) in
-every release with CP, looked up by name in `_templated_context_parallel_attention`."""
+"""The Ulysses template the fix also replaces: same forward parameters as the ring (TEMPLATE_FORWARD_PARAMS) in
+every release with CP."""
+
+ULYSSES_CALLERS = ("_templated_context_parallel_attention",)
+"""Functions of attention_dispatch that look the Ulysses class up as a module global at call time."""
 
 
 def template_class_problem(mod: Any, name: str = RING_CLASS, callers: tuple[str, ...] = CALLERS) -> str | None:
@@ -276,8 +274,8 @@ def template_class_problem(mod: Any, name: str = RING_CLASS, callers: tuple[str,
         params = tuple(inspect.signature(cls.forward).parameters)
     except (TypeError, ValueError) as exc:
         return f"cannot read the signature of {name}.forward ({exc})"
-    if params != RING_FORWARD_PARAMS:
-        return f"{name}.forward has the parameters ({', '.join(params)}), expected ({', '.join(RING_FORWARD_PARAMS)})"
+    if params != TEMPLATE_FORWARD_PARAMS:
+        return f"{name}.forward has the parameters ({', '.join(params)}), expected ({', '.join(TEMPLATE_FORWARD_PARAMS)})"
     if not any(name in global_names(getattr(mod, caller, None)) for caller in callers):
         return f"no function of attention_dispatch looks {name} up by name ({', '.join(callers)}); replacing it would change nothing"
     return None
@@ -290,7 +288,7 @@ def ring_class_problem(mod: Any) -> str | None:
 
 def ulysses_class_problem(mod: Any) -> str | None:
     """Why `mod.TemplatedUlyssesAttention` is not the class the fix knows how to replace, or None."""
-    return template_class_problem(mod, ULYSSES_CLASS, CALLERS[:1])
+    return template_class_problem(mod, ULYSSES_CLASS, ULYSSES_CALLERS)
 
 
 def backward_calls_backend_op(cls: Any) -> bool | None:

@@ -11,7 +11,8 @@ whole revert:
 
 A ring class that does not look like the one the fix was written against (missing, another `forward`
 signature, nobody looking it up by name) is refused with `PatchRefused` unless `force=True`; a Ulysses class
-like that is left in place and the report says why (`skipped`). `dkv` chooses how the fixed ring's backward delivers
+like that is left in place, `force` or not, and the report says why (`skipped`). The fixed Ulysses calls the
+original class wherever it has no fused kernel to run (`UlyssesAttention.original`). `dkv` chooses how the fixed ring's backward delivers
 dK/dV (`cpdoctor.fix.ring.DkvStrategy`: "ring", the default, or "reduce_scatter").
 
     from cpdoctor.fix import patch
@@ -152,37 +153,43 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     report.reasons = _reasons(report)
     _set_dkv(strategy)
     _replace(mod, compat.RING_CLASS, replacement, report)
-    _replace_ulysses(mod, force, report)
+    _replace_ulysses(mod, report)
     _last_report = report
     return report
 
 
-def _replace(mod: Any, name: str, replacement: Any, report: PatchReport) -> Any:
-    """mod.<name> := replacement, the original kept for `revert`; returns the original."""
+def _replace(mod: Any, name: str, replacement: Any, report: PatchReport) -> None:
+    """mod.<name> := replacement, the original kept for `revert` (never the replacement itself: a global that is
+    already cpdoctor's keeps the original an earlier apply recorded)."""
+    key = (mod.__name__, name)
     current = getattr(mod, name, None)
-    _originals[(mod.__name__, name)] = current
+    if current is not replacement:
+        _originals[key] = current
+    original = _originals.get(key)
     setattr(mod, name, replacement)
     report.replaced.append(
-        Replacement(mod.__name__, name, _qualname(current) if current is not None else "(absent)", _qualname(replacement))
+        Replacement(mod.__name__, name, _qualname(original) if original is not None else "(absent)", _qualname(replacement))
     )
-    return current
 
 
-def _replace_ulysses(mod: Any, force: bool, report: PatchReport) -> None:
-    """The Ulysses template too, when it is the class the fix knows (or `force` and it exists); otherwise it
-    stays and `report.skipped` says why."""
-    problem = compat.ulysses_class_problem(mod)
-    original = getattr(mod, compat.ULYSSES_CLASS, None)
-    if problem and not (force and original is not None):
-        report.skipped.append(f"{compat.ULYSSES_CLASS} ({problem})")
-        return
-    if compat.backward_calls_backend_op(original):
-        report.reasons.append(
-            "its Ulysses backward runs the backend's own backward op, so that op's defects (0.39.0's _native_flash and "
-            "_native_cudnn transpose K/V twice) reach Ulysses; the fix's Ulysses calls the fused kernel with explicit layouts"
-        )
-    _ulysses_replacement().original = original
-    _replace(mod, compat.ULYSSES_CLASS, _ulysses_replacement(), report)
+def _replace_ulysses(mod: Any, report: PatchReport) -> None:
+    """The Ulysses template too, only when it is the class the fix knows; otherwise it stays (whatever `force`
+    says: the original is a working fallback, a forced replacement of an unknown signature would bind diffusers'
+    arguments wrongly) and `report.skipped` says why."""
+    replacement = _ulysses_replacement()
+    current = getattr(mod, compat.ULYSSES_CLASS, None)
+    if current is not replacement:
+        problem = compat.ulysses_class_problem(mod)
+        if problem:
+            report.skipped.append(f"{compat.ULYSSES_CLASS} ({problem})")
+            return
+        replacement.original = current
+        if compat.backward_calls_backend_op(current):
+            report.reasons.append(
+                "its Ulysses backward runs the backend's own backward op, so that op's defects (0.39.0's _native_flash and "
+                "_native_cudnn transpose K/V twice) reach Ulysses; the fix's Ulysses calls the fused kernel with explicit layouts"
+            )
+    _replace(mod, compat.ULYSSES_CLASS, replacement, report)
 
 
 def _reasons(report: PatchReport) -> list[str]:

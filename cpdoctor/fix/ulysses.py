@@ -16,7 +16,8 @@ block, computed by the backend's fused kernel with explicit q, k, v, out and LSE
 When it steps aside. For a backend without a fused block kernel (`native`, `_native_math`, anything
 unknown) the fix's block would be exact fp32 math, O(S²) memory at the full sequence length: there the
 original class runs, untouched (`UlyssesAttention.original`, set by patch.py). Attention dropout also goes
-to the original (a block recomputed in backward would need its forward's RNG state).
+to the original (a block recomputed in backward would need its forward's RNG state), and so does a fused
+kernel that cannot be found here (`KernelUnavailable`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from cpdoctor.fix.ring import ChunkMasks, ring_backward, ring_forward
 
 def heads_to_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     """(B, S_local, H, D) sequence shards → (B, S, H/W, D): this rank's heads, every rank's sequence (rank
-    order). Works on any trailing shape after H (an LSE travels as (B, S_local, H, 1))."""
+    order). Works on any trailing shape after H."""
     if comm.world == 1:
         return x
     b, s_local, h = x.shape[:3]
@@ -43,7 +44,7 @@ def heads_to_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
 
 
 def sequence_to_heads(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
-    """The inverse of `heads_to_sequence`: (B, S, H/W, D) → (B, S/W, H, D)."""
+    """The inverse of `heads_to_sequence`: (B, S, H/W, D) → (B, S/W, H, D); an LSE travels as (B, S, H/W, 1)."""
     if comm.world == 1:
         return x
     b, s, h_local = x.shape[:3]
@@ -136,7 +137,12 @@ class UlyssesAttention:
             backward_op,
             _parallel_config,
         )
-        kernel = None if dropout_p or is_causal or enable_gqa else kernels.select(forward_op, _parallel_config)
+        kernel = None
+        if not (dropout_p or is_causal or enable_gqa):
+            try:
+                kernel = kernels.select(forward_op, _parallel_config)
+            except kernels.KernelUnavailable:  # e.g. flash-attn's low-level functions not found: diffusers' own way
+                kernel = None
         if kernel is None or not kernel.fused:
             if cls.original is None:
                 raise RuntimeError(

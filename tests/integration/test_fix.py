@@ -336,6 +336,27 @@ def test_unrecognised_ulysses_is_kept_and_reported(clean_patch, monkeypatch):
     assert [r.name for r in report.replaced] == ["TemplatedRingAttention"]
     assert len(report.skipped) == 1 and "TemplatedUlyssesAttention" in report.skipped[0] and "parameters" in report.skipped[0]
     assert "kept TemplatedUlyssesAttention" in report.summary()
+    patch.revert()
+    forced = patch.apply(force=True)  # force is for the ring only: the unknown Ulysses class still stays
+    assert mod.TemplatedUlyssesAttention is Other and len(forced.skipped) == 1
+
+
+def test_a_partly_reverted_patch_keeps_diffusers_classes(clean_patch):
+    """The ring put back by hand while the fixed Ulysses stays: a new apply (forced or not) must neither record
+    cpdoctor's class as the original nor point the fixed Ulysses at itself; revert gives diffusers' classes back."""
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.fix.ulysses import UlyssesAttention
+
+    patch = clean_patch
+    mod = compat.dispatch_module()
+    ring, ulysses = mod.TemplatedRingAttention, mod.TemplatedUlyssesAttention
+    patch.apply()
+    mod.TemplatedRingAttention = ring
+    report = patch.apply(force=True)
+    assert mod.TemplatedUlyssesAttention is UlyssesAttention and UlyssesAttention.original is ulysses
+    assert [r.original.rsplit(".", 1)[-1] for r in report.replaced] == ["TemplatedRingAttention", "TemplatedUlyssesAttention"]
+    assert patch.revert() is True
+    assert mod.TemplatedRingAttention is ring and mod.TemplatedUlyssesAttention is ulysses
 
 
 def test_autopatch_env():

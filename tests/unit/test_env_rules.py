@@ -138,6 +138,10 @@ def test_backward_in_kernel_layout_says_so():
     f = by_probe(rules.op_findings([row("_native_flash", op=op)], "fp32"))["_native_flash: backward"]
     assert f.verdict is Verdict.FAIL
     assert "returns dK, dV of shape [1, 2, 16, 32], the kernel layout (B, H, S, D) for q/k/v of shape [1, 16, 2, 32]" in f.diagnosis
+    assert f.remedy.startswith("cpdoctor.patch() for ring layouts")  # whether the fix has a kernel is not known
+    fused = OpProbe(measured_on="meta", grad_shapes_ok=False, grad_shapes=op.grad_shapes, fix_calls_kernel=True)
+    f = by_probe(rules.op_findings([row("_native_flash", op=fused)], "fp32"))["_native_flash: backward"]
+    assert f.remedy.startswith("cpdoctor.patch() (its ring and Ulysses call the kernel directly and never these ops)")
 
 
 def test_wrong_numbers_and_rng_advance():

@@ -250,17 +250,18 @@ def test_all_to_all_round_trip_moves_heads_and_sequence() -> None:
     """heads_to_sequence gives rank r heads [r·H/W, (r+1)·H/W) of the whole sequence, in rank order;
     sequence_to_heads undoes it (also for an LSE with a trailing 1)."""
     world, heads = 2, 4
-    full = torch.arange(B * world * S_LOCAL * heads * 3, dtype=torch.float32).view(B, world * S_LOCAL, heads, 3)
+    for last in (3, 1):
+        full = torch.arange(B * world * S_LOCAL * heads * last, dtype=torch.float32).view(B, world * S_LOCAL, heads, last)
 
-    def rank_fn(comm: ThreadComm) -> tuple[torch.Tensor, torch.Tensor]:
-        local = full[:, comm.rank * S_LOCAL : (comm.rank + 1) * S_LOCAL]
-        spread = ulysses.heads_to_sequence(local, comm)
-        return spread, ulysses.sequence_to_heads(spread, comm)
+        def rank_fn(comm: ThreadComm, full: torch.Tensor = full) -> tuple[torch.Tensor, torch.Tensor]:
+            local = full[:, comm.rank * S_LOCAL : (comm.rank + 1) * S_LOCAL]
+            spread = ulysses.heads_to_sequence(local, comm)
+            return spread, ulysses.sequence_to_heads(spread, comm)
 
-    for rank, (spread, back) in enumerate(run_ranks(world, rank_fn)):
-        h = heads // world
-        assert torch.equal(spread, full[:, :, rank * h : (rank + 1) * h])
-        assert torch.equal(back, full[:, rank * S_LOCAL : (rank + 1) * S_LOCAL])
+        for rank, (spread, back) in enumerate(run_ranks(world, rank_fn)):
+            h = heads // world
+            assert torch.equal(spread, full[:, :, rank * h : (rank + 1) * h])
+            assert torch.equal(back, full[:, rank * S_LOCAL : (rank + 1) * S_LOCAL])
 
 
 class _RecordingOriginal:
@@ -288,3 +289,18 @@ def test_fixed_ulysses_steps_aside(monkeypatch: pytest.MonkeyPatch, why: str) ->
     args = (q, q, q, None, dropout, False, None, False, False, op, None, None)
     assert ulysses.UlyssesAttention.apply(*args) == "original"
     assert len(_RecordingOriginal.calls) == 1 and _RecordingOriginal.calls[0][4] == dropout
+
+
+def test_fixed_ulysses_runs_for_a_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend with a fused block kernel (cpdoctor_cpu here) goes through the fixed path, never the original."""
+    from cpdoctor.fix.comm import GroupComm
+    from cpdoctor.kernels import cpu_backend
+
+    monkeypatch.setattr(ulysses.UlyssesAttention, "original", _RecordingOriginal)
+    monkeypatch.setattr(GroupComm, "ulysses", classmethod(lambda cls, pc: None))  # no process group in a unit test
+    _RecordingOriginal.calls = []
+    q = torch.randn(1, 4, 2, 8)
+    out = ulysses.UlyssesAttention.apply(q, q, q, None, 0.0, False, None, False, False, cpu_backend.forward_op, None, None)
+    assert _RecordingOriginal.calls == []
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, q, q))).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-6)

@@ -48,6 +48,9 @@ class OpProbe:
     rng_advanced: bool | None = None
     config_error: str | None = None
     """Why the forward refused the stand-in parallel config (it was then called without one), or None."""
+    fix_calls_kernel: bool | None = None
+    """cpdoctor's fix has a fused block kernel for this backend, so its ring and Ulysses call the kernel
+    directly and never these ops (False: its Ulysses steps aside to diffusers' own; None: not known here)."""
 
     @property
     def backward_ok(self) -> bool | None:
@@ -220,12 +223,22 @@ def _compare(probe: OpProbe, qkvg: tuple, out: Any, grads: tuple, dtype_name: st
     probe.tolerance = tolerance(dtype_name, max(_rel_err(base[n], ref[n]) for n in got))
 
 
+def _fix_calls_kernel(forward_op: Callable, parallel_config: Any) -> bool | None:
+    """Does cpdoctor's fix run this backend through a fused block kernel of its own (fix/kernels.py)?"""
+    from cpdoctor.fix import kernels
+
+    try:
+        return kernels.select(forward_op, parallel_config).fused
+    except Exception:  # noqa: BLE001 - e.g. flash-attn's functions not importable: not known
+        return None
+
+
 def probe_ops(forward_op: Callable, backward_op: Callable, device: Any, dtype_name: str, parallel_config: Any) -> OpProbe:
     """Call a backend's CP ops as the Ulysses template calls them in training, on `device` (or meta)."""
     import torch
 
     meta = device.type == "meta"
-    probe = OpProbe(measured_on=str(device))
+    probe = OpProbe(measured_on=str(device), fix_calls_kernel=_fix_calls_kernel(forward_op, parallel_config))
     qkvg = _probe_inputs(device, torch_dtype(dtype_name))
     rng_before = None if meta else _rng_state(device)
     grads = None

@@ -274,6 +274,11 @@ def op_words(row: BackendRow, dtype_name: str) -> dict[str, str]:
         "backward_error": op.backward_error or "",
         "errs": ", ".join(f"{k} {v:.2g}" for k, v in (op.rel_err or {}).items()),
         "tolerance": f"{op.tolerance:.2g}" if op.tolerance is not None else "",
+        "patch": (
+            "cpdoctor.patch() (its ring and Ulysses call the kernel directly and never these ops); or "
+            if op.fix_calls_kernel
+            else "cpdoctor.patch() for ring layouts (its ring never calls these ops; under Ulysses this backend still runs them); or "
+        ),
         "rng_how": "advanced the device generator"
         if op.rng_advanced
         else f"gave its kernel dropout_p={op.forced_dropout or 0:g} (the generator will advance)",
@@ -295,8 +300,7 @@ OP_RULES: list[Rule] = [
         "called as Ulysses calls it in training (return_lse=False), {name}'s forward op {lse_how} although its "
         "backward reads one: training through it (Ulysses, and the ring's first step) gets wrong gradients or an "
         "error; {on}",
-        "cpdoctor.patch() (its ring and Ulysses call the kernel with the LSE on and never this op); or another "
-        "backend for training (cpdoctor_cpu on CPU; one with ✓ in the training column); or upgrade diffusers to a "
+        "{patch}another backend for training (cpdoctor_cpu on CPU; one with ✓ in the training column); or upgrade diffusers to a "
         "release whose {name} forward computes the LSE whenever a backward may need it",
         "{command}",
         details=lambda row: {"kernel_args": row.op.kernel_args},
@@ -306,7 +310,7 @@ OP_RULES: list[Rule] = [
         lambda row: bool(row.op.backward_error),
         FAIL,
         "{name}'s backward op raises after a forward that was not asked for an LSE: {backward_error}; {on}",
-        "cpdoctor.patch() (its ring and Ulysses never call this backward op); or another backend for training",
+        "{patch}another backend for training",
         "{command}",
     ),
     Rule(
@@ -316,9 +320,7 @@ OP_RULES: list[Rule] = [
         "{name}'s backward op returns {grads} for q/k/v of shape {shape} = (B, S, H, D) (it transposes tensors its "
         "forward saved in kernel layout once more): training through it raises, or, where the shapes happen to "
         "agree, gets wrong gradients; {on}",
-        "cpdoctor.patch() (its ring and Ulysses never call this backward op; they call the kernel with explicit "
-        "layouts); or another backend for training; or upgrade diffusers to a release whose backward ops return "
-        "model layout",
+        "{patch}another backend for training; or upgrade diffusers to a release whose backward ops return model layout",
         "{command}",
     ),
     Rule(
