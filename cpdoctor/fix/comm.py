@@ -1,9 +1,11 @@
 """Everything the fixed CP attention communicates, over one process group (the ring's or the Ulysses').
 
-`all_gather`, `shift` and `all_to_all` return at once (torch's functional collectives) and `wait` blocks, so
-a transfer overlaps whatever is computed between the two. With one rank every call is the identity, which is
-what lets the fixed Ulysses run the ring's own forward and backward as "a ring of one" after its all-to-all.
-A test can stand in an in-memory object with the same attributes and methods.
+`all_gather`, `shift` and `all_to_all` return at once and `wait` blocks, so a transfer overlaps whatever is
+computed between the two. `shift` is the ring's one hop: a point-to-point send to one neighbour and receive
+from the other (`batch_isend_irecv`), into a buffer the caller may hand back, so a ring that streams its chunks
+holds two of them, not W. With one rank every call is the identity and nothing is communicated (gloo refuses a
+send to oneself), which is what lets the fixed Ulysses run the ring's own forward and backward as "a ring of
+one" after its all-to-all. A test can stand in an in-memory object with the same attributes and methods.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ import torch.distributed._functional_collectives as funcol
 from cpdoctor.compat import diffusers as compat
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-"""torch renamed the functional collectives (the old names warn); same signatures."""
+"""torch renamed the functional collective (the old name warns); same signature."""
+
+
+class InFlight:
+    """A hop posted by `GroupComm.shift`: the buffer being received into and the send/receive requests.
+    `GroupComm.wait` waits for both, so the sent buffer is free for reuse once it returns."""
+
+    def __init__(self, received: torch.Tensor, requests: list[Any]) -> None:
+        self.received, self.requests = received, requests
 
 
 class GroupComm:
@@ -52,23 +61,31 @@ class GroupComm:
         """Every rank's 1-D `flat`, concatenated in rank order (pending: pass it to `wait`)."""
         return _all_gather(flat, 0, self.group) if self.world > 1 else flat
 
-    def shift(self, t: torch.Tensor, offset: int) -> torch.Tensor:
-        """Send `t` to rank r+offset and receive rank r−offset's (pending: pass it to `wait`)."""
+    def shift(self, t: torch.Tensor, offset: int, into: torch.Tensor | None = None) -> torch.Tensor | InFlight:
+        """Send `t` to rank r+offset and receive rank r−offset's `t` into `into` (a new buffer when None), by
+        point-to-point (pending: pass it to `wait`; do not write `t` or read `into` before). Every rank of
+        the group must call it, in the same order as its other shifts."""
         if self.world == 1:
             return t
-        return funcol.permute_tensor(t, [(s + offset) % self.world for s in range(self.world)], self.group)
+        received = torch.empty_like(t) if into is None else into
+        to, source = (self.rank + offset) % self.world, (self.rank - offset) % self.world
+        ops = [
+            dist.P2POp(dist.isend, t, group=self.group, group_peer=to),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=source),
+        ]
+        return InFlight(received, dist.batch_isend_irecv(ops))
 
     def all_to_all(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat` is W equal parts; part p goes to rank p, and the result holds every rank's part r in rank
         order (pending: pass it to `wait`)."""
         return funcol.all_to_all_single(flat, None, None, self.group) if self.world > 1 else flat
 
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` is W equal parts; part r summed over the ranks (waited)."""
-        return self.wait(_reduce_scatter(flat, "sum", 0, self.group)) if self.world > 1 else flat
-
-    def wait(self, t: torch.Tensor) -> torch.Tensor:
+    def wait(self, t: torch.Tensor | InFlight) -> torch.Tensor:
         """The finished result of `all_gather`, `shift` or `all_to_all`."""
+        if isinstance(t, InFlight):
+            for request in t.requests:
+                request.wait()
+            return t.received
         return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 

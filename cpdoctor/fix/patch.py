@@ -12,11 +12,12 @@ whole revert:
 A ring class that does not look like the one the fix was written against (missing, another `forward`
 signature, nobody looking it up by name) is refused with `PatchRefused` unless `force=True`; a Ulysses class
 like that is left in place, `force` or not, and the report says why (`skipped`). The fixed Ulysses calls the
-original class wherever it has no fused kernel to run (`UlyssesAttention.original`). `dkv` chooses how the fixed ring's backward delivers
-dK/dV (`cpdoctor.fix.ring.DkvStrategy`: "ring", the default, or "reduce_scatter").
+original class wherever it has no fused kernel to run (`UlyssesAttention.original`). `dkv` names how the fixed ring's backward delivers
+dK/dV (`cpdoctor.fix.ring.DkvStrategy`); "ring" is the one strategy left (the reduce-scatter was measured and
+dropped, see ring.py), kept as a parameter so callers that name it keep working.
 
     from cpdoctor.fix import patch
-    report = patch.apply()          # idempotent; patch.apply(dkv="reduce_scatter") for the other dK/dV strategy
+    report = patch.apply()          # idempotent
     with patch.patched(): ...       # scoped
     patch.revert()                  # the original objects, by identity
 """
@@ -99,12 +100,6 @@ def _dkv_strategy(dkv: str) -> Any:
         raise BadInput(f"unknown dK/dV strategy {dkv!r}: use one of {', '.join(s.value for s in DkvStrategy)}") from exc
 
 
-def _set_dkv(dkv: str) -> None:
-    """Store the strategy where the fixed ring reads it: a class attribute, because diffusers calls the class
-    itself, so one object is both what is patched in and what `is_patched` recognises."""
-    _replacement().dkv = _dkv_strategy(dkv)
-
-
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
@@ -121,10 +116,9 @@ def is_patched() -> bool:
 def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     """Replace diffusers' ring and Ulysses templates with the fixed ones (idempotent). Raises PatchRefused for a ring it
     does not recognise unless `force`, and when diffusers or its CP support is missing (force or not).
-    `dkv`: the fixed ring's dK/dV strategy ("ring" or "reduce_scatter"; BadInput otherwise), applied also
-    when the fix is already in place."""
+    `dkv`: the fixed ring's dK/dV strategy ("ring", the only one; BadInput otherwise)."""
     global _last_report
-    strategy = _dkv_strategy(dkv)
+    _dkv_strategy(dkv)
     try:
         mod = compat.dispatch_module()
     except (BadInput, CannotExamine) as exc:
@@ -133,7 +127,6 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     report = PatchReport(diffusers=compat.diffusers_version(), callers=compat.callers_of_ring(mod))
     current = getattr(mod, compat.RING_CLASS, None)
     if current is replacement:
-        _set_dkv(strategy)
         previous = _last_report
         report.already_patched = True
         if previous is not None:
@@ -151,7 +144,6 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
         report.original_sends_dkv_to_next = compat.backward_sends_dkv_to_next(current)
         report.original_gathers_mask = compat.forward_gathers_mask(current)
     report.reasons = _reasons(report)
-    _set_dkv(strategy)
     _replace(mod, compat.RING_CLASS, replacement, report)
     _replace_ulysses(mod, report)
     _last_report = report
@@ -224,14 +216,13 @@ def revert() -> bool:
             setattr(mod, attr, original)
         del _originals[(module_name, attr)]
     _last_report = None
-    _set_dkv("ring")
     _ulysses_replacement().original = None
     return True
 
 
 def set_patched(flag: bool, dkv: str | None = None) -> None:
     """Patched or not, whatever the state was (used by the probes; idempotent). `dkv`: the dK/dV strategy
-    when patched (None: the default, "ring")."""
+    when patched (None: the default, "ring", the only one)."""
     if flag:
         apply(dkv=dkv or "ring")
     else:
@@ -244,14 +235,11 @@ def last_report() -> PatchReport | None:
 
 @contextlib.contextmanager
 def patched(force: bool = False, dkv: str = "ring") -> Iterator[PatchReport]:
-    """The fix in place for the duration of the block; the previous state (and dK/dV strategy) afterwards."""
+    """The fix in place for the duration of the block; the previous state afterwards."""
     was = is_patched()
-    previous_dkv = _replacement().dkv
     report = apply(force=force, dkv=dkv)
     try:
         yield report
     finally:
-        if was:
-            _set_dkv(previous_dkv)
-        else:
+        if not was:
             revert()

@@ -5,38 +5,39 @@ backward_op, _parallel_config)` and the same outputs (out, or (out, lse) with ls
 ring and ring × Ulysses paths call it unchanged once patch.py has put it in place of the module global.
 
 The algorithm is three plain functions, each readable on its own: `ring_forward`, `ring_backward` and the
-LSE `merge`; `comm.GroupComm` is all the communication they do, and `RingAttention` (the autograd Function) only
-unpacks diffusers' arguments, calls them and saves what backward needs. Per ring rank r of W (inputs are
-this rank's sequence shard, model layout (B, S, H, D)):
+LSE `merge`; `stream` and `comm.GroupComm.shift` are all the communication they do, and `RingAttention` (the
+autograd Function) only unpacks diffusers' arguments, calls them and saves what backward needs. Per ring rank
+r of W (inputs are this rank's sequence shard, model layout (B, S, H, D)):
 
-forward   all-gather K and V (one buffer, already in the kernel's layout, in flight while the local block
-          runs); all-gather the key mask the same way, so KV chunk j is always paired with rank j's mask;
-          for j = r, r+1, ... compute the block (out_j, lse_j) with the backend's kernel and merge in fp32
-          (`convert_to_fp32`) with the stable form  out -= sigmoid(lse_j - lse)·(out - out_j),
-          lse -= logsigmoid(lse - lse_j).
-backward  re-gather K and V; for every chunk j compute the block's dQ, dK_j, dV_j from explicit tensors: q,
-          the chunk, the GLOBAL merged out and fp32 lse (kernels.py; never the backend op's saved context);
-          sum dQ locally. dK_j/dV_j belong to rank j; a `DkvStrategy` gets them there. Default
-          (`DkvStrategy.RING`): one fp32 accumulator travels to rank r−1 after every step, the direction
-          that follows the keys (at step i rank r holds chunk r+i, which rank r−1 holds at step i+1), and one
-          final hop brings each chunk's sum home; the hop overlaps the next block's compute.
-          `DkvStrategy.REDUCE_SCATTER` writes every chunk's dK/dV into a (W, |K|+|V|) buffer and
-          reduce-scatters it once: no direction at all, but O(W) memory and a collective nothing hides. Both
-          are exact at every W; measured (benchmarks/README.md, ring 2 and 4, S 4096) the ring is as fast or
-          faster and needs 0.81–0.84× the built-in ring's peak memory, the reduce-scatter 0.95× at W = 2 but
-          1.11× at W = 4: hence the default. `cpdoctor.fix.patch.apply(dkv=...)` chooses.
+forward   pack this rank's K and V (already in the kernel's layout) and, with a key mask, this rank's mask
+          chunk into one buffer; at step i = 0 .. W−1 rank r holds chunk j = (r+i) mod W: while the kernel
+          computes block j, that buffer is on its way to rank r−1 and chunk j+1 is arriving from rank r+1
+          into the buffer step i−1 used (two buffers, whatever W is; the mask always arrives with its keys).
+          Each block (out_j, lse_j) is merged in fp32 (`convert_to_fp32`) with the stable form
+          out -= sigmoid(lse_j − lse)·(out − out_j), lse −= logsigmoid(lse − lse_j).
+backward  stream K/V (and mask) round again; for every chunk j compute the block's dQ, dK_j, dV_j from
+          explicit tensors: q, the chunk, the GLOBAL merged out and fp32 lse (kernels.py; never the backend
+          op's saved context); sum dQ locally. dK_j/dV_j belong to rank j: an fp32 accumulator per chunk
+          travels with its keys, to rank r−1 after every step (at step i rank r holds chunk r+i, which rank
+          r−1 holds at step i+1), and one final hop brings each chunk's sum home; each hop overlaps the next
+          block's backward. The other exact way, reduce-scattering a (W, |K|+|V|) buffer of every chunk's
+          dK/dV, needs W chunks of memory and measured no faster (benchmarks/README.md): it was dropped, and so
+          was the all-gathered K/V this ring used before (W chunks per rank; measured slower or equal at every
+          point the benchmark covers).
 
-Chunks whose keys are all masked are skipped; rows with no allowed key in a chunk get lse = −inf for that
-block (the fused CPU kernel reports lse 0 and out 0 there, which would otherwise be merged as a real block).
-Dropout is refused (a block recomputed in backward would need its own RNG state); causal and GQA are refused
-by diffusers before the ring is reached.
+Every rank makes every hop, also when it skips a chunk's compute: chunks whose keys are all masked for every
+row of this rank are skipped; rows with no allowed key in a chunk get lse = −inf for that block (the fused
+CPU kernel reports lse 0 and out 0 there, which would otherwise be merged as a real block). With one rank
+(the fixed Ulysses' "ring of one") nothing is communicated. Dropout is refused (a block recomputed in
+backward would need its own RNG state); causal and GQA are refused by diffusers before the ring is reached.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import Any, Protocol
+import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,32 +48,64 @@ from cpdoctor.fix.comm import GroupComm, all_gather_last
 
 
 class DkvStrategy(str, enum.Enum):
-    """How each KV chunk's dK/dV reach the rank that owns the chunk (see the module docstring)."""
+    """How each KV chunk's dK/dV reach the rank that owns the chunk: one strategy is left (the module
+    docstring says why the reduce-scatter went); `cpdoctor.fix.patch.apply(dkv=...)` still names it."""
 
     RING = "ring"
-    """One accumulator per chunk travels to rank r−1 after every step, then one final hop (the default)."""
-    REDUCE_SCATTER = "reduce_scatter"
-    """Every chunk's dK/dV in a (W, |K|+|V|) buffer, reduce-scattered once at the end."""
+    """One accumulator per chunk travels to rank r−1 after every step, then one final hop."""
 
 
 # ----------------------------------------------------------------------------------------------------------
-# What travels: the key mask of every chunk, K and V packed in one buffer
+# What travels: K, V and the key mask of a chunk packed in one buffer
 # ----------------------------------------------------------------------------------------------------------
+
+
+class Packing:
+    """Where each of a few tensors lives in one flat byte buffer, so one transfer moves them all (K, V and a
+    chunk's key mask, whatever their dtypes; dK and dV) and unpacking is views, never copies. Parts start at
+    64-byte boundaries: each is a contiguous, aligned tensor of its own dtype, as fused kernels want."""
+
+    ALIGN = 64
+
+    def __init__(self, specs: list[tuple[torch.Size, torch.dtype]]) -> None:
+        self.parts: list[tuple[int, int, torch.Size, torch.dtype]] = []
+        offset = 0
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.parts.append((offset, nbytes, shape, dtype))
+            offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def pack(self, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """A new buffer holding `tensors` (any layout: copied into the packed, contiguous parts)."""
+        buf = self.empty(device)
+        for part, t in zip(self.unpack(buf), tensors):
+            part.copy_(t)
+        return buf
+
+    def unpack(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Views of every part of `buf`."""
+        return [buf[offset : offset + nbytes].view(dtype).view(shape) for offset, nbytes, shape, dtype in self.parts]
 
 
 class ChunkMasks:
-    """The key mask of every KV chunk, from the local shards every rank was handed (gathered in rank order,
-    so chunk j always gets rank j's keys' mask), and which chunks and rows it empties."""
+    """The attention mask as each KV chunk needs it. A key mask (no query dimension, over this rank's keys)
+    travels with its keys: `local` is this rank's chunk of it, packed with K and V. A mask that covers every
+    key already (one with a query dimension, or a ring of one) stays here as `full` and is sliced per chunk.
+    For each chunk it also says which rows have no allowed key and whether no row has one, worked out when
+    the chunk first arrives and kept for the backward."""
 
     def __init__(self, attn_mask: torch.Tensor | None, chunk_len: int, comm: GroupComm, ulysses: GroupComm | None = None):
         self.full: torch.Tensor | None = None
+        self.local: torch.Tensor | None = None
         self.chunk_len = chunk_len
-        self.all_empty: list[bool] = []
-        self.any_empty: list[bool] = []
-        self.empty: torch.Tensor | None = None
+        self._skip: dict[int, bool] = {}
+        self._empty_rows: dict[int, torch.Tensor | None] = {}
         if attn_mask is None:
             return
-        world = comm.world
         m = attn_mask
         if m.ndim == 2:
             m = m[:, None, None, :]
@@ -81,96 +114,77 @@ class ChunkMasks:
         if m.ndim != 4:
             raise ValueError(f"ring attention: an attention mask must be 2-, 3- or 4-D, got shape {tuple(attn_mask.shape)}")
         length = m.shape[-1]
-        if length != world * chunk_len:
-            if m.shape[-2] != 1:
-                raise ValueError(
-                    f"ring attention: a mask with a query dimension ({tuple(attn_mask.shape)}) must cover all "
-                    f"{world * chunk_len} keys; a per-shard one cannot be rotated with the keys"
-                )
-            if ulysses is not None and length * ulysses.world == chunk_len:
-                # ring × Ulysses: the Ulysses all-to-all gathered the keys of this ring rank, not the mask
-                m = all_gather_last(m, ulysses)
-                length = m.shape[-1]
-            if length != chunk_len:
-                raise ValueError(f"ring attention: the mask covers {length} keys but this rank holds {chunk_len}")
-            m = all_gather_last(m, comm)
-        self.full = m
-        allowed = m if m.dtype == torch.bool else m != float("-inf")
-        empty = ~allowed.unflatten(-1, (world, chunk_len)).any(-1)  # (B|1, H|1, Sq|1, W)
-        flat = empty.flatten(0, -2)
-        self.all_empty = flat.all(0).tolist()
-        self.any_empty = flat.any(0).tolist()
-        self.empty = empty
+        if length == comm.world * chunk_len:
+            self.full = m
+            return
+        if m.shape[-2] != 1:
+            raise ValueError(
+                f"ring attention: a mask with a query dimension ({tuple(attn_mask.shape)}) must cover all "
+                f"{comm.world * chunk_len} keys; a per-shard one cannot be rotated with the keys"
+            )
+        if ulysses is not None and length * ulysses.world == chunk_len:
+            # ring × Ulysses: the Ulysses all-to-all gathered the keys of this ring rank, not the mask
+            m = all_gather_last(m, ulysses)
+            length = m.shape[-1]
+        if length != chunk_len:
+            raise ValueError(f"ring attention: the mask covers {length} keys but this rank holds {chunk_len}")
+        self.local = m
 
-    def chunk(self, j: int) -> torch.Tensor | None:
-        if self.full is None:
-            return None
-        return self.full[..., j * self.chunk_len : (j + 1) * self.chunk_len]
+    @property
+    def present(self) -> bool:
+        return self.full is not None or self.local is not None
 
-    def skip(self, j: int) -> bool:
-        """Every key of chunk j is masked for every row: nothing to compute."""
-        return bool(self.all_empty) and self.all_empty[j]
+    def travelling(self) -> list[torch.Tensor]:
+        """What goes into the K/V buffer: this rank's key-mask chunk, or nothing."""
+        return [] if self.local is None else [self.local]
+
+    def chunk(self, j: int, travelled: list[torch.Tensor]) -> torch.Tensor | None:
+        """Chunk j's mask: the part that arrived with its keys, or the slice of the full mask."""
+        if self.full is not None:
+            return self.full[..., j * self.chunk_len : (j + 1) * self.chunk_len]
+        return travelled[0] if travelled else None
+
+    def skip(self, j: int, mask_j: torch.Tensor | None) -> bool:
+        """Every key of chunk j is masked for every row: nothing to compute (the hops still happen)."""
+        if j not in self._skip:
+            empty = None
+            if mask_j is not None:
+                allowed = mask_j if mask_j.dtype == torch.bool else mask_j != float("-inf")
+                empty = ~allowed.any(-1)  # (B|1, H|1, Sq|1)
+            every, some = torch.stack([empty.all(), empty.any()]).tolist() if empty is not None else (False, False)
+            self._skip[j] = every
+            self._empty_rows[j] = empty if some else None
+        return self._skip[j]
 
     def blank_empty_rows(self, j: int, out_j: torch.Tensor, lse_j: torch.Tensor, seq_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows with no allowed key in chunk j get out 0 and lse −inf, so the merge gives that block no weight
-        (kernels disagree about what they report there; the CPU flash kernel says lse 0)."""
-        if not self.any_empty or not self.any_empty[j]:
+        """Rows with no allowed key in chunk j (after `skip(j, ...)`) get out 0 and lse −inf, so the merge
+        gives that block no weight (kernels disagree about what they report there; the CPU flash kernel says
+        lse 0)."""
+        e = self._empty_rows.get(j)
+        if e is None:
             return out_j, lse_j
-        e = self.empty[..., j]  # (B|1, H|1, Sq|1)
         e = e if seq_dim == 2 else e.transpose(1, 2)
         return out_j.masked_fill(e.unsqueeze(-1), 0.0), lse_j.masked_fill(e, float("-inf"))
 
 
-class PackedKV:
-    """This rank's K and V packed into one flat buffer in the kernel's layout (one all-gather moves both,
-    and every chunk reaches the kernel without a copy), and the same packing for dK/dV buffers."""
+def pack_chunk(kernel: kernels.BlockKernel, k: torch.Tensor, v: torch.Tensor, masks: ChunkMasks) -> tuple[Packing, torch.Tensor]:
+    """This rank's chunk as it travels: K and V in the kernel's layout, then its key mask (if one travels)."""
+    parts = [kernel.to_layout(k), kernel.to_layout(v), *masks.travelling()]
+    packing = Packing([(t.shape, t.dtype) for t in parts])
+    return packing, packing.pack(parts, k.device)
 
-    def __init__(self, kernel: kernels.BlockKernel, key: torch.Tensor, value: torch.Tensor, comm: GroupComm):
-        self.k_shape = kernel.to_layout(key).shape
-        self.v_shape = kernel.to_layout(value).shape
-        self.nk = key.numel()
-        self.numel = self.nk + value.numel()
-        self.comm = comm
-        buf = torch.empty(self.numel, dtype=key.dtype, device=key.device)
-        buf[: self.nk].view(self.k_shape).copy_(kernel.to_layout(key))
-        buf[self.nk :].view(self.v_shape).copy_(kernel.to_layout(value))
-        self.local = self.split(buf)
-        self._pending = comm.all_gather(buf)
-        self._gathered: torch.Tensor | None = None
 
-    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the K part and the V part of a packed buffer (any dtype)."""
-        return flat[: self.nk].view(self.k_shape), flat[self.nk :].view(self.v_shape)
-
-    def chunk(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of rank j's chunk (the local one without waiting for the all-gather)."""
-        if j == self.comm.rank:
-            return self.local
-        n = self.numel
-        return self.split(self.gathered()[j * n : (j + 1) * n])
-
-    def gathered(self) -> torch.Tensor:
-        """Wait for the all-gather (also called once at the end, so no collective is left unwaited when
-        every remote chunk was masked out)."""
-        if self._gathered is None:
-            self._gathered = self.comm.wait(self._pending)
-        return self._gathered
-
-    def store(self, flat: torch.Tensor, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        """flat := (dk, dv) packed; zeros for a skipped chunk (None)."""
-        if dk is None:
-            flat.zero_()
-        else:
-            k, v = self.split(flat)
-            k.copy_(dk)
-            v.copy_(dv)
-
-    def accumulate(self, flat: torch.Tensor, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        """flat += (dk, dv) packed; nothing for a skipped chunk (None)."""
-        if dk is not None:
-            k, v = self.split(flat)
-            k.add_(dk)
-            v.add_(dv)
+def stream(packing: Packing, buf: torch.Tensor, comm: GroupComm) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """Yield (j, parts of chunk j) for j = r, r+1, ... (mod W): one hop per step, double-buffered. While the
+    caller computes on step i's chunk, it is being sent to rank r−1 and chunk j+1 received from rank r+1
+    into the buffer step i−1 used; the hop is waited for only when the caller asks for the next chunk. Every
+    rank makes all W−1 hops, whatever it computes."""
+    spare = None
+    for i in range(comm.world):
+        hop = comm.shift(buf, -1, into=spare) if i < comm.world - 1 else None
+        yield (comm.rank + i) % comm.world, packing.unpack(buf)
+        if hop is not None:
+            spare, buf = buf, comm.wait(hop)  # both directions done: the sent buffer is free again
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,76 +220,58 @@ def ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's queries against every rank's keys. q, k, v: this rank's shards, model layout (B, S, H, D).
     Returns out (model layout, q's dtype, merged in `acc_dtype`) and the merged fp32 lse (B, S, H)."""
-    kv = PackedKV(kernel, k, v, comm)
     q = kernel.to_layout(q).contiguous()
     out = lse = None
-    for i in range(comm.world):
-        j = (comm.rank + i) % comm.world  # own chunk first: it needs no communication
-        if masks.skip(j):
+    for j, (k_j, v_j, *travelled) in stream(*pack_chunk(kernel, k, v, masks), comm):  # own chunk first
+        mask_j = masks.chunk(j, travelled)
+        if masks.skip(j, mask_j):
             continue
-        out_j, lse_j = kernel.forward(q, *kv.chunk(j), masks.chunk(j), scale)
+        out_j, lse_j = kernel.forward(q, k_j, v_j, mask_j, scale)
         out_j, lse_j = masks.blank_empty_rows(j, out_j, lse_j.float(), kernel.seq_dim)
         if out is None:
             out, lse = out_j.to(acc_dtype), lse_j
         else:
-            out, lse = merge(out, lse, out_j, lse_j, guard=masks.full is not None)
-    kv.gathered()
+            out, lse = merge(out, lse, out_j, lse_j, guard=masks.present)
     if out is None:  # every key masked for every row
         out = torch.zeros_like(q, dtype=acc_dtype)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     return kernel.to_layout(out.to(q.dtype)), kernel.lse_to_layout(lse)
 
 
-class DkvExchange(Protocol):
-    """One backward's dK/dV delivery: `add` is called on every rank at every step i with the gradients of
-    the chunk j it holds (None when the chunk was skipped); `result` is then this rank's chunk's total,
-    packed like `PackedKV`. Made by `factory(comm, kv, dtype, device)`."""
+class DkvRing:
+    """dK/dV on their way home. At step i rank r adds its dK/dV of the chunk it holds (r+i) to that chunk's
+    fp32 accumulator and sends it to rank r−1, which holds that chunk at step i+1; after W steps one final
+    hop brings each chunk's sum to its owner. Two buffers: the one in flight out and the one coming in."""
 
-    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None: ...
+    toward = -1
+    """The direction that follows the keys (diffusers 0.42.1 sends to r+1: right only when W = 2)."""
 
-    def result(self) -> torch.Tensor: ...
+    def __init__(self, comm: GroupComm, packing: Packing, device: torch.device) -> None:
+        self.comm, self.packing, self.device = comm, packing, device
+        self.hop: Any = None
+        self.sent: torch.Tensor | None = None
 
+    def add(self, grads: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """This step's dK/dV of the chunk held (None: the chunk was skipped), then the hop to `toward`."""
+        spare = None
+        if self.hop is None:  # step 0: start this rank's chunk's accumulator
+            acc = self.packing.empty(self.device)
+            if grads is None:
+                acc.zero_()
+            else:
+                for part, g in zip(self.packing.unpack(acc), grads):
+                    part.copy_(g)
+        else:  # the accumulator of the chunk held now, from rank r+1
+            acc, spare = self.comm.wait(self.hop), self.sent  # the last send is done: its buffer is free
+            if grads is not None:
+                for part, g in zip(self.packing.unpack(acc), grads):
+                    part.add_(g)
+        self.sent, self.hop = acc, self.comm.shift(acc, self.toward, into=spare)
 
-class RingDkv:
-    """`DkvStrategy.RING`: the accumulator of the chunk this rank holds goes to rank r−1, which holds that
-    chunk at the next step; after W steps one final hop brings each chunk's sum to its owner."""
-
-    def __init__(self, comm: GroupComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
-        self.comm, self.kv, self.dtype, self.device = comm, kv, dtype, device
-        self.pending: torch.Tensor | None = None
-
-    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        if i == 0:  # start chunk r's accumulator
-            acc = torch.empty(self.kv.numel, dtype=self.dtype, device=self.device)
-            self.kv.store(acc, dk, dv)
-        else:  # chunk j's accumulator, from rank r+1
-            acc = self.comm.wait(self.pending)
-            self.kv.accumulate(acc, dk, dv)
-        self.pending = self.comm.shift(acc, -1)
-
-    def result(self) -> torch.Tensor:
-        return self.comm.wait(self.pending)
-
-
-class ReduceScatterDkv:
-    """`DkvStrategy.REDUCE_SCATTER`: row j of a (W, |K|+|V|) buffer holds this rank's dK/dV of chunk j; one
-    reduce-scatter sums row j over the ranks onto rank j."""
-
-    def __init__(self, comm: GroupComm, kv: PackedKV, dtype: torch.dtype, device: torch.device):
-        self.comm, self.kv = comm, kv
-        self.grads = torch.empty(comm.world, kv.numel, dtype=dtype, device=device)
-
-    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        self.kv.store(self.grads[j], dk, dv)
-
-    def result(self) -> torch.Tensor:
-        return self.comm.reduce_scatter(self.grads.view(-1))
-
-
-DKV_EXCHANGES: dict[DkvStrategy, Callable[[GroupComm, PackedKV, torch.dtype, torch.device], DkvExchange]] = {
-    DkvStrategy.RING: RingDkv,
-    DkvStrategy.REDUCE_SCATTER: ReduceScatterDkv,
-}
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's chunk's dK, dV (after the last `add`), in the kernel's layout."""
+        dk, dv = self.packing.unpack(self.comm.wait(self.hop))
+        return dk, dv
 
 
 def ring_backward(
@@ -290,30 +286,23 @@ def ring_backward(
     comm: GroupComm,
     scale: float,
     acc_dtype: torch.dtype,
-    dkv: DkvStrategy | Callable[..., DkvExchange] = DkvStrategy.RING,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV of this rank's shards (model layout, `acc_dtype`), from what `ring_forward` took and gave
-    (out and lse are the global merged ones). `dkv`: a strategy, or any `DkvExchange` factory."""
-    kv = PackedKV(kernel, k, v, comm)
-    q = kernel.to_layout(q).contiguous()
-    dout = kernel.to_layout(dout).contiguous()
-    out = kernel.to_layout(out).contiguous()
+    (out and lse are the global merged ones)."""
+    q, dout, out = (kernel.to_layout(x).contiguous() for x in (q, dout, out))
     lse = kernel.lse_to_layout(lse)
-    factory = DKV_EXCHANGES[DkvStrategy(dkv)] if isinstance(dkv, str) else dkv
-    exchange = factory(comm, kv, acc_dtype, q.device)
+    k_shape, v_shape = kernel.to_layout(k).shape, kernel.to_layout(v).shape
+    dkv = DkvRing(comm, Packing([(k_shape, acc_dtype), (v_shape, acc_dtype)]), q.device)
     dq = None
-    for i in range(comm.world):
-        j = (comm.rank + i) % comm.world
-        dk_j = dv_j = None
-        if not masks.skip(j):
-            dq_j, dk_j, dv_j = kernel.backward(dout, q, *kv.chunk(j), out, lse, masks.chunk(j), scale)
-            if dq is None:
-                dq = dq_j.to(acc_dtype)
-            else:
-                dq.add_(dq_j)
-        exchange.add(i, j, dk_j, dv_j)
-    kv.gathered()
-    dk, dv = kv.split(exchange.result())
+    for j, (k_j, v_j, *travelled) in stream(*pack_chunk(kernel, k, v, masks), comm):
+        mask_j = masks.chunk(j, travelled)
+        grads = None
+        if not masks.skip(j, mask_j):
+            dq_j, dk_j, dv_j = kernel.backward(dout, q, k_j, v_j, out, lse, mask_j, scale)
+            dq = dq_j.to(acc_dtype) if dq is None else dq.add_(dq_j)
+            grads = (dk_j, dv_j)
+        dkv.add(grads)
+    dk, dv = dkv.result()
     if dq is None:
         dq = torch.zeros_like(q, dtype=acc_dtype)
     return kernel.to_layout(dq), kernel.to_layout(dk), kernel.to_layout(dv)
@@ -326,9 +315,6 @@ def ring_backward(
 
 class RingAttention(torch.autograd.Function):
     """cpdoctor's fixed ring attention (see the module docstring), with diffusers' ring signature."""
-
-    dkv: DkvStrategy = DkvStrategy.RING
-    """How backward delivers dK/dV; set by `cpdoctor.fix.patch.apply(dkv=...)`, read when forward runs."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -366,7 +352,6 @@ class RingAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.masks, ctx.kernel, ctx.comm, ctx.scale = masks, kernel, comm, scale
         ctx.acc_dtype = torch.float32 if to_fp32 else query.dtype
-        ctx.dkv = RingAttention.dkv
         if return_lse:
             ctx.mark_non_differentiable(lse)
             return out, lse
@@ -376,7 +361,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor, *args: Any):  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(
-            grad_out.to(query.dtype), query, key, value, out, lse, ctx.masks, ctx.kernel, ctx.comm, ctx.scale, ctx.acc_dtype, ctx.dkv
+            grad_out.to(query.dtype), query, key, value, out, lse, ctx.masks, ctx.kernel, ctx.comm, ctx.scale, ctx.acc_dtype
         )
         dq, dk, dv = (x.to(grad_out.dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None

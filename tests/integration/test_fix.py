@@ -81,6 +81,7 @@ W2 = {
 W3 = {
     "fp32": attention_case(ring=3, seq=513),
     "bf16": attention_case(ring=3, seq=513, dtype="bf16"),
+    "mask_whole_chunk": attention_case(ring=3, seq=513, mask_pad=200),
     "unpatched": attention_case(patched=False, ring=3, seq=513),
 }
 W4 = {
@@ -90,6 +91,11 @@ W4 = {
     "ring4_mask_whole_chunk": attention_case(ring=4, mask_pad=200),
     "unpatched_ring4": attention_case(patched=False, ring=4),
 }
+W8 = {
+    "ring8": attention_case(ring=8),
+    "ring8_mask_whole_chunk": attention_case(ring=8, mask_pad=100),
+}
+"""Eight ranks, seven hops per pass: the streamed K/V and mask and the dK/dV accumulator all the way round."""
 TRAIN2 = {
     "plain": {"ring": 2, "patched": True, "compare_original": True},
     "bool2d": {"ring": 2, "patched": True, "mask": "bool2d"},
@@ -120,13 +126,8 @@ def att3() -> dict:
 
 
 @pytest.fixture(scope="module")
-def att3_reduce_scatter() -> dict:
-    """The alternative dK/dV strategy: the case's "dkv", which the probe hands to set_patched."""
-    cases = {
-        "fp32": {**attention_case(ring=3, seq=513), "dkv": "reduce_scatter"},
-        "mask": {**attention_case(ring=3, seq=513, mask_pad=200), "dkv": "reduce_scatter"},
-    }
-    return _run_named("attention", cases, 3)
+def att8() -> dict:
+    return _run_named("attention", W8, 8)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +179,14 @@ def test_ulysses2_patched(att2, name, dtype):
     assert_pass(att2[name], dtype)
 
 
-@pytest.mark.parametrize("name,dtype", [("fp32", "fp32"), ("bf16", "bf16")])
+@pytest.mark.parametrize("name,dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("mask_whole_chunk", "fp32")])
 def test_ring3_patched(att3, name, dtype):
     assert_pass(att3[name], dtype)
 
 
-@pytest.mark.parametrize("name", ["fp32", "mask"])
-def test_ring3_reduce_scatter_variant(att3_reduce_scatter, name):
-    assert_pass(att3_reduce_scatter[name])
+@pytest.mark.parametrize("name", ["ring8", "ring8_mask_whole_chunk"])
+def test_ring8_patched(att8, name):
+    assert_pass(att8[name])
 
 
 @pytest.mark.parametrize("name", ["ring4", "ring2_ulysses2", "ring2_ulysses2_mask", "ring4_mask_whole_chunk"])
@@ -293,6 +294,18 @@ def test_apply_revert_identity_and_idempotence(clean_patch):
     patch.set_patched(False)
     patch.set_patched(False)
     assert mod.TemplatedRingAttention is original
+
+
+def test_dkv_names_the_one_strategy(clean_patch):
+    """`dkv="ring"` is accepted (callers that name it keep working); the dropped reduce-scatter is bad input."""
+    from cpdoctor.errors import BadInput
+
+    patch = clean_patch
+    assert patch.apply(dkv="ring").replaced and patch.is_patched()
+    patch.revert()
+    with pytest.raises(BadInput, match="unknown dK/dV strategy 'reduce_scatter'"):
+        patch.apply(dkv="reduce_scatter")
+    assert not patch.is_patched()
 
 
 def test_refuses_unrecognised_ring(clean_patch, monkeypatch):

@@ -2,11 +2,14 @@
 in one process (no process group).
 
 Each rank is a thread running `ring_forward` / `ring_backward` with an in-memory communicator that has
-`GroupComm`'s interface (barriers around a shared slot list), and the CPU block kernel. Every rank's out, lse,
-dQ, dK, dV must match an fp64 full-sequence SDPA reference, for both dK/dV strategies, at W = 2, 3, 4, with
-and without key masks (one of which empties a whole chunk). A dK/dV accumulator sent the wrong way round
-(to rank r+1, like diffusers 0.42.1) is written here too: exact at W = 2, wrong at W = 3, so these tests can
-fail. The fixed Ulysses (all-to-all, one fused block, all-to-all back) must match the same reference, out,
+`GroupComm`'s interface (barriers around a shared slot list), and the CPU block kernel. A hop (`shift`) moves
+its data only when it is waited for, reading the sent buffer and writing the receiving one then, as a real
+transfer in flight may: a ring that wrote a buffer it was still sending, or read one it was still receiving
+into, gets wrong numbers here. Every rank's out, lse, dQ, dK, dV must match an fp64 full-sequence SDPA
+reference at W = 2 .. 8, without a mask and with a boolean key mask (rows with no key in a chunk), an additive
+one that empties a whole chunk (skipped) and a 4-D mask with a query dimension (sliced, not streamed). A dK/dV
+accumulator sent the wrong way round (to rank r+1, like diffusers 0.42.1) is tried too: exact at W = 2, wrong
+at W = 3, so these tests can fail. The fixed Ulysses (all-to-all, one fused block, all-to-all back) must match the same reference, out,
 lse and gradients through autograd, with and without a key mask of the local length.
 """
 
@@ -34,13 +37,22 @@ class _Hub:
         self.slots: list[Any] = [None] * world
 
 
+class _Hop:
+    """A shift posted and not yet waited for."""
+
+    def __init__(self, t: torch.Tensor, offset: int, into: torch.Tensor | None) -> None:
+        self.t, self.offset, self.into = t, offset, into
+
+
 class ThreadComm:
     """`GroupComm`'s interface over threads: every call is a collective all W threads make in the same order.
-    Transfers complete at once (`wait` is the identity); `calls` counts them per kind."""
+    Collectives complete at once; a hop moves its data when waited for. `calls` counts them per kind; `sent`
+    records the storage of every buffer a hop sent (how many chunk buffers the ring keeps)."""
 
     def __init__(self, hub: _Hub, rank: int) -> None:
         self.hub, self.rank, self.world = hub, rank, hub.world
         self.calls: dict[str, int] = {}
+        self.sent: list[int] = []
 
     def _post(self, kind: str, slot: int, value: torch.Tensor) -> list[torch.Tensor]:
         self.calls[kind] = self.calls.get(kind, 0) + 1
@@ -52,19 +64,23 @@ class ThreadComm:
     def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._post("all_gather", self.rank, flat.clone()))
 
-    def shift(self, t: torch.Tensor, offset: int) -> torch.Tensor:
-        return self._post("shift", (self.rank + offset) % self.world, t.clone())[self.rank]
+    def shift(self, t: torch.Tensor, offset: int, into: torch.Tensor | None = None) -> torch.Tensor | _Hop:
+        if self.world == 1:  # like GroupComm: nothing is communicated
+            return t
+        assert into is None or (into.shape == t.shape and into.untyped_storage().data_ptr() != t.untyped_storage().data_ptr())
+        self.sent.append(t.untyped_storage().data_ptr())
+        return _Hop(t, offset, into)
 
     def all_to_all(self, flat: torch.Tensor) -> torch.Tensor:
         parts = self._post("all_to_all", self.rank, flat.clone())
         return torch.cat([p.view(self.world, -1)[self.rank] for p in parts])
 
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        parts = self._post("reduce_scatter", self.rank, flat.clone())
-        return torch.stack([p.view(self.world, -1)[self.rank] for p in parts]).sum(0)
-
-    def wait(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+    def wait(self, t: torch.Tensor | _Hop) -> torch.Tensor:
+        if not isinstance(t, _Hop):
+            return t
+        got = self._post("shift", (self.rank + t.offset) % self.world, t.t.clone())[self.rank]
+        received = torch.empty_like(got) if t.into is None else t.into
+        return received.copy_(got)
 
 
 def run_ranks(world: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
@@ -92,11 +108,12 @@ def run_ranks(world: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
 
 
 def make_inputs(world: int, mask: str | None, seed: int = 0, heads: int = H) -> dict[str, Any]:
-    """Full-sequence q, k, v, dout (model layout) and a key mask (B, S) True = attend, or None."""
+    """Full-sequence q, k, v, dout (model layout) and a mask: `keep` (B, S) True = attend for a key mask, or
+    `keep_rows` (B, 1, S, S) for a mask with a query dimension; None without a mask."""
     g = torch.Generator().manual_seed(seed)
     s = world * S_LOCAL
     q, k, v, dout = (torch.randn(B, s, heads, D, generator=g) for _ in range(4))
-    keep = None
+    keep = keep_rows = None
     if mask == "pad":  # batch 0: the last chunk and 5 more keys masked (a chunk emptied for one batch row)
         keep = torch.ones(B, s, dtype=torch.bool)
         keep[0, -S_LOCAL - 5 :] = False
@@ -104,16 +121,27 @@ def make_inputs(world: int, mask: str | None, seed: int = 0, heads: int = H) -> 
     elif mask == "whole_chunk":  # the last chunk masked for everyone: skipped
         keep = torch.ones(B, s, dtype=torch.bool)
         keep[:, -S_LOCAL:] = False
-    return {"q": q, "k": k, "v": v, "dout": dout, "keep": keep, "mask_form": "additive" if mask == "whole_chunk" else "bool"}
+    elif mask == "rows":  # random per query row, every row keeps its own key; some rows lose a whole chunk
+        keep_rows = (torch.rand(B, 1, s, s, generator=g) < 0.6) | torch.eye(s, dtype=torch.bool)
+        keep_rows[0, :, : S_LOCAL // 2, S_LOCAL:] = False
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "dout": dout,
+        "keep": keep,
+        "keep_rows": keep_rows,
+        "mask_form": "additive" if mask == "whole_chunk" else "bool",
+    }
 
 
 def reference(inp: dict[str, Any]) -> dict[str, torch.Tensor]:
     """fp64 SDPA over the whole sequence: out, lse (B, S, H), dq, dk, dv."""
     q, k, v = (inp[n].double().transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
-    keep = inp["keep"]
+    keep = inp["keep"][:, None, None] if inp["keep"] is not None else inp["keep_rows"]
     bias = None
     if keep is not None:
-        bias = torch.zeros(B, 1, 1, keep.shape[1], dtype=torch.float64).masked_fill(~keep[:, None, None], float("-inf"))
+        bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     out.backward(inp["dout"].double().transpose(1, 2))
     scores = q.detach() @ k.detach().transpose(-1, -2) * D**-0.5
@@ -124,27 +152,34 @@ def reference(inp: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {"out": t(out.detach()), "lse": t(lse), "dq": t(q.grad), "dk": t(k.grad), "dv": t(v.grad)}
 
 
-def run_ring(world: int, inp: dict[str, Any], dkv: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, int]]]:
-    """Every rank's forward and backward; the shards concatenated, and every rank's collective counts."""
+def rank_mask(inp: dict[str, Any], local: slice) -> torch.Tensor | None:
+    """What rank `local` is handed: its keys' mask only (the ring streams the rest with the keys), boolean
+    (B, S_local) or additive (B, 1, 1, S_local) (both reach the ring in diffusers); or its query rows of a
+    mask over every key."""
+    if inp["keep_rows"] is not None:
+        return inp["keep_rows"][:, :, local]
+    keep = inp["keep"]
+    if keep is None:
+        return None
+    if inp["mask_form"] == "additive":
+        return torch.zeros(B, 1, 1, S_LOCAL).masked_fill(~keep[:, local][:, None, None], float("-inf"))
+    return keep[:, local]
+
+
+def run_ring(world: int, inp: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[ThreadComm]]:
+    """Every rank's forward and backward; the shards concatenated, and every rank's communicator after the
+    forward (`fwd_sent`: the buffers its forward sent) and the backward."""
     kernel = kernels.CpuFlashKernel()
     scale = D**-0.5
-    mask_form = inp["mask_form"]
 
-    def rank_fn(comm: ThreadComm) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    def rank_fn(comm: ThreadComm) -> tuple[dict[str, torch.Tensor], ThreadComm]:
         local = slice(comm.rank * S_LOCAL, (comm.rank + 1) * S_LOCAL)
         q, k, v, dout = (inp[n][:, local].contiguous() for n in ("q", "k", "v", "dout"))
-        keep = inp["keep"]
-        attn_mask = None
-        if keep is not None:
-            # each rank holds only its keys' mask (the ring gathers the rest): boolean (B, S_local) for "pad",
-            # additive (B, 1, 1, S_local) for "whole_chunk" (both forms reach the ring in diffusers)
-            attn_mask = keep[:, local]
-            if mask_form == "additive":
-                attn_mask = torch.zeros(B, 1, 1, S_LOCAL).masked_fill(~attn_mask[:, None, None], float("-inf"))
-        masks = ring.ChunkMasks(attn_mask, S_LOCAL, comm)
+        masks = ring.ChunkMasks(rank_mask(inp, local), S_LOCAL, comm)
         out, lse = ring.ring_forward(q, k, v, masks, kernel, comm, scale, torch.float32)
-        dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32, dkv)
-        return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, comm.calls
+        comm.fwd_sent = list(comm.sent)
+        dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32)
+        return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, comm
 
     per_rank = run_ranks(world, rank_fn)
     got = {n: torch.cat([r[0][n] for r in per_rank], dim=1) for n in per_rank[0][0]}
@@ -155,9 +190,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).norm() / ref.norm())
 
 
-def errors(world: int, mask: str | None, dkv: Any) -> dict[str, float]:
+def errors(world: int, mask: str | None) -> dict[str, float]:
     inp = make_inputs(world, mask, seed=world)
-    got, _ = run_ring(world, inp, dkv)
+    got, _ = run_ring(world, inp)
     ref = reference(inp)
     errs = {n: rel_err(got[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
     finite = torch.isfinite(ref["lse"])  # rows of batch 0 have no key in the masked chunk: lse −inf there too
@@ -165,52 +200,50 @@ def errors(world: int, mask: str | None, dkv: Any) -> dict[str, float]:
     return errs
 
 
-@pytest.mark.parametrize("dkv", list(ring.DkvStrategy))
-@pytest.mark.parametrize("mask", [None, "pad", "whole_chunk"])
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_is_exact(world: int, mask: str | None, dkv: ring.DkvStrategy) -> None:
-    errs = errors(world, mask, dkv)
+MASKS = [None, "pad", "whole_chunk", "rows"]
+
+
+@pytest.mark.parametrize(
+    "world,mask",
+    [(w, m) for w in range(1, 9) for m in MASKS if (w, m) != (1, "whole_chunk")],  # one chunk, all masked: no reference
+)
+def test_ring_is_exact(world: int, mask: str | None) -> None:
+    errs = errors(world, mask)
     assert max(errs.values()) < TOL, errs
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_collectives_per_strategy(world: int) -> None:
-    """Forward: one all-gather of K/V. Backward: one more, then W hops of the accumulator (the ring) or one
-    reduce-scatter, on every rank: nothing else is communicated."""
-    inp = make_inputs(world, None)
-    _, calls = run_ring(world, inp, ring.DkvStrategy.RING)
-    assert calls == [{"all_gather": 2, "shift": world}] * world or world == 1
-    _, calls = run_ring(world, inp, ring.DkvStrategy.REDUCE_SCATTER)
-    assert calls == [{"all_gather": 2, "reduce_scatter": 1}] * world or world == 1
+@pytest.mark.parametrize("mask", [None, "pad"])
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_ring_streams_hop_by_hop(world: int, mask: str | None) -> None:
+    """Nothing but hops (the key mask travels inside the K/V buffer): W−1 in forward, W−1 of K/V and W of the
+    dK/dV accumulator in backward, on every rank; two K/V buffers whatever W is, none at all with one rank."""
+    inp = make_inputs(world, mask)
+    _, comms = run_ring(world, inp)
+    hops = {"shift": 3 * world - 2} if world > 1 else {}
+    assert [c.calls for c in comms] == [hops] * world
+    for c in comms:
+        assert len(set(c.fwd_sent)) == min(world - 1, 2)
+        assert len(set(c.sent[len(c.fwd_sent) :])) == (min(2 * world - 1, 4) if world > 1 else 0)  # backward: 2 K/V + 2 dK/dV buffers
 
 
-class AccumulatorToNextRank:
-    """The wrong direction (diffusers 0.42.1's `next_ranks = list(range(1, W)) + [0]`): chunk j's
-    accumulator goes to rank r+1, which holds chunk j+2 next, not chunk j+1. Right only when W = 2."""
-
-    def __init__(self, comm: ThreadComm, kv: ring.PackedKV, dtype: torch.dtype, device: torch.device) -> None:
-        self.comm, self.kv, self.dtype, self.device = comm, kv, dtype, device
-        self.pending: torch.Tensor | None = None
-
-    def add(self, i: int, j: int, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        if i == 0:
-            acc = torch.empty(self.kv.numel, dtype=self.dtype, device=self.device)
-            self.kv.store(acc, dk, dv)
-        else:
-            acc = self.comm.wait(self.pending)
-            self.kv.accumulate(acc, dk, dv)
-        self.pending = self.comm.shift(acc, +1)
-
-    def result(self) -> torch.Tensor:
-        return self.comm.wait(self.pending)
-
-
-def test_wrong_direction_is_caught_at_three_ranks() -> None:
-    at2 = errors(2, None, AccumulatorToNextRank)
+def test_wrong_direction_is_caught_at_three_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dK/dV accumulator sent to rank r+1 (diffusers 0.42.1's `next_ranks = list(range(1, W)) + [0]`)
+    reaches rank r+1, which holds chunk j+2 next, not chunk j: right only when W = 2."""
+    monkeypatch.setattr(ring.DkvRing, "toward", +1)
+    at2 = errors(2, None)
     assert max(at2.values()) < TOL, at2
-    at3 = errors(3, None, AccumulatorToNextRank)
+    at3 = errors(3, None)
     assert at3["out"] < TOL and at3["dq"] < TOL, at3  # forward and dQ never travel
     assert at3["dk"] > 0.1 and at3["dv"] > 0.1, at3
+
+
+def test_packing_keeps_dtypes_and_alignment() -> None:
+    """K, V (bf16) and an fp32 / bool mask share one byte buffer: every part comes back bit for bit, aligned."""
+    parts = [torch.randn(2, 3, 5, 7).bfloat16(), torch.randn(2, 3, 5, 7).bfloat16(), torch.randn(2, 1, 1, 5), torch.rand(2, 1, 1, 5) < 0.5]
+    packing = ring.Packing([(t.shape, t.dtype) for t in parts])
+    back = packing.unpack(packing.pack(parts, torch.device("cpu")))
+    for a, b in zip(parts, back):
+        assert b.dtype == a.dtype and torch.equal(a, b) and b.is_contiguous() and b.data_ptr() % ring.Packing.ALIGN == 0
 
 
 # --------------------------------------------------------------------------------------------------------
