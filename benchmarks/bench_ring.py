@@ -1,26 +1,34 @@
-"""cpdoctor's fixed ring attention vs diffusers' built-in ring (and its fixed Ulysses vs diffusers' Ulysses): wall
-time and peak memory per rank.
+"""cpdoctor's fixed ring attention vs diffusers' built-in ring (and ring-flash-attn's ring, memory only): wall time
+and peak memory per rank, side by side in one run.
 
-Same backend (cpdoctor_cpu: torch's fused CPU flash kernel), same shapes (B1 H8 D64 fp32, sequence S split
-over the ring), same processes: every timed repetition runs the built-in ring and the patched ring back to
-back (alternating), forward then backward, on every rank, between barriers; the slowest rank counts.
-Use diffusers 0.42.1, whose built-in ring is correct at ring 2 (at ring 4 it computes wrong dK/dV, but
-its cost is still the cost of that algorithm).
+Same backend (cpdoctor_cpu: torch's fused CPU flash kernel), same shapes (B1 H8 D64, sequence S split over the
+ring), same processes: every timed repetition runs each implementation back to back (alternating), forward
+then backward, on every rank, between barriers; the slowest rank counts. Use diffusers 0.42.1, whose built-in
+ring is correct at ring 2 (at ring ≥ 3 it computes wrong dK/dV, but its cost is still the cost of that
+algorithm).
 
-Three passes, each in fresh worker processes:
-- time:    median of --reps fwd / bwd wall times per implementation;
-- pieces:  one instrumented fwd+bwd per implementation: time inside the attention kernels, time blocked
-           waiting for collectives (communication not hidden behind compute), the rest (layout copies,
-           merge, accumulation);
+Implementations ("impls"):
+- builtin:          diffusers' TemplatedRingAttention (all-gathers K/V for the forward and again for the backward);
+- patched:          cpdoctor.fix.ring.RingAttention as `cpdoctor.patch()` puts it in (K/V streamed hop by hop);
+- gathered:         with --gathered REV, the fixed ring as it was at git revision REV (K/V all-gathered), loaded from
+                    git into the workers: the measurement that decided whether the gathered variant stays;
+- ring_flash_attn:  ring-flash-attn 0.1.8's `ring_flash_attn_func` on cpdoctor's flash-attn stand-in (the peer
+                    to beat, memory only: the stand-in's speed means nothing), in bf16 (flash-attn refuses fp32),
+                    so that pass measures builtin and patched in bf16 too.
+
+Passes, each in fresh worker processes, every impl warmed up first at S 512:
+- time:    median of --reps fwd / bwd wall times per impl, then one instrumented fwd+bwd per impl ("pieces"):
+           time inside the attention kernels, time blocked waiting for communication, the rest;
 - memory:  peak process memory during one fwd+bwd above the memory before it: /proc/self/clear_refs ("5"
            resets the high-water mark) then VmHWM − VmRSS. Workers run with MALLOC_MMAP_THRESHOLD_=65536 so
            glibc serves every tensor-sized block by mmap and returns it on free: RSS then follows the live
            torch allocations (checked: a 4+8 MB allocation pattern reads 11.9 MB). torch has no CPU allocator
            statistics, and tracemalloc does not see its allocations.
-The ideal per-rank time is the same fused kernel run once in one process (one thread, like one rank) on
-the rank's share of the total work: its S/W queries against all S keys, forward and backward.
+The ideal per-rank time is the same fused kernel run once in one process (one rank's threads) on the rank's
+share of the total work: its S/W queries against all S keys, forward and backward.
 
-Usage: python benchmarks/bench_ring.py [--seqs 512 4096 16384] [--ring4-seqs 4096] [--ulysses-seqs 2048 8192] [--reps 3]
+Usage: python benchmarks/bench_ring.py [--seqs 4096 16384] [--ring4-seqs 4096 16384] [--ring8-seqs 16384]
+       [--peer-rings 4 8] [--peer-seqs 16384] [--ulysses-seqs] [--gathered REV] [--reps 3] [--out FILE]
 Writes benchmarks/results/ring_cpu.json and prints a table.
 """
 
@@ -35,10 +43,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 B, H, D = 1, 8, 64
-IMPLS = ("builtin", "patched")
+WARMUP_SEQ = 512
+
+
+@dataclass(frozen=True)
+class Run:
+    """One launch of `world` workers: which passes, sequence lengths, impls and dtype."""
+
+    layout: str  # "ring" or "ulysses"
+    world: int
+    seqs: list[int]
+    passes: tuple[str, ...]  # "time", "memory"
+    impls: tuple[str, ...]
+    dtype: str = "fp32"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -60,7 +81,7 @@ def _reset_peak() -> None:
 
 
 class _Timers:
-    """Wall time spent inside wrapped callables (kernels, collective waits)."""
+    """Wall time spent inside wrapped callables (kernels, communication waits)."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
@@ -79,91 +100,166 @@ class _Timers:
         setattr(obj, attr, timed)
 
 
+def _import_ring_flash_attn():
+    """(ring_flash_attn, None) on the flash-attn stand-in (activated here, before anything imports diffusers), or
+    (None, why not). Its HF adapter module fails to import under transformers 5.x (../shared/FACTS.md, "Peers' CP
+    attention on CPU") and `import ring_flash_attn` reaches it: when that is the failure, that one submodule is
+    stubbed (the ring functions do not use it) and the import tried again."""
+    import importlib
+    import importlib.util
+    import traceback
+    import types
+
+    from cpdoctor.kernels import standins
+
+    standins.activate()
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        return None, "not installed"
+    try:
+        return importlib.import_module("ring_flash_attn"), None
+    except ImportError as exc:
+        if not any("hf_adapter" in frame.filename for frame in traceback.extract_tb(exc.__traceback__)):
+            return None, f"cannot import: {type(exc).__name__}: {exc}"
+    for name in [n for n in sys.modules if n.split(".")[0] == "ring_flash_attn"]:
+        del sys.modules[name]
+    stub = types.ModuleType("ring_flash_attn.adapters")
+    stub.substitute_hf_flash_attn = stub.update_ring_flash_attn_params = None
+    sys.modules["ring_flash_attn.adapters"] = stub
+    try:
+        return importlib.import_module("ring_flash_attn"), None
+    except ImportError as exc:
+        return None, f"cannot import: {type(exc).__name__}: {exc}"
+
+
+def _load_gathered(path: str):
+    """The fixed ring of an earlier revision (its source written to `path` by the parent) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpdoctor.fix._ring_gathered", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def worker(spec: dict) -> None:
     import gc
+
+    impls = list(spec["impls"])
+    rfa = rfa_error = None
+    if "ring_flash_attn" in impls:  # before diffusers is imported
+        rfa, rfa_error = _import_ring_flash_attn()
+        if rfa is None:
+            impls.remove("ring_flash_attn")
 
     import torch
     import torch.distributed as dist
 
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import comm, kernels, patch
+    from cpdoctor.fix.ring import RingAttention
     from cpdoctor.kernels import cpu_backend
     from cpdoctor.launch.context import DistContext
 
     ctx = DistContext.join(600)
-    world, mode = ctx.world_size, spec["mode"]
+    world = ctx.world_size
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     name = cpu_backend.register()
-    ring_deg, ulysses_deg = (1, world) if spec.get("layout") == "ulysses" else (world, 1)
+    ring_deg, ulysses_deg = (1, world) if spec["layout"] == "ulysses" else (world, 1)
     mesh = ctx.cp_mesh(ring_deg, ulysses_deg)
     config = compat.setup_parallel_config(ring_deg, ulysses_deg, ctx.rank, world, ctx.device, mesh)
     dispatch = compat.dispatch_module()
-    timers = _Timers()
-    if mode == "pieces":
-        # the patched ring: its kernel calls and its collective waits
-        timers.wrap(kernels.CpuFlashKernel, "forward", "patched:kernel_fwd")
-        timers.wrap(kernels.CpuFlashKernel, "backward", "patched:kernel_bwd")
-        timers.wrap(comm.GroupComm, "wait", "patched:comm_wait")
-        # the built-in ring: the ops it is handed (kernel + their layout copies) and its collective waits
-        timers.wrap(cpu_backend, "forward_op", "builtin:op_fwd")
-        timers.wrap(cpu_backend, "backward_op", "builtin:op_bwd")
-        timers.wrap(dispatch, "_wait_tensor", "builtin:comm_wait")
-        # kernel selection compares against cpu_backend.forward_op: it is the wrapper now, which is fine
-    results: dict = {}
-    for seq in spec["seqs"]:
+    gathered = _load_gathered(spec["gathered_source"]).RingAttention if "gathered" in impls else None
+
+    def use(impl: str) -> None:
+        """diffusers' ring, the fix, or the earlier fix in place (the patch module only ever sees its own class)."""
+        if dispatch.TemplatedRingAttention is gathered:
+            dispatch.TemplatedRingAttention = RingAttention
+        patch.set_patched(impl in ("patched", "gathered"))
+        if impl == "gathered":
+            dispatch.TemplatedRingAttention = gathered
+
+    results: dict = {"ring_flash_attn_error": rfa_error}
+    for seq in [WARMUP_SEQ, *spec["seqs"]]:
         local = seq // world
         gen = torch.Generator().manual_seed(ctx.rank)
-        q, k, v, g = (torch.randn(B, local, H, D, generator=gen) for _ in range(4))
+        q, k, v, g = (torch.randn(B, local, H, D, generator=gen).to(dtype) for _ in range(4))
         for t in (q, k, v):
             t.requires_grad_(True)
 
-        def fwd_bwd(record: dict | None = None) -> None:
+        def fwd_bwd(impl: str, record: dict | None = None) -> None:
+            if impl != "ring_flash_attn":
+                use(impl)
             dist.barrier()
             t0 = time.perf_counter()
-            out = dispatch.dispatch_attention_fn(q, k, v, backend=name, parallel_config=config)
+            if impl == "ring_flash_attn":
+                out = rfa.ring_flash_attn_func(q, k, v, causal=False, group=dist.group.WORLD)
+            else:
+                out = dispatch.dispatch_attention_fn(q, k, v, backend=name, parallel_config=config)
             t1 = time.perf_counter()
             out.backward(g)
             t2 = time.perf_counter()
             dist.barrier()
             q.grad = k.grad = v.grad = None
+            del out
             if record is not None:
                 record.setdefault("fwd", []).append(t1 - t0)
                 record.setdefault("bwd", []).append(t2 - t1)
 
-        per: dict = {impl: {} for impl in IMPLS}
-        for impl in IMPLS:  # warm-up
-            patch.set_patched(impl == "patched", dkv=spec["dkv"])
-            fwd_bwd()
-        if mode == "time":
+        if seq == WARMUP_SEQ:
+            for impl in impls:
+                fwd_bwd(impl)
+            continue
+        per: dict = {impl: {} for impl in impls}
+        if spec["mode"] == "time":
             for _ in range(spec["reps"]):
-                for impl in IMPLS:
-                    patch.set_patched(impl == "patched", dkv=spec["dkv"])
-                    fwd_bwd(per[impl])
-        elif mode == "pieces":
-            for impl in IMPLS:
-                patch.set_patched(impl == "patched", dkv=spec["dkv"])
-                timers.totals.clear()
-                rec: dict = {}
-                fwd_bwd(rec)
-                per[impl] = {
-                    "fwd": rec["fwd"],
-                    "bwd": rec["bwd"],
-                    **{k.split(":")[1]: v for k, v in timers.totals.items() if k.startswith(impl)},
-                }
+                for impl in impls:
+                    fwd_bwd(impl, per[impl])
+            for impl in impls:
+                timers = _Timers()
+                with _instrumented(timers, kernels, comm, cpu_backend, dispatch):
+                    rec: dict = {}
+                    fwd_bwd(impl, rec)
+                per[impl]["pieces"] = {"fwd": rec["fwd"][0], "bwd": rec["bwd"][0], **timers.totals}
         else:  # memory
-            for impl in IMPLS:
-                patch.set_patched(impl == "patched", dkv=spec["dkv"])
+            for impl in impls:
                 gc.collect()
                 _reset_peak()
                 base = _status("VmRSS:")
-                fwd_bwd()
+                fwd_bwd(impl)
                 per[impl] = {"peak_bytes": _status("VmHWM:") - base}
-        results[seq] = per
-    patch.set_patched(False)
-    gathered = ctx.gather_to_root(results)
+        results[str(seq)] = per
+    use("builtin")
+    gathered_results = ctx.gather_to_root(results)
     if ctx.rank == 0:
         with open(spec["out"], "w") as fh:
-            json.dump(gathered, fh)
+            json.dump(gathered_results, fh)
     ctx.close()
+
+
+class _instrumented:
+    """Timers around the fix's kernel calls and communication waits, and around the ops the built-in ring is
+    handed (kernel + their layout copies) and its collective waits; removed on exit."""
+
+    def __init__(self, timers: _Timers, kernels, comm, cpu_backend, dispatch) -> None:
+        self.targets = [
+            (kernels.CpuFlashKernel, "forward", "kernel_fwd"),
+            (kernels.CpuFlashKernel, "backward", "kernel_bwd"),
+            (comm.GroupComm, "wait", "comm_wait"),
+            (cpu_backend, "forward_op", "op_fwd"),
+            (cpu_backend, "backward_op", "op_bwd"),
+            (dispatch, "_wait_tensor", "comm_wait"),
+        ]
+        self.timers = timers
+        self.saved: list = []
+
+    def __enter__(self) -> None:
+        for obj, attr, label in self.targets:
+            self.saved.append((obj, attr, obj.__dict__[attr]))
+            self.timers.wrap(obj, attr, label)
+
+    def __exit__(self, *exc) -> None:
+        for obj, attr, original in self.saved:
+            setattr(obj, attr, original)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,8 +286,8 @@ def spawn(world: int, spec: dict, extra_env: dict | None = None) -> list[dict]:
             return json.load(fh)
 
 
-def ideal(seq: int, world: int, reps: int) -> dict:
-    """One rank's share of the total work (S/W queries × S keys) in one fused call, one thread."""
+def ideal(seq: int, world: int) -> dict:
+    """One rank's share of the total work (S/W queries × S keys) in one fused call, a rank's threads."""
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -200,7 +296,7 @@ def ideal(seq: int, world: int, reps: int) -> dict:
     k, v = (torch.randn(B, H, seq, D, generator=gen) for _ in range(2))
     g = torch.randn_like(q)
     fwd, bwd = [], []
-    for i in range(reps + 1):
+    for i in range(3 if seq <= 4096 else 2):
         t0 = time.perf_counter()
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)
         t1 = time.perf_counter()
@@ -212,60 +308,96 @@ def ideal(seq: int, world: int, reps: int) -> dict:
     return {"fwd": statistics.median(fwd), "bwd": statistics.median(bwd)}
 
 
-def summarise(
-    world: int, seqs: list[int], timing: list, pieces: list, memory: list, reps: int, method: str, layout: str = "ring"
-) -> list[dict]:
+def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
+    """One row per sequence length: per impl its times (slowest rank, median over repetitions), pieces (rank 0)
+    and peak memory (largest rank); every impl's ratios to the built-in ring; the ideal."""
     rows = []
-    for seq in seqs:
+    for seq in run.seqs:
         key = str(seq)
-
-        def slowest(impl: str, part: str) -> float:
-            # per repetition the slowest rank, then the median over repetitions
-            per_rank = [r[key][impl][part] for r in timing]
-            return statistics.median(max(vals) for vals in zip(*per_rank))
-
-        row: dict = {"layout": layout, "world": world, "ring": world if layout == "ring" else 1, "seq": seq, "dkv_method": method}
-        for impl in IMPLS:
-            row[impl] = {
-                "fwd_s": slowest(impl, "fwd"),
-                "bwd_s": slowest(impl, "bwd"),
-                "peak_mib": max(r[key][impl]["peak_bytes"] for r in memory) / 2**20,
-                "pieces_rank0_s": {k: v[0] if isinstance(v, list) else v for k, v in pieces[0][key][impl].items()},
-            }
-            row[impl]["total_s"] = row[impl]["fwd_s"] + row[impl]["bwd_s"]
-        # ranks beyond the core count share cores: a rank can at best get cores/world of one core's time
-        share = max(1.0, world / (os.cpu_count() or 1))
-        single = ideal(seq, world, max(1, reps if seq <= 4096 else 1))
-        row["ideal"] = {
-            "fwd": single["fwd"] * share,
-            "bwd": single["bwd"] * share,
-            "single_process_fwd": single["fwd"],
-            "single_process_bwd": single["bwd"],
-            "core_share_factor": share,
-        }
-        p, b = row["patched"], row["builtin"]
-        row["ratio_time"] = p["total_s"] / b["total_s"]
-        row["ratio_fwd"] = p["fwd_s"] / b["fwd_s"]
-        row["ratio_bwd"] = p["bwd_s"] / b["bwd_s"]
-        row["ratio_peak_mem"] = p["peak_mib"] / b["peak_mib"]
-        row["patched_bwd_over_ideal"] = p["bwd_s"] / row["ideal"]["bwd"]
-        row["builtin_bwd_over_ideal"] = b["bwd_s"] / row["ideal"]["bwd"]
-        row["patched_fwd_over_ideal"] = p["fwd_s"] / row["ideal"]["fwd"]
+        row: dict = {"layout": run.layout, "world": run.world, "seq": seq, "dtype": run.dtype}
+        source = memory or timing
+        impls = list(source[0][key])
+        for impl in impls:
+            cell: dict = {}
+            if timing:
+                per_rank = [r[key][impl] for r in timing]
+                for part in ("fwd", "bwd"):
+                    cell[f"{part}_s"] = statistics.median(max(vals) for vals in zip(*(p[part] for p in per_rank)))
+                cell["total_s"] = cell["fwd_s"] + cell["bwd_s"]
+                cell["pieces_rank0_s"] = per_rank[0]["pieces"]
+            if memory:
+                cell["peak_mib"] = max(r[key][impl]["peak_bytes"] for r in memory) / 2**20
+            row[impl] = cell
+        for impl in impls:
+            if impl == "builtin":
+                continue
+            if timing:
+                row[f"{impl}_time_x"] = row[impl]["total_s"] / row["builtin"]["total_s"]
+                for part in ("fwd", "bwd"):
+                    row[f"{impl}_{part}_x"] = row[impl][f"{part}_s"] / row["builtin"][f"{part}_s"]
+            if memory:
+                row[f"{impl}_memory_x"] = row[impl]["peak_mib"] / row["builtin"]["peak_mib"]
+        if timing:
+            # ranks beyond the core count share cores: a rank can at best get cores/world of one core's time
+            share = max(1.0, run.world / (os.cpu_count() or 1))
+            single = ideal(seq, run.world)
+            row["ideal"] = {"fwd": single["fwd"] * share, "bwd": single["bwd"] * share, "core_share_factor": share}
+            for impl in ("builtin", "patched", "gathered"):
+                if impl in row:
+                    row[f"{impl}_bwd_over_ideal"] = row[impl]["bwd_s"] / row["ideal"]["bwd"]
         rows.append(row)
     return rows
+
+
+def measure(run: Run, reps: int, gathered_source: str | None) -> tuple[list[dict], str | None]:
+    spec = {"seqs": run.seqs, "reps": reps, "layout": run.layout, "impls": list(run.impls), "dtype": run.dtype}
+    spec["gathered_source"] = gathered_source
+    timing = spawn(run.world, dict(spec, mode="time")) if "time" in run.passes else None
+    memory = spawn(run.world, dict(spec, mode="memory"), {"MALLOC_MMAP_THRESHOLD_": "65536"}) if "memory" in run.passes else None
+    error = (memory or timing)[0]["ring_flash_attn_error"]
+    return summarise(run, timing, memory), error
+
+
+def gathered_source_of(rev: str, tmp: str) -> str:
+    """ring.py at git revision `rev`, written to a file the workers import."""
+    source = subprocess.run(["git", "show", f"{rev}:cpdoctor/fix/ring.py"], cwd=HERE, check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tmp, "ring_gathered.py")
+    with open(path, "w") as fh:
+        fh.write(source)
+    return path
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    others = [i for i in ("patched", "gathered", "ring_flash_attn") if any(i in r for r in rows)]
+    head = f"{'layout':>9} {'S':>6} {'dtype':>5} | {'built-in s':>10} {'built-in MiB':>12} |"
+    for impl in others:
+        head += f" {impl[:12] + ' time×':>18} {'mem×':>6} {'bwd/ideal':>9} |"
+    print(head)
+    for r in rows:
+        b = r["builtin"]
+        line = f"{r['layout'] + ' ' + str(r['world']):>9} {r['seq']:>6} {r['dtype']:>5} | {fmt(b.get('total_s'), '.3f'):>10} {fmt(b.get('peak_mib'), '.1f'):>12} |"
+        for impl in others:
+            line += f" {fmt(r.get(f'{impl}_time_x')):>18} {fmt(r.get(f'{impl}_memory_x')):>6} {fmt(r.get(f'{impl}_bwd_over_ideal')):>9} |"
+        print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--seqs", type=int, nargs="*", default=[512, 4096, 16384])
-    parser.add_argument("--ring4-seqs", type=int, nargs="*", default=[4096])
+    parser.add_argument("--seqs", type=int, nargs="*", default=[4096, 16384], help="ring 2: time and memory")
+    parser.add_argument("--ring4-seqs", type=int, nargs="*", default=[4096, 16384], help="ring 4: time and memory")
+    parser.add_argument("--ring8-seqs", type=int, nargs="*", default=[16384], help="ring 8: memory only (8 ranks share the cores)")
+    parser.add_argument("--peer-rings", type=int, nargs="*", default=[4, 8], help="ring-flash-attn's ring, memory, bf16")
+    parser.add_argument("--peer-seqs", type=int, nargs="*", default=[16384])
     parser.add_argument(
-        "--ulysses-seqs", type=int, nargs="*", default=[2048, 8192], help="Ulysses 2: diffusers' TemplatedUlyssesAttention vs cpdoctor's"
+        "--ulysses-seqs", type=int, nargs="*", default=[], help="Ulysses 2: diffusers' TemplatedUlyssesAttention vs cpdoctor's"
     )
+    parser.add_argument("--gathered", default=None, metavar="REV", help="also measure the fixed ring of git revision REV")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--compare-dkv", action=argparse.BooleanOptionalAction, default=True, help="also measure the other dK/dV strategy")
-    parser.add_argument("--compare-max-seq", type=int, default=4096)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "ring_cpu.json"))
     args = parser.parse_args()
     if args.worker:
@@ -274,58 +406,49 @@ def main() -> None:
     import diffusers
     import torch
 
-    from cpdoctor.fix import ring
-
-    rows, alternative = [], []
-    default = ring.RingAttention.dkv.value  # the strategy patch.apply() chooses when not told
-    other = [s.value for s in ring.DkvStrategy if s.value != default]
-    runs = [(default, "ring", 2, args.seqs), (default, "ring", 4, args.ring4_seqs), (default, "ulysses", 2, args.ulysses_seqs)]
-    if args.compare_dkv:  # the alternative only where it is cheap to measure
-        runs += [
-            (m, "ring", w, [s for s in seqs if s <= args.compare_max_seq])
-            for m in other
-            for w, seqs in ((2, args.seqs), (4, args.ring4_seqs))
-        ]
-    for method, layout, world, seqs in runs:
-        if not seqs:
-            continue
-        spec = {"seqs": seqs, "reps": args.reps, "dkv": method, "layout": layout}  # the workers patch with dkv=method
-        timing = spawn(world, dict(spec, mode="time"))
-        pieces = spawn(world, dict(spec, mode="pieces"))
-        memory = spawn(world, dict(spec, mode="memory"), {"MALLOC_MMAP_THRESHOLD_": "65536"})
-        (rows if method == default else alternative).extend(summarise(world, seqs, timing, pieces, memory, args.reps, method, layout))
+    fixes = ("patched", "gathered") if args.gathered else ("patched",)
+    both = ("time", "memory")
+    runs = [
+        Run("ring", 2, args.seqs, both, ("builtin", *fixes)),
+        Run("ring", 4, args.ring4_seqs, both, ("builtin", *fixes)),
+        Run("ring", 8, args.ring8_seqs, ("memory",), ("builtin", *fixes)),
+        *(Run("ring", w, args.peer_seqs, ("memory",), ("builtin", "patched", "ring_flash_attn"), "bf16") for w in args.peer_rings),
+        Run("ulysses", 2, args.ulysses_seqs, both, ("builtin", "patched")),
+    ]
+    rows, rfa_error = [], None
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        source = gathered_source_of(args.gathered, tmp) if args.gathered else None
+        for run in runs:
+            if not run.seqs:
+                continue
+            t0 = time.perf_counter()
+            got, error = measure(run, args.reps, source)
+            rows.extend(got)
+            rfa_error = rfa_error or error
+            print(f"{run.layout} {run.world} {run.dtype} {run.passes}: {time.perf_counter() - t0:.0f} s", flush=True)
     doc = {
-        "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64 fp32; built-in = diffusers' TemplatedRingAttention "
-        "(layout ring) or TemplatedUlyssesAttention (layout ulysses), patched = cpdoctor.fix.ring.RingAttention or "
-        "cpdoctor.fix.ulysses.UlyssesAttention",
-        "dkv_method": default,
+        "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64; builtin = diffusers' TemplatedRingAttention (layout "
+        "ring) or TemplatedUlyssesAttention (layout ulysses); patched = cpdoctor.fix.ring.RingAttention (K/V streamed) or "
+        "cpdoctor.fix.ulysses.UlyssesAttention; gathered = the fixed ring of revision `gathered_revision` (K/V all-gathered); "
+        "ring_flash_attn = ring-flash-attn's ring_flash_attn_func on cpdoctor's flash-attn stand-in. *_x = impl / builtin.",
+        "gathered_revision": args.gathered,
+        "ring_flash_attn": rfa_error or "measured",
         "reps": args.reps,
+        "wall_s": time.perf_counter() - started,
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "threads_per_rank": {str(w): max(1, (os.cpu_count() or 1) // w) for w in (2, 4)},
         "rows": rows,
-        "alternative_dkv_rows": alternative,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)
-    for title, table in (("default dK/dV strategy: " + default, rows), ("alternative dK/dV strategy", alternative)):
-        if not table:
-            continue
-        print(title)
-        print(
-            f"{'layout':>9} {'S':>6} {'dK/dV':>14} | {'built-in s':>10} {'patched s':>10} {'time ×':>7} | {'fwd ×':>6} {'bwd ×':>6} | "
-            f"{'built-in MiB':>12} {'patched MiB':>11} {'mem ×':>6} | {'bwd/ideal':>9} {'(built-in)':>10}"
-        )
-        for r in table:
-            print(
-                f"{r['layout'] + ' ' + str(r['world']):>9} {r['seq']:>6} {r['dkv_method']:>14} | {r['builtin']['total_s']:>10.4f} {r['patched']['total_s']:>10.4f} {r['ratio_time']:>7.3f} | "
-                f"{r['ratio_fwd']:>6.3f} {r['ratio_bwd']:>6.3f} | {r['builtin']['peak_mib']:>12.1f} {r['patched']['peak_mib']:>11.1f} "
-                f"{r['ratio_peak_mem']:>6.3f} | {r['patched_bwd_over_ideal']:>9.2f} {r['builtin_bwd_over_ideal']:>10.2f}"
-            )
-    print(f"wrote {args.out}")
+    print_table(rows)
+    if rfa_error:
+        print(f"ring-flash-attn: {rfa_error}")
+    print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

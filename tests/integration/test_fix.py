@@ -37,10 +37,9 @@ def _typed(kind: str, case: dict) -> Case:
     """A test's case, written as plain fields, as the launcher's typed Case."""
     fields = dict(case)
     patched = bool(fields.pop("patched", False))
-    options = {"dkv": fields.pop("dkv")} if "dkv" in fields else {}
     if kind == "attention":
-        return Case(AttentionRequest.from_dict(fields.pop("request")).validate(), patched, options)
-    return Case(TrainStepRequest(**fields), patched, options)
+        return Case(AttentionRequest.from_dict(fields.pop("request")).validate(), patched)
+    return Case(TrainStepRequest(**fields), patched)
 
 
 def launch(kind: str, cases: list[dict], world: int) -> list[dict]:
