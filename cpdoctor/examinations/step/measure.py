@@ -1,0 +1,213 @@
+"""Numbers only: the relations between CP peers and between the watched step and its one-process reference,
+from which the rules (judge.py) read the cause. Nothing here names a fault; it measures:
+
+- which inputs differ between peers (bitwise), and on which ranks;
+- whether the output gradients differ between peers, and whether each peer's is confined to its own shard;
+- the RNG states before and after the step, grouped;
+- each rank's parameter gradients against the expected ones (relative error, the best constant factor and what
+  is left after it), the spread between peers, and whether summing the peers gives the expected gradient;
+- the model's output against the reference (the forward), and the per-parameter errors in the model's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cpdoctor.examinations.step.record import PeerRecord
+
+
+@dataclass(frozen=True)
+class InputDiff:
+    """An input that is not bitwise equal on every CP peer: the ranks that agree with the group's first rank,
+    and the ones that do not."""
+
+    name: str
+    same_as_first: tuple[int, ...]
+    different: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankGrad:
+    """One rank's parameter gradients (after the user's sync) against the expected ones."""
+
+    rank: int
+    rel_err: float
+    max_abs: float
+    nonfinite: int
+    factor: float
+    """The constant c that brings the expected gradients closest to this rank's (least squares)."""
+    residual: float
+    """The relative error left after that factor: ~0 when the gradients are exactly c × the expected ones."""
+
+
+@dataclass(frozen=True)
+class ParamError:
+    """One parameter's gradient on the group's first rank against the expected one."""
+
+    name: str
+    rel_err: float
+    numel: int
+
+
+@dataclass(frozen=True)
+class StepNumbers:
+    """Everything measured for one CP group's step."""
+
+    ranks: tuple[int, ...]
+    """The CP group's global ranks (the first one measured)."""
+    ring: int
+    ulysses: int
+    dp: int
+    """How many CP groups the world holds (the data-parallel degree the expected gradient averages over)."""
+    dtype: str
+    forwards: tuple[int, ...]
+    backwards: tuple[int, ...]
+    inputs_differ: tuple[InputDiff, ...]
+    rng_before_groups: tuple[tuple[int, ...], ...]
+    rng_after_groups: tuple[tuple[int, ...], ...]
+    out_grad_spread: float
+    """Largest relative difference of a peer's output gradient from the first rank's (0 when identical)."""
+    out_grad_differ: tuple[int, ...]
+    out_grad_own_shard: bool
+    """Every peer's output gradient is zero outside its own shard of the gathered output (a per-shard loss)."""
+    out_rel_err: float
+    """The model's output on the first rank against the reference forward."""
+    grads: tuple[RankGrad, ...]
+    peer_spread: float
+    """Largest relative difference between a peer's gradients and the first rank's, after the sync."""
+    sum_rel_err: float
+    """Relative error of the peers' gradients summed over the CP group against the expected ones."""
+    params: tuple[ParamError, ...]
+    missing_grads: tuple[str, ...] = ()
+
+    @property
+    def cp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def world_size(self) -> int:
+        return self.cp * self.dp
+
+
+def rel(x: Any, ref: Any) -> float:
+    """Relative L2 error of x against ref (the absolute norm when ref is zero)."""
+    d = float((x.double() - ref.double()).norm())
+    n = float(ref.double().norm())
+    return d / n if n > 0 else d
+
+
+def best_factor(x: Any, ref: Any) -> tuple[float, float]:
+    """(c, residual): the least-squares c with x ≈ c·ref, and the relative error left after it."""
+    x, ref = x.double(), ref.double()
+    den = float(ref.dot(ref))
+    if den == 0:
+        return 0.0, float("inf")
+    c = float(x.dot(ref)) / den
+    return c, rel(x, c * ref) if c != 0 else float("inf")
+
+
+def groups_of(values: list[str], ranks: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The ranks grouped by equal value, the first rank's group first."""
+    order: dict[str, list[int]] = {}
+    for v, r in zip(values, ranks):
+        order.setdefault(v, []).append(r)
+    return tuple(tuple(g) for g in order.values())
+
+
+def input_diffs(records: list[PeerRecord]) -> tuple[InputDiff, ...]:
+    first = {p.name: p.digest for p in records[0].inputs}
+    diffs = []
+    names = list(first) + [p.name for r in records[1:] for p in r.inputs if p.name not in first]
+    for name in dict.fromkeys(names):
+        same, other = [], []
+        for r in records:
+            d = next((p.digest for p in r.inputs if p.name == name), None)
+            (same if d == first.get(name) else other).append(r.rank)
+        if other:
+            diffs.append(InputDiff(name, tuple(same), tuple(other)))
+    return tuple(diffs)
+
+
+def own_shard_only(grads: list[Any], dim: int) -> bool:
+    """Each peer's output gradient vanishes outside its own chunk along the gather dimension (and not inside)."""
+    n = len(grads)
+    if n < 2 or any(g is None for g in grads) or grads[0].dim() <= dim or grads[0].shape[dim] % n:
+        return False
+    for i, g in enumerate(grads):
+        chunks = g.chunk(n, dim=dim)
+        if float(chunks[i].abs().sum()) == 0 or any(float(c.abs().sum()) != 0 for j, c in enumerate(chunks) if j != i):
+            return False
+    return True
+
+
+def reference_out_grad(records: list[PeerRecord]) -> Any:
+    """The output gradient the reference back-propagates: the mean of the peers' (their own when they agree;
+    for per-shard losses, the gradient of the mean of those losses, as data parallelism averages replicas)."""
+    grads = [r.out_grad for r in records if r.out_grad is not None]
+    return sum(grads[1:], grads[0].double()) / len(grads)
+
+
+def measure(
+    records: list[PeerRecord],
+    *,
+    ring: int,
+    ulysses: int,
+    dp: int,
+    dtype: str,
+    gather_dim: int,
+    out: Any,
+    ref_out: Any,
+    expected: Any,
+    param_names: list[str],
+    param_numels: list[int],
+) -> StepNumbers:
+    """The numbers of one CP group: `records` in group order (the first rank's first), `out`/`ref_out` the first
+    rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with."""
+    import torch
+
+    ranks = tuple(r.rank for r in records)
+    first_g = records[0].out_grad
+    spread, differ = 0.0, []
+    for r in records[1:]:
+        e = rel(r.out_grad, first_g) if r.out_grad is not None and first_g is not None else float("inf")
+        if e != 0:
+            differ.append(r.rank)
+        spread = max(spread, e)
+    grads = []
+    for r in records:
+        g = r.grads
+        c, resid = best_factor(g, expected)
+        grads.append(
+            RankGrad(
+                r.rank, rel(g, expected), float((g.double() - expected.double()).abs().max()), int((~torch.isfinite(g)).sum()), c, resid
+            )
+        )
+    first = records[0].grads
+    peer_spread = max((rel(r.grads, first) for r in records[1:]), default=0.0)
+    summed = sum((r.grads.double() for r in records[1:]), records[0].grads.double())
+    params, offset = [], 0
+    for name, n in zip(param_names, param_numels):
+        params.append(ParamError(name, rel(first[offset : offset + n], expected[offset : offset + n]), n))
+        offset += n
+    return StepNumbers(
+        ranks=ranks,
+        ring=ring,
+        ulysses=ulysses,
+        dp=dp,
+        dtype=dtype,
+        forwards=tuple(r.forwards for r in records),
+        backwards=tuple(r.backwards for r in records),
+        inputs_differ=input_diffs(records),
+        rng_before_groups=groups_of([r.rng_before for r in records], ranks),
+        rng_after_groups=groups_of([r.rng_after for r in records], ranks),
+        out_grad_spread=spread,
+        out_grad_differ=tuple(differ),
+        out_grad_own_shard=bool(differ) and own_shard_only([r.out_grad for r in records], gather_dim),
+        out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
+        grads=tuple(grads),
+        peer_spread=peer_spread,
+        sum_rel_err=rel(summed, expected),
+        params=tuple(params),
+        missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
+    )

@@ -1,0 +1,147 @@
+"""What one rank saw of the watched step, recorded by hooks on the diffusers transformer: the full inputs it
+received (before its `_cp_plan` splits them: torch runs forward pre-hooks before the `forward` that diffusers'
+hooks wrap), the output (after the plan gathered it) and the gradient that flowed into that output, the weights
+the forward used, and the RNG states around the step. Parameter gradients are read at the watcher's exit.
+
+Numbers only; what differs between ranks is worked out in measure.py."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def digest(value: Any) -> str:
+    """A short fingerprint of a tensor's exact bytes (or of a plain value's repr): equal on two ranks only when
+    the values are bitwise equal."""
+    import torch
+
+    h = hashlib.sha1()
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    else:
+        h.update(repr(value).encode())
+    return h.hexdigest()[:16]
+
+
+def rng_digest() -> str:
+    """A fingerprint of this process's RNG states (CPU, and the current CUDA device's when there is one)."""
+    import torch
+
+    parts = [digest(torch.get_rng_state())]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts.append(digest(torch.cuda.get_rng_state()))
+    return "/".join(parts)
+
+
+@dataclass(frozen=True)
+class InputPrint:
+    """One input of the forward on one rank: its fingerprint and (for a tensor) its float64 norm."""
+
+    name: str
+    digest: str
+    norm: float | None
+
+
+@dataclass
+class PeerRecord:
+    """What one rank sends to its CP group's first rank (small, apart from the output and parameter gradients)."""
+
+    rank: int
+    forwards: int
+    backwards: int
+    inputs: tuple[InputPrint, ...]
+    rng_before: str
+    rng_after: str
+    out_grad: Any  # the gradient that flowed into the model's (gathered) output, CPU float32; None without backward
+    grads: Any  # every parameter gradient after the user's sync, flattened in `param_names` order, CPU float32
+    missing_grads: tuple[str, ...] = ()
+
+
+def output_tensor(result: Any) -> Any:
+    """The model's output tensor: the first tensor of a tuple, or `.sample` of an output dataclass."""
+    import torch
+
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, (tuple, list)):
+        return next((x for x in result if isinstance(x, torch.Tensor)), None)
+    sample = getattr(result, "sample", None)
+    if isinstance(sample, torch.Tensor):
+        return sample
+    to_tuple = getattr(result, "to_tuple", None)
+    return output_tensor(to_tuple()) if callable(to_tuple) else None
+
+
+def _detached(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class Hooks:
+    """The hooks on one diffusers transformer. `keep_full` (the CP group's first rank) keeps the inputs and the
+    output themselves for the reference; the others keep fingerprints only."""
+
+    module: Any
+    keep_full: bool
+    snapshot_weights: Any  # () -> {name: tensor}: the weights the forward uses (FSDP2: a collective on every rank)
+    forwards: int = 0
+    backwards: int = 0
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    prints: tuple[InputPrint, ...] = ()
+    output: Any = None
+    out_grad: Any = None
+    weights: dict | None = None
+    _handles: list = field(default_factory=list)
+
+    def install(self) -> Hooks:
+        self._handles.append(self.module.register_forward_pre_hook(self._pre, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(self._post))
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.forwards += 1
+        if self.forwards > 1:
+            return
+        import torch
+
+        named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        self.prints = tuple(
+            InputPrint(n, digest(v), float(v.detach().double().norm()) if isinstance(v, torch.Tensor) and v.is_floating_point() else None)
+            for n, v in named
+        )
+        weights = self.snapshot_weights()
+        if self.keep_full:
+            self.args, self.kwargs, self.weights = _detached(args), _detached(kwargs), weights
+
+    def _post(self, module: Any, args: tuple, result: Any) -> None:
+        if self.forwards > 1:
+            return
+        out = output_tensor(result)
+        if out is None:
+            return
+        if self.keep_full:
+            self.output = out.detach().cpu().float().clone()
+        if out.requires_grad:
+            out.register_hook(self._grad)
+
+    def _grad(self, grad: Any) -> None:
+        self.backwards += 1
+        self.out_grad = grad.detach().cpu().float().clone()

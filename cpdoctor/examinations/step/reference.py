@@ -1,0 +1,84 @@
+"""The same step without CP, on the CP group's first rank: a fresh copy of the model (its class and config, so
+none of diffusers' CP hooks come along; FSDP2's sharded weights gathered whole), in fp64, fed the recorded full
+inputs and back-propagating the recorded output gradient. One forward and one backward: the examination's
+whole extra cost."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from cpdoctor.examinations.step.record import output_tensor
+
+REFERENCE_BACKEND = "native"
+"""diffusers' default backend (torch SDPA): it runs in fp64 on every device."""
+
+DTYPES = {"fp64": "float64", "fp32": "float32"}
+
+
+@contextlib.contextmanager
+def quiet_diffusers() -> Iterator[None]:
+    """diffusers' warnings about building and casting the copy are not the user's business."""
+    import logging
+
+    logger = logging.getLogger("diffusers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def model_class(module: Any) -> type:
+    """The diffusers class of a module, under the subclass FSDP2's fully_shard puts it in."""
+    for cls in type(module).__mro__:
+        if hasattr(cls, "from_config") and not cls.__name__.startswith("FSDP"):
+            return cls
+    return type(module)
+
+
+def _cast(value: Any, dtype: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype, device) for k, v in value.items()}
+    return value
+
+
+def reference_step(
+    module: Any, weights: dict[str, Any], args: tuple, kwargs: dict, out_grad: Any, names: list[str], precision: str, device: Any
+) -> tuple[Any, Any]:
+    """(output, flat parameter gradient in `names` order) of one process running the recorded step."""
+    import torch
+
+    dtype = getattr(torch, DTYPES[precision])
+    from cpdoctor.compat.diffusers import preserved_active_backend
+
+    with quiet_diffusers():
+        ref = model_class(module).from_config(module.config)
+    with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
+        ref.set_attention_backend(REFERENCE_BACKEND)
+    missing = ref.load_state_dict(weights, strict=False).missing_keys
+    params = dict(ref.named_parameters())
+    absent = [n for n in missing if n in params]
+    if absent:
+        raise RuntimeError(f"the reference copy lacks weights for {', '.join(absent[:3])}")
+    with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
+        ref = ref.to(device=device, dtype=dtype).train(module.training)
+    out = output_tensor(ref(*_cast(args, dtype, device), **_cast(kwargs, dtype, device)))
+    out.backward(out_grad.to(device=device, dtype=dtype))
+    params = dict(ref.named_parameters())
+    flat = torch.cat(
+        [
+            params[n].grad.reshape(-1).double().cpu() if params[n].grad is not None else torch.zeros(params[n].numel(), dtype=torch.float64)
+            for n in names
+        ]
+    )
+    return out.detach().float().cpu(), flat

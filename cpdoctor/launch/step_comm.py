@@ -1,0 +1,75 @@
+"""The collectives the step watcher makes, in the user's own process group (gloo or NCCL, CPU or CUDA): the
+house keeps every collective in launch/, so the watcher calls these and never `torch.distributed` itself.
+
+Objects travel with the object collectives (pickled, on the CPU for gloo; NCCL needs the current CUDA device,
+which a training script has set). Every function here is called by every rank of the group in the same order:
+the watcher's exit is the only place that calls them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of `group`, in group order (the first is the group's leader)."""
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` on every rank of `group` (the default group when None), in group order."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_to_first(obj: Any, group: Any) -> list[Any] | None:
+    """Every rank's `obj` on the group's first rank, in group order; None on the others."""
+    import torch.distributed as dist
+
+    ranks = group_ranks(group)
+    mine = dist.get_rank()
+    out: list[Any] | None = [None] * len(ranks) if mine == ranks[0] else None
+    dist.gather_object(obj, out, dst=ranks[0], group=group)
+    return out
+
+
+def broadcast_from_first(obj: Any, group: Any) -> Any:
+    """The group's first rank's `obj` on every rank of the group."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=group_ranks(group)[0], group=group)
+    return box[0]
+
+
+def sum_over_world(tensor: Any) -> Any:
+    """The element-wise sum of `tensor` over every rank of the default group, returned on the CPU (NCCL gets it
+    on the current CUDA device)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = tensor.detach().to(device).clone()
+    dist.all_reduce(buf)
+    return buf.cpu()
+
+
+def full_tensor(t: Any) -> Any:
+    """A DTensor's full value (a collective over its mesh: FSDP2's sharded parameters and gradients), a plain
+    tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t

@@ -1,0 +1,133 @@
+"""Flow-matching training of a diffusers transformer over a 2-D mesh, data-parallel × context-parallel, with
+DDP over the data-parallel ranks and the parameter gradients summed over each CP group, and every step watched
+by `cpdoctor.watch_step` against one process.
+
+    torchrun --nproc-per-node 4 examples/train_cp_2d.py --dp 2 --cp 2              # tiny Flux on CPU ranks
+    torchrun --nproc-per-node 4 examples/train_cp_2d.py --family qwen-image --steps 3
+
+What a correct CP step needs, and where this script does it (each is a line `cpdoctor.watch_step` checks):
+- every rank of a CP group feeds the same full inputs: noise and timesteps are drawn from generators seeded by
+  the data-parallel rank, never by the global rank;
+- the loss is computed on the full output (diffusers' `_cp_plan` gathers it on every CP rank);
+- DDP averages over the data-parallel group only; the CP group's contributions are summed (each CP rank
+  back-propagates its own tokens).
+
+The step is `run(args)`, so a driver (tests/integration/test_step_targets.py) can run copies of it in one
+process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cpdoctor.examinations.step import watch_step  # cpdoctor.watch_step once exported
+
+TINY = {
+    "flux": dict(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    ),
+    "qwen-image": dict(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+    ),
+}  # fmt: skip
+
+
+def build_model(family: str):
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
+
+    cls = {"flux": FluxTransformer2DModel, "qwen-image": QwenImageTransformer2DModel}[family]
+    torch.manual_seed(0)  # the same weights on every rank
+    return cls(**TINY[family])
+
+
+def enable_cp(model, mesh, backend: str):
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    from cpdoctor.compat.diffusers import accelerator_count_at_least_one
+
+    model.set_attention_backend(backend)
+    with accelerator_count_at_least_one():  # some releases divide by the accelerator count: 0 on a CPU host
+        model.enable_parallelism(config=ContextParallelConfig(ring_degree=mesh["ring"].size(), ulysses_degree=1, mesh=mesh))
+    return model
+
+
+def conditioning(model, dp_rank: int, step: int) -> dict:
+    """This data-parallel rank's sample (text embeddings, positions): the same on every rank of its CP group."""
+    from cpdoctor.models.catalog import build_inputs
+
+    gen = torch.Generator().manual_seed(10_000 + 100 * step + dp_rank)
+    kw = build_inputs(type(model), model.config, 64, 64, 8, device="cpu", generator=gen).kwargs
+    return {k: v for k, v in kw.items() if k not in ("hidden_states", "timestep")}
+
+
+def run(args) -> list:
+    """Train `args.steps` watched steps; return each step's cpdoctor Report."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpdoctor.kernels import cpu_backend
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (args.dp, args.cp, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+    dp_rank = mesh["dp"].get_local_rank()
+    cp_rank = mesh["ring"].get_local_rank()
+    dp_group, cp_group = mesh["dp"].get_group(), mesh["ring"].get_group()
+    model = enable_cp(build_model(args.family), mesh, cpu_backend.register())
+    ddp = DDP(model, process_group=dp_group)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    reports = []
+    for step in range(args.steps):
+        cond = conditioning(model, dp_rank, step)
+        x0 = torch.randn(1, 16, model.config.out_channels or model.config.in_channels, generator=torch.Generator().manual_seed(dp_rank))
+        x0 = x0.repeat(1, 1, model.config.in_channels // x0.shape[-1])
+        noise_gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+        time_gen = torch.Generator().manual_seed(2000 * step + dp_rank)
+        with watch_step(ddp) as watch:
+            noise = torch.randn(x0.shape, generator=noise_gen)
+            t = torch.rand(1, generator=time_gen)
+            x_t = (1 - t) * x0 + t * noise
+            out = ddp(hidden_states=x_t, timestep=t, **cond)[0]
+            target = (noise - x0)[..., : out.shape[-1]]
+            loss = F.mse_loss(out, target)
+            loss.backward()  # DDP averages over the data-parallel group
+            for p in model.parameters():  # each CP rank back-propagated its own tokens: sum them
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=cp_group)
+        opt.step()
+        opt.zero_grad()
+        reports.append(watch.report)
+        if rank == 0:
+            finding = watch.report.findings[0]
+            print(f"step {step}: loss {loss.item():.4f}  cpdoctor: {watch.report.verdict} — {finding.diagnosis}")
+    del cp_rank
+    return reports
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", default="flux", choices=sorted(TINY))
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != args.dp * args.cp:
+        raise SystemExit(f"--dp {args.dp} × --cp {args.cp} needs {args.dp * args.cp} ranks, not {dist.get_world_size()}")
+    reports = run(args)
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(max(int(r.exit_code) for r in reports))
+
+
+if __name__ == "__main__":
+    main()
