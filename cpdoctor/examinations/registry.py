@@ -15,6 +15,7 @@ ENTRIES: dict[str, str] = {
     "attention": "cpdoctor.examinations.attention",
     "model": "cpdoctor.examinations.model",
     "train_step": "cpdoctor.examinations.train_step",
+    "peer": "cpdoctor.examinations.peer",
 }
 """kind -> the package whose `EXAMINATION` is the entry."""
 

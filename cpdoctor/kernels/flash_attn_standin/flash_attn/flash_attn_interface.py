@@ -10,8 +10,9 @@ return_attn_probs=False)`). Layout (B, S, H, D); softmax_lse (B, H, Sq) float32 
 rng_state (2,) int64 (seed, offset). The checks are mha_fwd / mha_bwd's (csrc/flash_attn/flash_api.cpp);
 with dropout_p > 0 the forward draws its philox state from the generator (counter offset B·H·32), which
 advances it, as the real one does. Causal masks are aligned to the bottom right (flash-attn >= 2.1).
-Numerics: cpdoctor.kernels.standins (fp32, cast to the input dtype). Varlen, windows, softcap and ALiBi are
-not emulated (NotImplementedError)."""
+Numerics: cpdoctor.kernels.standins (fp32, cast to the input dtype). Windows, softcap and ALiBi are not
+emulated (NotImplementedError). The varlen entry points, the packed variants and their autograd Functions
+(ring-flash-attn and yunchang import them at import time) live in `varlen.py` and are re-exported here."""
 
 from __future__ import annotations
 
@@ -214,5 +215,34 @@ def flash_attn_func(
     )
 
 
-def flash_attn_varlen_func(*args, **kwargs):
-    raise NotImplementedError("cpdoctor's flash-attn stand-in does not emulate the varlen interface")
+from flash_attn.varlen import (  # noqa: E402 - the varlen half needs the dense half above
+    FlashAttnVarlenFunc,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+    _wrapped_flash_attn_varlen_backward,
+    _wrapped_flash_attn_varlen_forward,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+
+__all__ = [
+    "FlashAttnFunc",
+    "FlashAttnVarlenFunc",
+    "_flash_attn_backward",
+    "_flash_attn_forward",
+    "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_forward",
+    "_wrapped_flash_attn_backward",
+    "_wrapped_flash_attn_forward",
+    "_wrapped_flash_attn_varlen_backward",
+    "_wrapped_flash_attn_varlen_forward",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]

@@ -1,0 +1,98 @@
+"""The peer examination (kind "peer"): someone else's CP attention — ring-flash-attn, yunchang, PyTorch's
+context_parallel — on sequence shards, forward and backward, every rank against the full-sequence fp64
+reference, judged like diffusers' (the shared tolerance and row judging, a rules table of its own).
+
+Each implementation is an adapter in cpdoctor/peers/; this package is the Examination entry: the request
+validated with the implementation's own reasons, UNSUPPORTED from the parent when its package is missing,
+the probe (run_rank / evaluate) and the judge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpdoctor.errors import Unsupported, UnsupportedKind
+from cpdoctor.examinations.base import Examination
+from cpdoctor.examinations.judging import failure_findings
+from cpdoctor.examinations.peer import judge
+from cpdoctor.examinations.peer.request import PeerRequest, build_request
+from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
+from cpdoctor.peers.source import peer_frame
+from cpdoctor.report import Finding
+
+
+class PeerExamination(Examination):
+    kind = "peer"
+    request_type = PeerRequest
+
+    def build_request(self, **fields: Any) -> PeerRequest:
+        return build_request(**fields)
+
+    def prepare(self, request: PeerRequest) -> PeerRequest:
+        return request.validate()
+
+    def unsupported_here(self, request: PeerRequest) -> Unsupported | None:
+        """A peer that is not installed, or a kernel the peer has no backward for: known from the parent in well
+        under a second (importlib's finder and the installed source, no import)."""
+        peer = request.adapter
+        spec = peer.spec
+        if not peer.installed():
+            return Unsupported(UnsupportedKind.MISSING_PACKAGE, f"{spec.distribution} is not installed here; install it: {spec.install}")
+        kernel = request.the_kernel
+        if kernel.no_backward is not None:
+            found = kernel.no_backward.read()
+            said = f"{found.text!r} at {found.location}" if found is not None else "its backward raises"
+            return Unsupported(
+                UnsupportedKind.NO_BACKWARD,
+                f"{spec.impl.value}'s {kernel.name} kernel runs forward only ({said}); every peer check back-propagates",
+            )
+        return None
+
+    def cases(self, request: PeerRequest) -> list[Case]:
+        return [Case(request)]
+
+    def world_size(self, request: PeerRequest) -> int:
+        return request.world_size
+
+    def device(self, request: PeerRequest) -> str:
+        return "cpu" if request.emulate else request.device
+
+    def run_rank(self, case: Case, ctx: Any) -> RankResult:
+        from cpdoctor.examinations.peer import probe
+
+        return probe.run_rank(case, ctx)
+
+    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
+        from cpdoctor.examinations.peer import probe
+
+        return probe.evaluate(case, results, ctx)  # type: ignore[arg-type]
+
+    def finding(self, case: Case, evaluated: Any) -> Finding:
+        return judge.peer_finding(case.request, evaluated)
+
+    def describe(self, request: PeerRequest) -> str:
+        return judge.describe(request)
+
+    def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
+        """CRASH / HANG as for every examination, with the peer's own line that raised (from the traceback)."""
+        req: PeerRequest = case.request
+        found = failure_findings(self.describe(req), failures, timeout_s)
+        module = req.adapter.spec.module
+        frames = [peer_frame(f.traceback, module) for f in failures if not f.waiting]
+        frame = next((f for f in frames if f is not None), None)
+        known = judge.peer_crash(failures)
+        for finding in found:
+            judge.forget_diffusers_signature(finding)
+            if frame is not None:
+                finding.diagnosis += f" — raised in {req.impl}'s code at {frame.location}: {frame.text}"
+            if known is not None:
+                finding.diagnosis += f" — {known.name}: {known.diagnosis}"
+                finding.remedy = known.remedy
+                if finding.failure is not None:
+                    finding.failure.signature = known.name
+            finding.command = judge.check_command(req)
+            if req.device != "cuda":
+                finding.emulated = f"ran on CPU ranks through cpdoctor's stand-ins ({req.the_kernel.standin}) where no GPU was used"
+        return found
+
+
+EXAMINATION = PeerExamination()

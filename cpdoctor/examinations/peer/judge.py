@@ -1,0 +1,238 @@
+"""The verdict of a peer case: each tensor against the shared tolerance (judging.tolerance: 2 × the same
+kernel's no-CP error + eps), then the diagnosis from a table of rules of its own. Where a rule names the
+peer's code, the file and line come from the installed source (peers/source.py), read when judging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cpdoctor.errors import Unsupported
+from cpdoctor.examinations.judging import CRASH_SIGNATURES, GRADS_FAR_WORSE, CrashSignature, Rule, diagnose, judge_rows, unsupported_finding
+from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.examinations.peer.request import PeerRequest
+from cpdoctor.launch.jobs import RankFailure
+from cpdoctor.peers.source import Located, SourceLine
+from cpdoctor.report import TENSOR_LABELS, Finding, JudgedRow, Verdict
+
+BF16_DQ = r"(return dq\.to\(torch\.bfloat16\)[^\n]*)"
+"""A backward that returns dQ cast to bf16 whatever the input dtype (found in the variant's installed source)."""
+
+
+@dataclass(frozen=True)
+class PeerSignature:
+    """The facts of one measured peer case that the rules read."""
+
+    impl: str
+    variant: str
+    dtype: str
+    ring: int
+    ulysses: int
+    causal: bool
+    bad: frozenset[str]
+    errors: dict[str, float]
+    tolerances: dict[str, float]
+    bad_ranks: tuple[int, ...]
+    nonfinite: int
+    forward_at: Located | None = None  # the variant's forward function in the installed source
+    backward_at: Located | None = None  # its backward function
+    dq_cast: Located | None = None  # a `return dq.to(torch.bfloat16)` in its source
+    others_without_cast: tuple[str, ...] = ()  # the implementation's variants whose source has no such cast
+
+    @property
+    def world(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def where(self) -> str:
+        if not self.bad_ranks or len(self.bad_ranks) == self.world:
+            return f"on all {self.world} ranks"
+        return f"only on rank{'s' if len(self.bad_ranks) > 1 else ''} {', '.join(map(str, self.bad_ranks))} of {self.world}"
+
+    @property
+    def grads_bad(self) -> list[str]:
+        out = self.errors.get("out", 0.0)
+        return [
+            n for n in ("dq", "dk", "dv") if n in self.bad and ("out" not in self.bad or self.errors[n] > GRADS_FAR_WORSE * max(out, 1e-30))
+        ]
+
+    def errs(self, names: list[str]) -> str:
+        return ", ".join(f"{TENSOR_LABELS[n]} {self.errors[n]:.2g} (tolerance {self.tolerances[n]:.2g})" for n in names)
+
+
+def _at(found: Located | None) -> str:
+    return f" ({found.text} at {found.location})" if found is not None else ""
+
+
+def _report_it(s: PeerSignature) -> str:
+    return f"report it to {s.impl} with this report (--json) and the command below; meanwhile use a variant or degree that passes"
+
+
+def _dq_cast(s: PeerSignature) -> str:
+    assert s.dq_cast is not None
+    return (
+        f"dQ wrong {s.where} ({s.errs(['dq'])}) while out, dK and dV are within tolerance: {s.impl} {s.variant}'s backward returns "
+        f"dQ cast to bf16 whatever the input dtype ({s.dq_cast.text!r} at {s.dq_cast.location}), so a {s.dtype} run gets its dQ "
+        "rounded to bf16"
+    )
+
+
+def _dq_cast_remedy(s: PeerSignature) -> str:
+    others = f"; or a variant whose backward keeps the dtype ({', '.join(s.others_without_cast)})" if s.others_without_cast else ""
+    return f"run {s.impl} {s.variant} in bf16{others}"
+
+
+def _forward(s: PeerSignature) -> str:
+    return f"forward wrong {s.where}: {s.errs(['out'])} in {s.impl} {s.variant}'s forward{_at(s.forward_at)}"
+
+
+def _lse(s: PeerSignature) -> str:
+    return f"the LSE it returns is wrong {s.where} ({s.errs(['lse'])}) while out is right: a caller merging it (another ring, a sink) gets wrong results"
+
+
+def _backward(s: PeerSignature) -> str:
+    fwd = "forward exact, " if "out" not in s.bad else ""
+    return f"{fwd}backward wrong {s.where}: {s.errs(s.grads_bad)} in {s.impl} {s.variant}'s backward{_at(s.backward_at)}"
+
+
+RULES: tuple[Rule[PeerSignature], ...] = (
+    Rule(
+        "nonfinite",
+        "non-finite",
+        lambda s: s.nonfinite > 0,
+        lambda s: f"{s.nonfinite} NaN/Inf values in {', '.join(TENSOR_LABELS[n] for n in sorted(s.bad))}",
+        (),
+    ),
+    Rule("forward", "forward wrong", lambda s: "out" in s.bad, _forward, ()),
+    Rule("lse", "LSE wrong", lambda s: "lse" in s.bad and "out" not in s.bad, _lse, ()),
+    Rule(
+        "backward",
+        "dQ cast to bf16",
+        lambda s: s.grads_bad == ["dq"] and s.dq_cast is not None and s.dtype != "bf16",
+        _dq_cast,
+        (),
+    ),
+    Rule("backward", "backward wrong", lambda s: bool(s.grads_bad), _backward, ()),
+)
+"""Peers' diagnosis table. Remedies depend on the signature, so they are added in `diagnosis` (REMEDIES)."""
+
+REMEDIES = {"dQ cast to bf16": _dq_cast_remedy}
+
+
+def signature(req: PeerRequest, tensors: dict[str, JudgedRow]) -> PeerSignature:
+    spec = req.adapter.spec
+    variant = req.the_variant
+    module, source = spec.module, variant.source
+
+    def look(pattern: str, path: str = source) -> Located | None:
+        return SourceLine(module, path, pattern).read() if path else None
+
+    bad = frozenset(n for n, row in tensors.items() if row.failed)
+    others = tuple(v.name for v in spec.variants if v.source and v.name != variant.name and look(BF16_DQ, v.source) is None)
+    return PeerSignature(
+        impl=req.impl,
+        variant=req.variant,
+        dtype=req.dtype,
+        ring=req.ring,
+        ulysses=req.ulysses,
+        causal=req.causal,
+        bad=bad,
+        errors={n: row.rel_err for n, row in tensors.items()},
+        tolerances={n: row.tolerance for n, row in tensors.items()},
+        bad_ranks=tuple(sorted({r for n in bad for r in tensors[n].bad_ranks})),
+        nonfinite=sum(row.nonfinite for row in tensors.values()),
+        forward_at=look(r"^def (\w*_forward)\(") if "out" in bad else None,
+        backward_at=look(r"^def (\w*_backward)\(") if bad - {"out", "lse"} else None,
+        dq_cast=look(BF16_DQ) if "dq" in bad else None,
+        others_without_cast=others if "dq" in bad else (),
+    )
+
+
+def diagnosis(sig: PeerSignature) -> tuple[str, str]:
+    text, remedy, spoken = diagnose(RULES, sig)
+    extra = [REMEDIES[name](sig) for name in spoken if name in REMEDIES]
+    remedy = "; or ".join(r for r in [*extra, remedy] if r) or _report_it(sig)
+    return text, remedy
+
+
+def describe(req: PeerRequest) -> str:
+    degrees = f"ring {req.ring}" + (f" × Ulysses {req.ulysses}" if req.ulysses > 1 else "")
+    return f"{req.impl} {req.variant} ({req.kernel}) {degrees}, {'causal' if req.causal else 'not causal'}, {req.dtype}"
+
+
+def check_command(req: PeerRequest) -> str:
+    """The command that examines this case alone (the CLI options of `cpdoctor check` for peers)."""
+    parts = ["cpdoctor check", f"--impl {req.impl}", f"--variant {req.variant}", f"--kernel {req.kernel}", f"--ring {req.ring}"]
+    if req.ulysses > 1:
+        parts.append(f"--ulysses {req.ulysses}")
+    parts.append("--causal" if req.causal else "--no-causal")
+    parts += [f"--dtype {req.dtype}", f"--seq {req.seq}", f"--heads {req.heads}", f"--head-dim {req.head_dim}"]
+    if req.batch != 1:
+        parts.append(f"--batch {req.batch}")
+    if req.seed:
+        parts.append(f"--seed {req.seed}")
+    return " ".join(parts)
+
+
+def emulation_note(req: PeerRequest, facts: Any) -> str | None:
+    """What an emulated peer run examined and did not, and every shim that acted."""
+    if facts is None or not facts.emulated:
+        return None
+    kernel = req.the_kernel
+    note = (
+        f"CUDA kernels emulated on CPU: {req.impl}'s own code ran unchanged (its ring, layout, LSE merge, communication) over "
+        f"{kernel.standin}; not examined: the CUDA kernel itself"
+    )
+    shims = "; ".join(f"{s.name}: {s.what} (why: {s.why}; acted {s.acted}×)" for s in facts.shims)
+    return note + (f". Shimmed: {shims}" if shims else ". Nothing shimmed")
+
+
+def peer_finding(req: PeerRequest, measured: Measurement) -> Finding:
+    subject = describe(req)
+    if measured.unsupported is not None:
+        return unsupported_finding(subject, measured.unsupported)
+    tensors = judge_rows(measured.tensors, req.dtype)
+    note = emulation_note(req, measured.facts)
+    if not any(row.failed for row in tensors.values()):
+        worst = max(tensors, key=lambda n: tensors[n].rel_err / max(tensors[n].tolerance, 1e-30))
+        row = tensors[worst]
+        text = f"every rank within tolerance (closest: {TENSOR_LABELS[worst]} {row.rel_err:.2g} of {row.tolerance:.2g})"
+        if measured.baseline_error:
+            text += f"; no baseline ({measured.baseline_error}): dtype-only tolerance"
+        return Finding(subject, Verdict.PASS, text, "", tensors=tensors, evidence=measured.facts, emulated=note)
+    text, remedy = diagnosis(signature(req, tensors))
+    return Finding(subject, Verdict.FAIL, text, remedy, tensors=tensors, evidence=measured.facts, command=check_command(req), emulated=note)
+
+
+def unsupported(req: PeerRequest, why: Unsupported) -> Finding:
+    return unsupported_finding(describe(req), why, remedy=f"install it: {req.adapter.spec.install}")
+
+
+PEER_CRASHES: tuple[CrashSignature, ...] = (
+    CrashSignature(
+        "LSE padded to 32",
+        (r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", r"_merge|update_out_and_lse|lse"),
+        "the block kernel returned an LSE longer than its output and the peer merged it unsliced: the CUDA memory-efficient "
+        "kernel pads logsumexp to a multiple of 32 (torch/_meta_registrations.py meta__scaled_dot_product_efficient_attention: "
+        "ceil(M / 32) * 32 off ROCm), so every ring block whose length is not a multiple of 32 breaks the merge",
+        "make every block a multiple of 32 tokens (with head-tail load balancing a block is S / (2 × ranks)); or the flash or cuDNN kernel",
+    ),
+)
+"""Crash signatures of peers' code (diffusers' own, in judging.CRASH_SIGNATURES, do not apply to peers)."""
+
+
+def peer_crash(failures: list[RankFailure]) -> CrashSignature | None:
+    text = "\n".join(f"{f.message}\n{f.traceback}" for f in failures if not f.waiting)
+    return next((s for s in PEER_CRASHES if s.matches(text)), None)
+
+
+def forget_diffusers_signature(finding: Finding) -> None:
+    """judging.failure_findings names diffusers' known crash signatures; they describe diffusers' CP code, not a
+    peer's, so a peer's finding keeps the raw message and its own signature instead."""
+    if finding.failure is None or finding.failure.signature is None:
+        return
+    known = next((s for s in CRASH_SIGNATURES if s.name == finding.failure.signature), None)
+    if known is not None:
+        finding.diagnosis = finding.diagnosis.replace(f" — {known.name}: {known.diagnosis}", "")
+        finding.remedy = "read the traceback below"
+    finding.failure.signature = None

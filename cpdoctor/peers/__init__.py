@@ -1,0 +1,26 @@
+"""Peer CP attention implementations examined like diffusers' own: one adapter module per implementation
+(ring_flash_attn.py, yunchang.py, torch_cp.py), their token layouts (layouts.py), the shims where gloo or the
+CPU differ from NCCL or CUDA (shims.py), and the peers' own source read as text (source.py).
+
+Nothing here imports torch, diffusers or a peer package at import time; `adapter(impl)` imports the one
+adapter module asked for (which itself imports torch and the peer only inside `run`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from cpdoctor.peers.base import Adapter, Impl
+
+MODULES = {
+    Impl.RING_FLASH_ATTN: "cpdoctor.peers.ring_flash_attn",
+    Impl.YUNCHANG: "cpdoctor.peers.yunchang",
+    Impl.TORCH: "cpdoctor.peers.torch_cp",
+}
+
+
+def adapter(impl: Impl) -> Adapter:
+    return importlib.import_module(MODULES[impl]).ADAPTER
+
+
+__all__ = ["Adapter", "Impl", "MODULES", "adapter"]

@@ -1,0 +1,117 @@
+"""yunchang (feifeibear/long-context-attention, pip `yunchang`): Ulysses × ring "USP", the attention core of
+xDiT / xfuser.
+
+Entry point (yunchang/hybrid/attn_layer.py, 0.6.4): `set_seq_parallel_pg(sp_ulysses_degree, sp_ring_degree,
+rank, world_size, use_ulysses_low=True)` builds its process groups (Ulysses ranks adjacent, ring ranks
+strided), then `LongContextAttention(ring_impl_type=..., attn_type=AttnType...)(q, k, v, causal=...)` on
+(B, S_local, H, D) shards; it returns the output only (no LSE). Ring implementations: `RING_IMPL_DICT`
+(yunchang/hybrid/utils.py: basic, zigzag, strip, basic_pytorch, ...), each with the token layout its
+`EXTRACT_FUNC_DICT` entry gives (yunchang/comm/extract_local.py); block kernels: `AttnType`
+(yunchang/kernels/__init__.py). The torch_* kernels have a forward only: their backward raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpdoctor.peers.base import Adapter, Impl, Kernel, PeerOutputs, PeerSpec, RunShape, Variant
+from cpdoctor.peers.layouts import Layout
+from cpdoctor.peers.source import SourceLine
+
+MODULE = "yunchang"
+
+_NO_TORCH_BACKWARD = SourceLine(
+    MODULE, "kernels/attention.py", r'raise RuntimeError\("(Not implemented backward for PyTorch attention types)"\)'
+)
+_HALF = ("bf16", "fp16")
+_FA_REFUSES = "'FlashAttention only support fp16 and bf16 data type' (flash-attn's mha_fwd, csrc/flash_attn/flash_api.cpp)"
+
+SPEC = PeerSpec(
+    impl=Impl.YUNCHANG,
+    distribution="yunchang",
+    module=MODULE,
+    version="0.6.4",
+    variants=(
+        Variant("basic", Layout.CONTIGUOUS, exposes_lse=False, source="ring/ring_flash_attn.py"),
+        Variant(
+            "zigzag",
+            Layout.ZIGZAG,
+            causal=(True,),
+            exposes_lse=False,
+            source="ring/zigzag_ring_flash_attn.py",
+            refuses=SourceLine(MODULE, "ring/zigzag_ring_flash_attn.py", r'assert causal == True, "([^"]+)"'),
+        ),
+        Variant(
+            "strip",
+            Layout.STRIPE,
+            causal=(True,),
+            exposes_lse=False,
+            source="ring/stripe_flash_attn.py",
+            refuses=SourceLine(MODULE, "ring/stripe_flash_attn.py", r'assert \(\s*causal\s*\),\s*"([^"]+)"'),
+        ),
+        Variant(
+            "basic_pytorch",
+            Layout.CONTIGUOUS,
+            exposes_lse=False,
+            note="yunchang's ring over its PyTorch kernels",
+            source="ring/ring_pytorch_attn.py",
+        ),
+    ),
+    kernels=(
+        Kernel("fa", _HALF, "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)", refuses_dtype=_FA_REFUSES),
+        Kernel("torch_flash", _HALF, "cpdoctor's aten flash stand-in", no_backward=_NO_TORCH_BACKWARD),
+        Kernel("torch_efficient", ("fp32", "bf16", "fp16"), "cpdoctor's aten efficient stand-in", no_backward=_NO_TORCH_BACKWARD),
+    ),
+    has_ring=True,
+    has_ulysses=True,
+)
+
+_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+"""(ring, ulysses) -> yunchang's (Ulysses, ring) groups, made once per process: its set_seq_parallel_pg makes
+new groups on every call."""
+
+
+class Yunchang(Adapter):
+    spec = SPEC
+
+    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> str | None:
+        if heads % ulysses:
+            return (
+                f"yunchang's Ulysses all-to-all splits the heads: --heads {heads} does not divide by --ulysses {ulysses} "
+                "(yunchang/comm/all_to_all.py all_to_all_4D reshapes heads into (ulysses, heads/ulysses))"
+            )
+        step = 2 * ring * ulysses if variant.layout is Layout.ZIGZAG else ring * ulysses
+        if seq % step:
+            return f"yunchang {variant.name} at ring {ring} × ulysses {ulysses} needs --seq divisible by {step}, got {seq}"
+        return None
+
+    def run(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, mesh: Any = None, extra: Any = None) -> PeerOutputs:
+        from yunchang import LongContextAttention
+        from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
+        from yunchang.kernels import AttnType
+
+        from cpdoctor.peers.shims import self_send_shim, self_sends_as_copies
+
+        key = (shape.ring, shape.ulysses)
+        if key not in _GROUPS:
+            set_seq_parallel_pg(shape.ulysses, shape.ring, shape.rank, shape.world)
+            _GROUPS[key] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
+        PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _GROUPS[key]
+        attn = LongContextAttention(ring_impl_type=shape.variant, attn_type=AttnType.from_string(shape.kernel))
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        with self_sends_as_copies() as copies:
+            out = attn(q, k, v, softmax_scale=shape.scale, causal=shape.causal)
+            out.backward(dout)
+        shims = [self_send_shim(copies[0])] if copies[0] else []
+        return PeerOutputs(out.detach(), q.grad, k.grad, v.grad, None, shims=shims)
+
+    def single_process(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, extra: Any = None) -> PeerOutputs:
+        from flash_attn import flash_attn_func
+
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = flash_attn_func(q, k, v, softmax_scale=shape.scale, causal=shape.causal)
+        out.backward(dout)
+        return PeerOutputs(out.detach(), q.grad, k.grad, v.grad)
+
+
+ADAPTER = Yunchang()
