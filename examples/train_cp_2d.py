@@ -79,7 +79,7 @@ def run(args) -> list:
     cp_rank = mesh["ring"].get_local_rank()
     dp_group, cp_group = mesh["dp"].get_group(), mesh["ring"].get_group()
     model = enable_cp(build_model(args.family), mesh, cpu_backend.register())
-    ddp = DDP(model, process_group=dp_group)
+    ddp = DDP(model, process_group=dp_group, find_unused_parameters=True)  # tiny Qwen-Image leaves some unused
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     reports = []
     for step in range(args.steps):
@@ -115,6 +115,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="examine diffusers' CP attention first (cpdoctor.preflight) and patch in the fix if it is wrong",
+    )
     return p
 
 
@@ -123,6 +128,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     if dist.get_world_size() != args.dp * args.cp:
         raise SystemExit(f"--dp {args.dp} × --cp {args.cp} needs {args.dp * args.cp} ranks, not {dist.get_world_size()}")
+    if args.preflight:
+        import cpdoctor
+
+        cpdoctor.preflight(args.cp, 1)  # every rank; leaves cpdoctor's fix patched in when the stock attention is wrong
     reports = run(args)
     dist.barrier()
     dist.destroy_process_group()

@@ -133,6 +133,12 @@ class StepSignature:
         return None
 
     @property
+    def only_gradients_wrong(self) -> bool:
+        """Inputs, loss and reduction right: the peers agree on everything and no constant factor explains the error
+        (where naming the first bad parameter and block says something)."""
+        return not (self.n.inputs_differ or self.n.out_grad_differ or self.peers_differ or self.factor is not None)
+
+    @property
     def rng_consumers(self) -> tuple[int, ...]:
         """The ranks whose RNG state after the step differs from the largest group of peers (ties: the first
         rank's group is the norm)."""
@@ -267,7 +273,7 @@ RULES: tuple[Rule[StepSignature], ...] = (
     Rule("cause", "constant factor", lambda s: s.factor is not None, _factor_text),
     Rule("cause", "gradients wrong", lambda s: s.grads_bad, _attention_text, (ATTENTION_REMEDY,)),
     Rule("rng", "RNG consumed unevenly", lambda s: bool(s.rng_consumers) and len(s.n.rng_before_groups) == 1, _rng_text, (RNG_REMEDY,)),
-    Rule("where", "first bad parameter", lambda s: s.grads_bad and not s.n.inputs_differ, _where_text),
+    Rule("where", "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text),
 )  # fmt: skip
 
 

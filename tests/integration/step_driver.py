@@ -1,0 +1,105 @@
+"""Run copies of examples/train_cp_2d.py (each with one fault injected by the test) in ONE torchrun world, one
+watched step each, plus the watcher's bad inputs; rank 0 writes every variant's verdicts and diagnoses to JSON.
+One launch per diffusers release keeps the targets' test time small (diffusers is imported once per rank).
+
+    python -m torch.distributed.run --nproc-per-node 4 step_driver.py OUT.json DIR_OF_COPIES [--patch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def load(path: str):
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def summary(report) -> dict:
+    return {
+        "verdict": str(report.verdict.value),
+        "exit_code": int(report.exit_code),
+        "diagnoses": [f.diagnosis for f in report.findings],
+        "remedies": [f.remedy for f in report.findings],
+        "commands": [f.command for f in report.findings],
+    }
+
+
+def bad_inputs(example, args) -> dict:
+    """The watcher's bad inputs, in process: no CP, no backward, a raising step, ranks at different steps."""
+    from cpdoctor.errors import BadInput
+    from cpdoctor.examinations.step import watch_step
+
+    out = {}
+    try:
+        with watch_step(example.build_model("flux")):
+            pass
+        out["no_cp"] = {"raised": None}
+    except BadInput as exc:
+        out["no_cp"] = {"raised": str(exc)}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpdoctor.kernels import cpu_backend
+
+    mesh = init_device_mesh("cpu", (args.dp, args.cp, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+    model = example.enable_cp(example.build_model("flux"), mesh, cpu_backend.register())
+    cond = example.conditioning(model, mesh["dp"].get_local_rank(), 0)
+    x = torch.randn(1, 16, 4, generator=torch.Generator().manual_seed(0))
+    with watch_step(model) as w:
+        model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)
+    out["no_backward"] = summary(w.report)
+    try:
+        with watch_step(model) as w:
+            raise ValueError("the user's step failed")
+    except ValueError:
+        out["raises"] = summary(w.report)
+    with watch_step(model, step=dist.get_rank() % 2) as w:
+        model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)[0].sum().backward()
+    out["step_count"] = summary(w.report)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("copies")
+    p.add_argument("--patch", action="store_true")
+    p.add_argument("--families", default="flux,qwen-image")
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    results: dict = {"variants": {}}
+    variants = sorted(f for f in os.listdir(a.copies) if f.endswith(".py"))
+    import cpdoctor
+
+    for family in a.families.split(","):
+        for filename in variants:
+            example = load(os.path.join(a.copies, filename))
+            args = example.parser().parse_args(["--family", family, "--steps", "1"])
+            stock = filename.startswith("stock")
+            if a.patch and not stock:
+                cpdoctor.patch()
+            try:
+                reports = example.run(args)
+            finally:
+                cpdoctor.unpatch()
+            results["variants"][f"{family}/{filename[:-3]}"] = summary(reports[0])
+    results["bad_inputs"] = bad_inputs(load(os.path.join(a.copies, "correct.py")), args)
+    if dist.get_rank() == 0:
+        with open(a.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+    dist.barrier()
+    print(end="", flush=True)
+    os._exit(0)  # no teardown: gloo's rarely aborts with this many groups, and the JSON is written
+
+
+if __name__ == "__main__":
+    main()
