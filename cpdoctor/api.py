@@ -8,16 +8,16 @@ examination is looked up by kind in the registry and launched the same way.
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 from collections.abc import Callable
 from typing import Any
 
 from cpdoctor import launch
-from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.compat.packages import installed_version
+from cpdoctor.errors import BadInput, CannotExamine, Unsupported, UnsupportedKind
 from cpdoctor.examinations import registry
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
-from cpdoctor.examinations.judging import unsupported_remedy
+from cpdoctor.examinations.judging import emulation_note, unsupported_finding
 from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.report import Finding, Report, RunResult, Verdict
@@ -29,6 +29,8 @@ __all__ = [
     "check_attention",
     "check_model",
     "examine",
+    "examine_environment",
+    "plan_model",
     "preflight",
     "request_for",
     "run_findings",
@@ -39,30 +41,36 @@ DEFAULT_TIMEOUT_S = 300.0
 Tick = Callable[[], None] | None
 
 
-def _installed_version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
-    """What the parent knows without importing torch (used when no rank got far enough to report): the
-    versions installed, and the layout asked for (device and backend as requested, e.g. "auto")."""
+    """What the parent knows when no rank got far enough to report: the versions installed, where the ranks
+    ran (the device and process group they choose by the same rule, `launch.context.device_and_group`), and the
+    layout asked for (the backend as requested, e.g. "auto")."""
+    from cpdoctor.launch.context import device_and_group
+
     env: dict[str, Any] = {
-        "torch": _installed_version("torch"),
-        "diffusers": _installed_version("diffusers"),
+        "torch": installed_version("torch"),
+        "diffusers": installed_version("diffusers"),
         "python": platform.python_version(),
         "world_size": world_size,
     }
-    for key in ("device", "backend", "ring", "ulysses", "dtype"):
+    preference = str(getattr(req, "device", "auto"))
+    env["device"], env["process_group"] = device_and_group(preference, _visible_gpus(), world_size)
+    for key in ("backend", "ring", "ulysses", "dtype"):
         if req is not None and hasattr(req, key):
             env[key] = getattr(req, key)
     if getattr(req, "emulate", False):
-        from cpdoctor.examinations.judging import emulation_note
-
         env["emulated"] = emulation_note(str(getattr(req, "backend", "auto")))
     return env
+
+
+def _visible_gpus() -> int:
+    """CUDA devices torch sees (0 when torch has none or cannot tell)."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, as the ranks would find
+        return 0
 
 
 def request_for(kind: str, **fields: Any) -> Any:
@@ -74,7 +82,7 @@ def request_for(kind: str, **fields: Any) -> Any:
 def run_cases(kind: str, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None) -> launch.LaunchResult:
     """Launch the cases of one kind in one job; BadInput / CannotExamine for what the ranks refused."""
     validate_timeout(timeout_s)
-    result = launch.run(Job(kind, tuple(cases), device, timeout_s), world_size, on_tick)
+    result = launch.run(Job(registry.get(kind), tuple(cases), device, timeout_s), world_size, on_tick)
     if result.bad_input:
         raise BadInput(result.bad_input)
     if result.cannot_examine:
@@ -96,19 +104,10 @@ def case_findings(kind: str, cases: list[Case], outcomes: list[CaseOutcome], tim
     findings = []
     for n, case in enumerate(cases):
         if n < len(outcomes):
-            findings.append(
-                outcome_findings(kind, outcomes[n], timeout_s)[0] if outcomes[n].completed else _first_failure(kind, outcomes[n], timeout_s)
-            )
+            findings.append(outcome_findings(kind, outcomes[n], timeout_s)[0])
         else:
-            probe = registry.get(kind).describe(case.request)
-            findings.append(
-                Finding(
-                    probe,
-                    Verdict.UNSUPPORTED,
-                    "not examined: an earlier case of the same launch timed out in a collective",
-                    "run this check alone",
-                )
-            )
+            reason = Unsupported(UnsupportedKind.NOT_EXAMINED, "not examined: an earlier case of the same launch timed out in a collective")
+            findings.append(unsupported_finding(registry.get(kind).describe(case.request), reason))
     return findings
 
 
@@ -120,10 +119,6 @@ def run_findings(
     return case_findings(kind, cases, result.outcomes, timeout_s)
 
 
-def _first_failure(kind: str, outcome: CaseOutcome, timeout_s: float) -> Finding:
-    return outcome_findings(kind, outcome, timeout_s)[0]
-
-
 def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
     """The warnings the examination raised on the ranks (kept off the terminal), counted for the JSON."""
     counts: dict[str, int] = {}
@@ -133,12 +128,13 @@ def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
     return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
 
 
-def _environment(outcomes: list[CaseOutcome], fallback: dict[str, Any]) -> dict[str, Any]:
+def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The environment the first evaluated case reported, else what the parent knows (`fallback()`)."""
     for outcome in outcomes:
         env = getattr(outcome.evaluated, "environment", None)
         if env:
             return dict(env)
-    return fallback
+    return fallback()
 
 
 def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
@@ -148,14 +144,14 @@ def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on
     entry = registry.get(kind)
     missing = entry.unsupported_here(request)
     if missing is not None:  # answered from the parent, before any rank starts
-        finding = Finding(entry.describe(request), Verdict.UNSUPPORTED, missing, unsupported_remedy(missing))
+        finding = unsupported_finding(entry.describe(request), missing)
         return Report.of([finding], fallback_environment(entry.world_size(request), request), request.to_dict())
     req = entry.prepare(request)
     result = run_cases(kind, entry.cases(req), entry.world_size(req), entry.device(req), timeout_s, on_tick)
     runs = [RunResult.of(outcome_findings(kind, o, timeout_s)) for o in result.outcomes]
     final = runs[-1]
     before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
-    env = _environment(result.outcomes, fallback_environment(entry.world_size(req), req))
+    env = _environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
     return Report.of(final.findings, env, req.to_dict(), before=before, wall_s=result.wall_s, extra=warnings_seen(result.outcomes))
 
 
@@ -206,7 +202,8 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
             else:
                 before[i] = finding
                 final[i] = final[i] or finding
-    environment = _environment(outcomes_seen, fallback_environment(max(registry.get(k).world_size(r) for k, r in requests)))
+    widest = max(requests, key=lambda kr: registry.get(kr[0]).world_size(kr[1]))
+    environment = _environment(outcomes_seen, lambda: fallback_environment(registry.get(widest[0]).world_size(widest[1]), widest[1]))
     for varying in ("world_size", "ring", "ulysses", "backend", "dtype", "model"):  # per check, not per suite
         environment.pop(varying, None)
     findings = [f for f in final if f is not None]
@@ -266,3 +263,26 @@ def preflight(
         return report
     fix_patch.set_patched(was_patched)
     raise PreflightFailed(report)
+
+
+def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
+    """`cpdoctor env` in this process: versions, devices, one row per attention backend (found by trying it),
+    the known defects of the installed code (see cpdoctor.examinations.env)."""
+    from cpdoctor.examinations.env.examination import examine_environment as run
+
+    return run(device=device, dtype=dtype, emulate=emulate)
+
+
+def plan_model(model: str, **settings: Any) -> Report:
+    """`cpdoctor plan`: the measured length of every CP split of `model` at these settings (height, width,
+    text_len, frames, ring, ulysses) and the ways out of each problem (see cpdoctor.examinations.plan)."""
+    from cpdoctor.examinations.plan.planner import plan_model as run
+
+    return run(model, **settings)
+
+
+def list_models() -> list[Any]:
+    """Every diffusers model class with a context-parallel plan (`cpdoctor plan --list`)."""
+    from cpdoctor.models.catalog import list_models as scan
+
+    return scan()

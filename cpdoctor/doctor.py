@@ -14,12 +14,12 @@ renders) and nothing here looks at version numbers: the verdicts come from measu
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.compat.packages import installed_version
 from cpdoctor.errors import BadInput
 from cpdoctor.report import Report, Verdict
 from cpdoctor.suite import Suite
@@ -96,19 +96,12 @@ def count_accelerators() -> int:
         return 0
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def environment_summary(accelerators: int) -> dict[str, Any]:
     """What the parent knows cheaply: versions from the package metadata and the accelerator count (the
     device and the backend come back from the ranks)."""
     return {
-        "torch": _version("torch"),
-        "diffusers": _version("diffusers"),
+        "torch": installed_version("torch"),
+        "diffusers": installed_version("diffusers"),
         "python": platform.python_version(),
         "accelerators": accelerators,
     }
@@ -121,12 +114,39 @@ def _torchrun_world() -> int | None:
 
 
 def _backend_of(finding: Any) -> str | None:
-    facts = finding.details.get("facts") if isinstance(finding.details, dict) else None
-    name = facts.get("name") if isinstance(facts, dict) else None
+    """The backend the ranks chose for a check (None when none got far enough to say)."""
+    name = getattr(getattr(finding.evidence, "facts", None), "name", None)
     return name if name and name != "auto" else None
 
 
-def examine(
+@dataclass
+class DoctorRow:
+    """One check of the doctor's table: label, the `attention` fields, why it is there, its verdicts and the
+    command that looks closer."""
+
+    label: str
+    fields: dict[str, Any]
+    why: str
+    verdict: Verdict
+    command: str | None
+    before: Verdict | None = None
+
+
+@dataclass
+class DoctorSummary:
+    """What the doctor adds to its report (JSON key `doctor`): the accelerators, torchrun's world, the backend
+    the ranks chose, the number of launches, the rows, and what did not pass (before the fix, with --patch)."""
+
+    accelerators: int
+    torchrun_world: int | None
+    backend: str
+    launches: int
+    checks: list[DoctorRow]
+    not_passed: list[str]
+    not_passed_before: list[str] | None = None
+
+
+def run_doctor(
     *, patch: bool = False, timeout_s: float | None = None, on_tick: Callable[[], None] | None = None, accelerators: int | None = None
 ) -> Report:
     """Run the doctor's checks here and return one Report: findings in plan order, each with its `command`;
@@ -146,34 +166,27 @@ def examine(
         for f in (finding, before):
             if f is not None:
                 f.command = command_for(check.fields, patch=failed, torchrun_world=torchrun_world)
-        row = {
-            "label": check.label,
-            "fields": dict(check.fields),
-            "why": check.why,
-            "verdict": Verdict(finding.verdict).value,
-            "command": finding.command,
-        }
-        if before is not None:
-            row["before"] = Verdict(before.verdict).value
-        rows.append(row)
-
+        rows.append(
+            DoctorRow(
+                check.label, dict(check.fields), check.why, finding.verdict, finding.command, None if before is None else before.verdict
+            )
+        )
     backends = sorted({b for f in report.findings if (b := _backend_of(f))})
     environment = {**environment_summary(n), **report.environment}
     environment["accelerators"] = n
-    environment["backend"] = ", ".join(backends) if backends else "auto (no rank reported which)"
+    environment["backend"] = ", ".join(backends) if backends else "auto (asked for; no rank got far enough to say which backend it chose)"
     report.environment = environment
     # run_suite's request (every check as its full, validated request), marked as the doctor's.
     report.request = {**report.request, "doctor": True, "accelerators": n, "torchrun_world": torchrun_world}
-    report.extra = {
-        "doctor": {
-            "accelerators": n,
-            "torchrun_world": torchrun_world,
-            "backend": environment["backend"],
-            "launches": len({c.world_size for c in checks}),
-            "checks": rows,
-            "not_passed": [r["label"] for r in rows if r["verdict"] != Verdict.PASS.value],
-        }
-    }
+    summary = DoctorSummary(
+        n,
+        torchrun_world,
+        environment["backend"],
+        len({c.world_size for c in checks}),
+        rows,
+        [r.label for r in rows if r.verdict != Verdict.PASS],
+    )
     if report.before is not None:
-        report.extra["doctor"]["not_passed_before"] = [r["label"] for r in rows if r.get("before") != Verdict.PASS.value]
+        summary.not_passed_before = [r.label for r in rows if r.before != Verdict.PASS]
+    report.extra = {"doctor": summary}
     return report

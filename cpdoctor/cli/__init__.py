@@ -1,16 +1,19 @@
 """The `cpdoctor` command line: parsing and rendering only; the work is in api.py and the probes.
 
-Each command lives in cpdoctor/cli/<name>.py and registers itself (`register(app)`). Nothing here imports torch or
-diffusers, so `cpdoctor --help` answers at once.
+Each command lives in cpdoctor/cli/<name>.py as one function; `register_commands` below lists them all, in the
+order `--help` shows them. Shared options are typer `Annotated` aliases (options.py). Nothing here imports torch
+or diffusers, so `cpdoctor --help` answers at once.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Annotated
 
 import typer
 
+from cpdoctor.cli import check, doctor, env, model, plan, run
+from cpdoctor.cli.options import JsonPath
 from cpdoctor.errors import BadInput, CannotExamine
 
 app = typer.Typer(
@@ -36,14 +39,15 @@ def _print_version(value: bool) -> None:
 @app.callback(invoke_without_command=True)
 def _root(
     ctx: typer.Context,
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print cpdoctor's version and exit."),
-    patch: bool = typer.Option(False, "--patch", help="Without a command: also show every check with cpdoctor's fix applied."),
-    timeout: Optional[float] = typer.Option(
-        None, "--timeout", help="Without a command: seconds per launch before a rank is reported as HANG (default 300)."
-    ),
-    json_path: Optional[str] = typer.Option(
-        None, "--json", metavar="FILE", help="Without a command: write the JSON report to FILE ('-' for stdout, no table)."
-    ),
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print cpdoctor's version and exit.")
+    ] = False,
+    patch: Annotated[bool, typer.Option("--patch", help="Without a command: also show every check with cpdoctor's fix applied.")] = False,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", help="Without a command: seconds per launch before a rank is reported as HANG (default 300)."),
+    ] = None,
+    json_path: JsonPath = None,
 ) -> None:
     """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers.
 
@@ -52,9 +56,7 @@ def _root(
     remedy and closer-look command of each check that did not pass. Exit 0 nothing wrong, 1 corruption/crash/hang,
     2 bad input, 3 cannot examine."""
     if ctx.invoked_subcommand is None:
-        from cpdoctor.cli.doctor import doctor
-
-        doctor(patch=patch, timeout=timeout, json_path=json_path)
+        doctor.doctor(patch=patch, timeout=timeout, json_path=json_path)
     elif patch or timeout is not None or json_path is not None:
         given = [name for name, value in (("--patch", patch), ("--timeout", timeout), ("--json", json_path)) if value not in (False, None)]
         raise BadInput(
@@ -63,18 +65,17 @@ def _root(
         )
 
 
-def _register_commands() -> None:
-    import importlib
-    import pkgutil
+def register_commands(app: typer.Typer) -> None:
+    """Every command, listed once."""
+    app.command("check")(check.check)
+    app.command("doctor", help=doctor.DOCTOR_HELP)(doctor.doctor_command)
+    app.command("env", help=env.ENV_HELP)(env.env)
+    app.command("model", help=model.MODEL_HELP)(model.model)
+    app.command("plan", help=plan.PLAN_HELP)(plan.plan)
+    app.command("run")(run.run)
 
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"cpdoctor.cli.{info.name}")
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(app)
 
-
-_register_commands()
+register_commands(app)
 
 
 def main() -> None:

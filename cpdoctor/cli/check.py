@@ -2,37 +2,58 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, emulate_option, json_option, junit_option, markdown_option, timeout_option, waiting
+from cpdoctor.cli.options import (
+    DEFAULT_TIMEOUT_S,
+    Backend,
+    Batch,
+    Device,
+    Dtype,
+    Emulate,
+    JsonPath,
+    JunitPath,
+    MarkdownPath,
+    MaskPad,
+    Patch,
+    Ring,
+    Seed,
+    Timeout,
+    Ulysses,
+)
+from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.errors import BadInput
 
 
 def check(
-    ring: Optional[int] = typer.Option(None, "--ring", help="Ring degree (default 2, or 1 when only --ulysses is given)."),
-    ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree (default 1)."),
-    backend: str = typer.Option("auto", "--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16."),
-    batch: int = typer.Option(2, "--batch", help="Batch size."),
-    seq: Optional[int] = typer.Option(None, "--seq", help="Full sequence length (default 512, rounded up to divide ring × ulysses)."),
-    heads: int = typer.Option(8, "--heads", help="Attention heads."),
-    head_dim: int = typer.Option(64, "--head-dim", help="Head dimension."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
-    mask_pad: int = typer.Option(0, "--mask-pad", help="Mask out the last N keys of the sequence as padding."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    patch: bool = typer.Option(False, "--patch", help="Examine, apply cpdoctor's fixed CP attention, examine again."),
-    emulate: bool = emulate_option(),
-    timeout: float = timeout_option(),
-    json_path: Optional[str] = json_option(),
-    junit_path: Optional[str] = junit_option(),
-    markdown_path: Optional[str] = markdown_option(),
-    repro_dir: Optional[str] = typer.Option(
-        None,
-        "--repro",
-        help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape).",
-    ),
+    ring: Ring = None,
+    ulysses: Ulysses = None,
+    backend: Backend = "auto",
+    dtype: Dtype = "fp32",
+    batch: Batch = 2,
+    seq: Annotated[
+        Optional[int], typer.Option("--seq", help="Full sequence length (default 512, rounded up to divide ring × ulysses).")
+    ] = None,
+    heads: Annotated[int, typer.Option("--heads", help="Attention heads.")] = 8,
+    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension.")] = 64,
+    seed: Seed = 0,
+    mask_pad: MaskPad = 0,
+    device: Device = "auto",
+    patch: Patch = False,
+    emulate: Emulate = False,
+    timeout: Timeout = DEFAULT_TIMEOUT_S,
+    json_path: JsonPath = None,
+    junit_path: JunitPath = None,
+    markdown_path: MarkdownPath = None,
+    repro_dir: Annotated[
+        Optional[str],
+        typer.Option(
+            "--repro",
+            help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape).",
+        ),
+    ] = None,
 ) -> None:
     """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
     a full-sequence reference. Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."""
@@ -67,8 +88,8 @@ def write_repro_files(report: object, directory: str) -> None:
     """Write the upstream repro and issue text for a FAIL (rank 0 only), and say where (on stderr)."""
     import sys
 
+    from cpdoctor.examinations.attention.repro import write_repro
     from cpdoctor.launch import is_reporting_rank
-    from cpdoctor.report.repro import write_repro
 
     if not is_reporting_rank():
         return
@@ -80,7 +101,3 @@ def write_repro_files(report: object, directory: str) -> None:
         print(f"cpdoctor: wrote {' and '.join(paths)}", file=sys.stderr)
     else:
         print("cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors)", file=sys.stderr)
-
-
-def register(app: typer.Typer) -> None:
-    app.command("check")(check)

@@ -5,11 +5,12 @@ Parsing and rendering only; the plan and the run are in cpdoctor/doctor.py.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, json_option, junit_option, markdown_option, timeout_option, waiting
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath
+from cpdoctor.cli.output import check_run_options, emit, waiting
 
 DOCTOR_HELP = (
     "The front door (what `cpdoctor` alone runs): the environment, then ring 2, ring 3, ring over every visible "
@@ -19,32 +20,22 @@ DOCTOR_HELP = (
 )
 
 
-def _worst(finding: Any) -> str:
-    """The tensor furthest from the reference, as 'dK 1.16e+00' (– when nothing was measured)."""
-    from cpdoctor.report import TENSOR_LABELS
-
-    if finding is None or not finding.tensors:
-        return "–"
-    name, t = max(finding.tensors.items(), key=lambda kv: kv[1].get("rel_err") or 0.0)
-    return f"{TENSOR_LABELS.get(name, name)} {t['rel_err']:.2e}"
-
-
 def render_doctor(report: Any, out: Any) -> None:
     """A few lines of environment, one row per check, then diagnosis, remedy and command of each that failed."""
     from rich.markup import escape
     from rich.table import Table
 
-    from cpdoctor.report import Verdict, styled
+    from cpdoctor.report import Verdict, styled, worst_tensor
 
     env, summary = report.environment, report.extra["doctor"]
-    n = summary["accelerators"]
+    n = summary.accelerators
     out.print("[bold]cpdoctor[/] — the context-parallel examinations that matter on this machine")
     out.print(f"  torch {env.get('torch')} · diffusers {env.get('diffusers')} · python {env.get('python')}")
     seen = f"accelerators visible: {n}" + ("" if n >= 2 else " (no ring over all accelerators)")
-    if summary.get("torchrun_world"):
-        seen += f" · torchrun world {summary['torchrun_world']}"
+    if summary.torchrun_world:
+        seen += f" · torchrun world {summary.torchrun_world}"
     out.print(f"  device {escape(str(env.get('device', '?')))} · process group {env.get('process_group', '?')} · {seen}")
-    out.print(f"  CP backend here: [bold]{escape(summary['backend'])}[/] (auto: the best CP-capable backend that runs here)")
+    out.print(f"  CP backend here: [bold]{escape(summary.backend)}[/] (auto: the best CP-capable backend that runs here)")
 
     befores = report.before.findings if report.before is not None else None
     table = Table(title_justify="left")
@@ -56,21 +47,21 @@ def render_doctor(report: Any, out: Any) -> None:
         table.add_column("before: worst", justify="right")
     table.add_column("after the fix" if befores is not None else "verdict", justify="center")
     table.add_column("worst rel err", justify="right")
-    for i, (row, finding) in enumerate(zip(summary["checks"], report.findings, strict=True), 1):
-        cells = [str(i), row["label"], row["why"]]
+    for i, (row, finding) in enumerate(zip(summary.checks, report.findings, strict=True), 1):
+        cells = [str(i), row.label, row.why]
         if befores is not None:
             before = befores[i - 1]
-            cells += [styled(before.verdict), _worst(before)]
-        cells += [styled(finding.verdict), _worst(finding)]
+            cells += [styled(before.verdict), worst_tensor(before)]
+        cells += [styled(finding.verdict), worst_tensor(finding)]
         table.add_row(*cells)
     out.print(table)
 
-    for i, (row, finding) in enumerate(zip(summary["checks"], report.findings, strict=True), 1):
+    for i, (row, finding) in enumerate(zip(summary.checks, report.findings, strict=True), 1):
         before = befores[i - 1] if befores is not None else None
         shown = before if before is not None and before.verdict != Verdict.PASS else finding
         if shown.verdict == Verdict.PASS and finding.verdict == Verdict.PASS:
             continue
-        out.print(f"{i}. [bold]{row['label']}[/] {styled(shown.verdict)} — {escape(shown.diagnosis)}")
+        out.print(f"{i}. [bold]{row.label}[/] {styled(shown.verdict)} — {escape(shown.diagnosis)}")
         if shown.remedy:
             out.print(f"   [bold]remedy:[/] {escape(shown.remedy)}")
         if before is not None:
@@ -79,13 +70,13 @@ def render_doctor(report: Any, out: Any) -> None:
         out.print(f"   look closer: [bold]{escape(finding.command or '')}[/]")
 
     label = "after the fix: " if befores is not None else ""
-    launches = summary["launches"]
+    launches = summary.launches
     out.print(
-        f"\n{label}verdict {styled(report.verdict)}  (exit {report.exit_code}; {len(report.findings)} checks in "
+        f"\n{label}verdict {styled(report.verdict)}  (exit {int(report.exit_code)}; {len(report.findings)} checks in "
         f"{launches} launch{'es' if launches != 1 else ''}, {report.wall_s:.1f} s in ranks)"
     )
     if befores is None and report.verdict != Verdict.PASS:
-        world = summary.get("torchrun_world")
+        world = summary.torchrun_world
         again = f"torchrun --nproc-per-node {world} -m cpdoctor --patch" if world else "cpdoctor --patch"
         out.print(
             f"[dim]`{again}` shows every check again with cpdoctor's fixed CP attention; `cpdoctor.patch()` applies it in your script.[/]"
@@ -100,25 +91,22 @@ def doctor(
     markdown_path: Optional[str] = None,
 ) -> None:
     """Run the doctor and exit with its code (shared by `cpdoctor` alone and `cpdoctor doctor`)."""
-    from cpdoctor.api import DEFAULT_TIMEOUT_S
-    from cpdoctor.doctor import examine
+    from cpdoctor.doctor import run_doctor
 
     timeout_s = DEFAULT_TIMEOUT_S if timeout is None else timeout
     check_run_options(timeout_s, json_path, junit_path, markdown_path)
     with waiting(
         "examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)
     ):
-        report = examine(patch=patch, timeout_s=timeout_s)
+        report = run_doctor(patch=patch, timeout_s=timeout_s)
     emit(report, json_path, render_doctor, junit_path=junit_path, markdown_path=markdown_path, command="doctor")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("doctor", help=DOCTOR_HELP)
-    def doctor_command(
-        patch: bool = typer.Option(False, "--patch", help="Also run every check with cpdoctor's fixed CP attention, side by side."),
-        timeout: float = timeout_option(per_launch=True),
-        json_path: Optional[str] = json_option(),
-        junit_path: Optional[str] = junit_option(),
-        markdown_path: Optional[str] = markdown_option(),
-    ) -> None:
-        doctor(patch=patch, timeout=timeout, json_path=json_path, junit_path=junit_path, markdown_path=markdown_path)
+def doctor_command(
+    patch: Annotated[bool, typer.Option("--patch", help="Also run every check with cpdoctor's fixed CP attention, side by side.")] = False,
+    timeout: LaunchTimeout = DEFAULT_TIMEOUT_S,
+    json_path: JsonPath = None,
+    junit_path: JunitPath = None,
+    markdown_path: MarkdownPath = None,
+) -> None:
+    doctor(patch=patch, timeout=timeout, json_path=json_path, junit_path=junit_path, markdown_path=markdown_path)

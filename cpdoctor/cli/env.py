@@ -1,16 +1,16 @@
 """`cpdoctor env`: what is installed, which attention backends can do CP here, and what the installed diffusers
-gets wrong, in one process and a few seconds. Rendering only: the examination is `cpdoctor.examinations.env.probe`
+gets wrong, in one process and a few seconds. Rendering only: the examination is `cpdoctor.api.examine_environment`
 and returns the `cpdoctor.report.Report` every examination returns (its backend rows under the `backends` key).
 torch and diffusers are imported inside the command so that `cpdoctor --help` stays fast."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import emulate_option, json_option
+from cpdoctor.cli.options import Emulate, JsonPath
 
 ENV_HELP = (
     "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
@@ -24,57 +24,42 @@ MARK = {True: "✓", False: "✗", None: "–"}
 COLUMNS = ("backend", "installed", "CP", "runs here", "LSE", "backward", "saves LSE", "RNG", "ring", "Ulysses", "training", "note")
 
 
-def _cell_values(row: dict) -> list[tuple[Optional[bool], str]]:
-    """(ok, text) per table column after the name; ok None renders dim."""
-    facts, op = row["facts"], row.get("op") or None
-    meta = bool(op and op.get("measured_on") == "meta")
+def _cell_values(row: Any) -> list[tuple[Optional[bool], str]]:
+    """(ok, text) per table column after the name, from a typed BackendRow; ok None renders dim."""
+    op = row.op
+    meta = bool(op is not None and op.measured_on == "meta")
     star = "*" if meta else ""
-    installed = (row["installed"], MARK[row["installed"]])
-    cp = (row["cp_capable"], MARK[row["cp_capable"]])
-    runs: tuple[Optional[bool], str] = (row["runs_here"], MARK[row["runs_here"]]) if row["installed"] else (None, "–")
-    lse: tuple[Optional[bool], str] = (None, "–")
-    backward: tuple[Optional[bool], str] = (None, "–")
-    saves: tuple[Optional[bool], str] = (None, "–")
-    rng: tuple[Optional[bool], str] = (None, "–")
-    if row["runs_here"] and facts.get("routes_cp"):
-        lse = (row["returns_lse"], MARK[row["returns_lse"]])
-    if op and not op.get("error"):
-        ok = _backward_ok(op)
+    na: tuple[Optional[bool], str] = (None, "–")
+    installed = (row.installed, MARK[row.installed])
+    cp = (row.cp_capable, MARK[row.cp_capable])
+    runs = (row.runs_here, MARK[row.runs_here]) if row.installed else na
+    lse = (row.returns_lse, MARK[row.returns_lse]) if row.runs_here and row.facts.routes_cp else na
+    backward, saves, rng = na, na, na
+    if op is not None and not op.error:
+        ok = op.backward_ok
         backward = (ok, MARK[ok] + star)
         if meta:
-            if op.get("lse_not_requested"):
-                saves = (False, "✗*")
-        elif op.get("saved_lse"):
+            saves = (False, "✗*") if op.lse_not_requested else na
+        elif op.saved_lse:
             saves = (True, "✓")
         else:
             saves = (None if ok else False, "recomputes" if ok else "✗")
-        if op.get("rng_advanced") or op.get("forced_dropout"):
+        if op.rng_advanced or op.forced_dropout:
             rng = (False, "advances" + star)
         elif not meta:
             rng = (True, "steady")
-    whys: list[str] = []
-    for key in ("ulysses", "ring", "training"):
-        cell = row[key]
-        if cell["ok"] is False and cell["why"] and cell["why"] not in whys:
-            whys.append(cell["why"])
-    note = "; ".join(whys)
     cells = [installed, cp, runs, lse, backward, saves, rng]
-    cells += [(row[k]["ok"], MARK[row[k]["ok"]]) for k in ("ring", "ulysses", "training")]
-    return cells + [(None, note)]
+    cells += [(cell.ok, MARK[cell.ok]) for cell in (row.ring, row.ulysses, row.training)]
+    return cells + [(None, _note(row))]
 
 
-def _backward_ok(op: dict) -> Optional[bool]:
-    if op.get("error") or op.get("backward_error") or op.get("grad_shapes_ok") is False or op.get("lse_not_requested"):
-        return False
-    if op.get("rel_err") and op.get("tolerance") is not None:
-        return max(op["rel_err"].values()) <= op["tolerance"]
-    return op.get("grad_shapes_ok")
-
-
-def _style(verdict: str) -> str:
-    from cpdoctor.report import Verdict
-
-    return Verdict(verdict).style
+def _note(row: Any) -> str:
+    """Every distinct reason the backend cannot do ring, Ulysses or training here, once each."""
+    whys: list[str] = []
+    for cell in (row.ulysses, row.ring, row.training):
+        if cell.ok is False and cell.why and cell.why not in whys:
+            whys.append(cell.why)
+    return "; ".join(whys)
 
 
 def _fmt_value(value: Any) -> str:
@@ -115,13 +100,13 @@ def _render_environment(env: dict, console: Any) -> None:
     console.print(grid)
 
 
-def _render_backends(data: dict, console: Any) -> None:
+def _render_backends(report: Any, console: Any) -> None:
     """The backend table, then one line per distinct reason a backend cannot do something here."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    env = data["environment"]
+    env = report.environment
     table = Table(
         title=f"attention backends on {env.get('probe_device')} ({env.get('probe_dtype')})",
         title_justify="left",
@@ -131,45 +116,44 @@ def _render_backends(data: dict, console: Any) -> None:
     for col in COLUMNS[:-1]:
         table.add_column(col, justify="left" if col == "backend" else "center", no_wrap=True)
     notes: dict[str, list[str]] = {}
-    for row in data["backends"]:
+    for row in report.extra["backends"]:
         *values, (_, note) = _cell_values(row)
         cells = []
         for ok, text in values:
             style = "yellow" if text.startswith("advances") else "green" if ok is True else "red" if ok is False else "dim"
             cells.append(f"[{style}]{escape(text)}[/]")
-        table.add_row(escape(row["name"]), *cells)
+        table.add_row(escape(row.name), *cells)
         if note:
-            notes.setdefault(note, []).append(row["name"])
+            notes.setdefault(note, []).append(row.name)
     console.print(table)
     for note, names in notes.items():
         console.print(f"  [dim]✗ {escape(', '.join(names))}: {escape(note)}[/]")
 
 
-def _render_findings(findings: list[dict], console: Any) -> None:
+def _render_findings(findings: list[Any], console: Any) -> None:
     from rich.markup import escape
 
     for f in findings:
-        console.print(f"[{_style(f['verdict'])}]{f['verdict']}[/] [bold]{escape(f['probe'])}[/] — {escape(f['diagnosis'])}")
-        if f.get("remedy"):
-            console.print(f"    [bold]remedy:[/] {escape(f['remedy'])}")
-        if f.get("command"):
-            console.print(f"    [bold]settle:[/] [cyan]{escape(f['command'])}[/]")
+        console.print(f"[{f.verdict.style}]{f.verdict}[/] [bold]{escape(f.subject)}[/] — {escape(f.diagnosis)}")
+        if f.remedy:
+            console.print(f"    [bold]remedy:[/] {escape(f.remedy)}")
+        if f.command:
+            console.print(f"    [bold]settle:[/] [cyan]{escape(f.command)}[/]")
 
 
 def render(report: Any, console: Any) -> None:
     """The environment, the backend table, the findings and the verdict line of env's Report."""
-    data = report.to_dict()
     console.print("[bold]cpdoctor env[/]")
-    _render_environment(data["environment"], console)
-    _render_backends(data, console)
+    _render_environment(report.environment, console)
+    _render_backends(report, console)
     console.print(
         "[dim]ring / Ulysses / training: whether the backend can do that here (ring needs an LSE; training needs a "
         "backward that is right after a forward not asked for an LSE). Defects of diffusers' ring template apply to "
         "every backend: they are among the findings below. * measured on the meta device (no kernel here): shapes "
         "and kernel arguments only.[/]\n"
     )
-    _render_findings(data["findings"], console)
-    console.print(f"\nverdict [{_style(data['verdict'])}]{data['verdict']}[/]  (exit {data['exit_code']}, {data['wall_s']:.1f} s)")
+    _render_findings(report.findings, console)
+    console.print(f"\nverdict [{report.verdict.style}]{report.verdict}[/]  (exit {int(report.exit_code)}, {report.wall_s:.1f} s)")
 
 
 def _md(text: Any) -> str:
@@ -178,60 +162,59 @@ def _md(text: Any) -> str:
 
 def markdown(report: Any) -> str:
     """The report as a Markdown block to paste into a bug report."""
-    data = report.to_dict()
-    out = [f"### `cpdoctor env`: {data['verdict']} (exit {data['exit_code']})", "", "| fact | value |", "|---|---|"]
-    out += [f"| {_md(label)} | {_md(value)} |" for label, value in _env_lines(data["environment"])]
-    out += ["", f"Attention backends on {data['environment'].get('probe_device')} ({data['environment'].get('probe_dtype')}):", ""]
+    env = report.environment
+    out = [f"### `cpdoctor env`: {report.verdict} (exit {int(report.exit_code)})", "", "| fact | value |", "|---|---|"]
+    out += [f"| {_md(label)} | {_md(value)} |" for label, value in _env_lines(env)]
+    out += ["", f"Attention backends on {env.get('probe_device')} ({env.get('probe_dtype')}):", ""]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in data["backends"]:
-        out.append("| " + " | ".join([f"`{row['name']}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")
+    for row in report.extra["backends"]:
+        out.append("| " + " | ".join([f"`{row.name}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")
     out += ["", "Findings:", ""]
-    for f in data["findings"]:
-        line = f"- **{f['verdict']}** {_md(f['probe'])}: {_md(f['diagnosis']).rstrip('.')}."
-        if f.get("remedy"):
-            line += f" Remedy: {_md(f['remedy'])}."
-        if f.get("command"):
-            line += f" Settle: `{f['command']}`."
+    for f in report.findings:
+        line = f"- **{f.verdict}** {_md(f.subject)}: {_md(f.diagnosis).rstrip('.')}."
+        if f.remedy:
+            line += f" Remedy: {_md(f.remedy)}."
+        if f.command:
+            line += f" Settle: `{f.command}`."
         out.append(line)
     return "\n".join(out) + "\n"
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("env", help=ENV_HELP)
-    def env(
-        device: str = typer.Option("auto", "--device", help="auto (this rank's CUDA device, else cpu), cpu or cuda."),
-        dtype: str = typer.Option("auto", "--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
-        json_path: Optional[str] = json_option(),
-        markdown_path: Optional[str] = typer.Option(
-            None,
-            "--markdown",
-            metavar="FILE",
-            help="Write a Markdown block for a bug report to FILE ('-' for stdout instead of the table).",
+def env(
+    device: Annotated[str, typer.Option("--device", help="auto (this rank's CUDA device, else cpu), cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")] = "auto",
+    json_path: JsonPath = None,
+    markdown_path: Annotated[
+        Optional[str],
+        typer.Option(
+            "--markdown", metavar="FILE", help="Write a Markdown block for a bug report to FILE ('-' for stdout instead of the table)."
         ),
-        emulate: bool = emulate_option(),
-    ) -> None:
-        from cpdoctor.cli.output import check_run_options, emit, waiting
-        from cpdoctor.errors import BadInput
-        from cpdoctor.examinations.env import probe
+    ] = None,
+    emulate: Emulate = False,
+) -> None:
+    from cpdoctor import api
+    from cpdoctor.cli.output import check_run_options, emit, waiting
+    from cpdoctor.errors import BadInput
+    from cpdoctor.launch import is_reporting_rank
 
-        if markdown_path == "-" and json_path == "-":
-            raise BadInput("--markdown - and --json - both write to stdout; give one of them a FILE")
-        check_run_options(None, json_path, None, markdown_path)
-        with waiting("examining the environment and the attention backends", quiet="-" in (json_path, markdown_path)):
-            report = probe.examine(device=device, dtype=dtype, emulate=emulate)
-        if probe.rank_of_this_process() != 0:  # under torchrun every rank examines its device; rank 0 reports
-            raise typer.Exit(report.exit_code)
-        if markdown_path and markdown_path != "-":
-            try:
-                with open(markdown_path, "w") as fh:
-                    fh.write(markdown(report))
-            except OSError as exc:
-                raise BadInput(f"cannot write --markdown {markdown_path}: {exc.strerror}") from exc
+    if markdown_path == "-" and json_path == "-":
+        raise BadInput("--markdown - and --json - both write to stdout; give one of them a FILE")
+    check_run_options(None, json_path, None, markdown_path)
+    with waiting("examining the environment and the attention backends", quiet="-" in (json_path, markdown_path)):
+        report = api.examine_environment(device=device, dtype=dtype, emulate=emulate)
+    if not is_reporting_rank():  # under torchrun every rank examines its device; rank 0 reports
+        raise typer.Exit(int(report.exit_code))
+    if markdown_path and markdown_path != "-":
+        try:
+            with open(markdown_path, "w") as fh:
+                fh.write(markdown(report))
+        except OSError as exc:
+            raise BadInput(f"cannot write --markdown {markdown_path}: {exc.strerror}") from exc
 
-        def show(rep: Any, console: Any) -> None:
-            if markdown_path == "-":
-                sys.stdout.write(markdown(rep))
-            else:
-                render(rep, console)
+    def show(rep: Any, console: Any) -> None:
+        if markdown_path == "-":
+            sys.stdout.write(markdown(rep))
+        else:
+            render(rep, console)
 
-        emit(report, json_path, show)
+    emit(report, json_path, show)

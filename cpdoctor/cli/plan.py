@@ -1,17 +1,17 @@
 """`cpdoctor plan MODEL`: will every context-parallel split of MODEL divide at this resolution and prompt length?
 
-Parsing and rendering only; the measuring is `cpdoctor.examinations.plan.probe.plan_model`, which returns the
+Parsing and rendering only; the measuring is `cpdoctor.api.plan_model`, which returns the
 `cpdoctor.report.Report` every examination returns (the plan under its own keys). torch and diffusers are
 imported inside the command so that `cpdoctor --help` stays fast.
 """
 
 import json
 import sys
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import markdown_option
+from cpdoctor.cli.options import JsonPath, MarkdownPath
 
 PLAN_HELP = (
     "Measure every tensor diffusers splits for context parallelism (from the model's own _cp_plan and forward, "
@@ -62,20 +62,22 @@ def render_list(entries: list, console: Any) -> None:
     )
 
 
-def _tensor_line(t: dict) -> list[str]:
+def _tensor_line(t: Any) -> list[str]:
+    """One split tensor (a models.splits.result.SplitRow) as a table row."""
     from rich.markup import escape
 
-    name = escape(t["name"]) + (" [dim](gathered)[/dim]" if t["kind"] == "gather" else "")
-    if t["calls"] > 1:
-        name += f" [dim]x{t['calls']}[/dim]"
-    return [name, str(t["split_dim"]), str(t["length"]), str(t["per_rank"]), _mark(t["divisible"])]
+    name = escape(t.name) + (" [dim](gathered)[/dim]" if t.kind.value == "gather" else "")
+    if t.calls > 1:
+        name += f" [dim]x{t.calls}[/dim]"
+    return [name, str(t.split_dim), str(t.length), str(t.per_rank), _mark(t.divisible)]
 
 
-def _heads_line(h: dict) -> list[str]:
-    kv = "" if h["kv_heads"] == h["heads"] else f"/{h['kv_heads']}"
-    per = h["heads"] // h["ulysses"] if h["divisible"] else round(h["heads"] / h["ulysses"], 2)
+def _heads_line(h: Any) -> list[str]:
+    """The heads against the Ulysses degree (a HeadsCheck) as a table row."""
+    kv = "" if h.kv_heads == h.heads else f"/{h.kv_heads}"
+    per = h.heads // h.ulysses if h.divisible else round(h.heads / h.ulysses, 2)
     label = f"attention heads{' (q/kv)' if kv else ''} [dim]over ulysses[/dim]"
-    return [label, "-", f"{h['heads']}{kv}", str(per), _mark(h["divisible"])]
+    return [label, "-", f"{h.heads}{kv}", str(per), _mark(h.divisible)]
 
 
 def render_plan(report: Any, console: Any) -> None:
@@ -84,7 +86,7 @@ def render_plan(report: Any, console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    data = report.to_dict()
+    data = report.extra
     s, m = data["settings"], data["model"]
     frames = "" if s.get("frames") is None else f", {s['frames']} frames"
     title = (
@@ -99,12 +101,12 @@ def render_plan(report: Any, console: Any) -> None:
         table.add_row(*row)
     console.print(table)
     for sk in data["skipped"]:
-        console.print(f"[dim]not split: {escape(sk['name'])}: {escape(sk['reason'])}[/dim]")
+        console.print(f"[dim]not split: {escape(sk.name)}: {escape(sk.reason)}[/dim]")
     for i, p in enumerate(data["problems"], 1):
-        console.print(f"[bold red]problem {i}:[/bold red] {escape(p['what'])}")
-        for r in p["remedies"]:
-            tag = "" if r["measured"] else " [dim](predicted)[/dim]"
-            console.print(f"  [cyan]-> {r['kind']}:[/cyan] {escape(r['text'])}{tag}")
+        console.print(f"[bold red]problem {i}:[/bold red] {escape(p.what)}")
+        for r in p.remedies:
+            tag = "" if r.measured else " [dim](predicted)[/dim]"
+            console.print(f"  [cyan]-> {r.kind.value}:[/cyan] {escape(r.text)}{tag}")
     for note in data["notes"]:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
     _verdict_line(data, console)
@@ -125,43 +127,41 @@ def _verdict_line(data: dict, console: Any) -> None:
         )
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("plan", help=PLAN_HELP)
-    def plan(
-        model: Optional[str] = typer.Argument(
-            None, help="short name (flux, qwen-image, wan, ...), class name, or a local checkpoint directory"
-        ),
-        height: Optional[int] = typer.Option(None, "--height", help="image height in pixels (default: the pipeline's)"),
-        width: Optional[int] = typer.Option(None, "--width", help="image width in pixels (default: the pipeline's)"),
-        text_len: Optional[int] = typer.Option(
-            None, "--text-len", help="text tokens the transformer receives (default: the pipeline's max_sequence_length)"
-        ),
-        ring: int = typer.Option(1, "--ring", help="ring degree"),
-        ulysses: int = typer.Option(1, "--ulysses", help="Ulysses degree"),
-        frames: Optional[int] = typer.Option(None, "--frames", help="video frames, video models only (default: the pipeline's)"),
-        list_models_: bool = typer.Option(False, "--list", help="list the models cpdoctor can plan and exit"),
-        json_out: Optional[str] = typer.Option(
-            None, "--json", metavar="FILE", help="also write the result as JSON to FILE ('-': stdout, no table)"
-        ),
-        markdown_out: Optional[str] = markdown_option(),
-    ) -> None:
-        from cpdoctor.cli.output import check_run_options, console, emit
-        from cpdoctor.errors import BadInput
+def plan(
+    model: Annotated[
+        Optional[str], typer.Argument(help="short name (flux, qwen-image, wan, ...), class name, or a local checkpoint directory")
+    ] = None,
+    height: Annotated[Optional[int], typer.Option("--height", help="image height in pixels (default: the pipeline's)")] = None,
+    width: Annotated[Optional[int], typer.Option("--width", help="image width in pixels (default: the pipeline's)")] = None,
+    text_len: Annotated[
+        Optional[int], typer.Option("--text-len", help="text tokens the transformer receives (default: the pipeline's max_sequence_length)")
+    ] = None,
+    ring: Annotated[int, typer.Option("--ring", help="ring degree")] = 1,
+    ulysses: Annotated[int, typer.Option("--ulysses", help="Ulysses degree")] = 1,
+    frames: Annotated[Optional[int], typer.Option("--frames", help="video frames, video models only (default: the pipeline's)")] = None,
+    list_models_: Annotated[bool, typer.Option("--list", help="list the models cpdoctor can plan and exit")] = False,
+    json_out: JsonPath = None,
+    markdown_out: MarkdownPath = None,
+) -> None:
+    from cpdoctor.cli.output import check_run_options, console, emit
+    from cpdoctor.errors import BadInput
 
-        check_run_options(None, json_out, None, markdown_out)
+    check_run_options(None, json_out, None, markdown_out)
 
-        try:
-            from cpdoctor.examinations.plan import probe as planner
-        except ImportError as exc:  # torch or diffusers missing
-            raise BadInput(f"missing package: {exc}") from exc
+    from cpdoctor import api
+    from cpdoctor.report.serialize import to_jsonable
+
+    try:
         if list_models_:
-            entries = planner.list_models()
+            entries = api.list_models()
             if json_out != "-":
                 render_list(entries, console())
             if json_out:
-                _write_json({"models": [e.to_dict() for e in entries]}, json_out)
+                _write_json({"models": to_jsonable(entries)}, json_out)
             raise typer.Exit(0)
         if not model:
             raise BadInput("give a MODEL (see `cpdoctor plan --list`)")
-        report = planner.plan_model(model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames)
-        emit(report, json_out, render_plan, markdown_path=markdown_out, command="plan")
+        report = api.plan_model(model, height=height, width=width, text_len=text_len, ring=ring, ulysses=ulysses, frames=frames)
+    except ImportError as exc:  # torch or diffusers missing
+        raise BadInput(f"missing package: {exc}") from exc
+    emit(report, json_out, render_plan, markdown_path=markdown_out, command="plan")

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, console, emit, json_option, junit_option, markdown_option, timeout_option, waiting
-
-
-def _worst(finding: Any) -> str:
-    """The tensor furthest from the reference, as 'name rel-err' (– when nothing was measured)."""
-    if not finding.tensors:
-        return "–"
-    name, t = max(finding.tensors.items(), key=lambda kv: kv[1].get("rel_err") or 0.0)
-    return f"{name} {t['rel_err']:.2e}"
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath
+from cpdoctor.cli.output import check_run_options, console, emit, waiting
 
 
 def render_suite(report: Any, out: Any) -> None:
     """One row per check; then the diagnosis and remedy of every check that did not pass."""
     from rich.table import Table
 
-    from cpdoctor.report import environment_line
+    from cpdoctor.report import Verdict, environment_line, worst_tensor
     from cpdoctor.report import styled as _styled
 
     out.print(f"[dim]{environment_line(report.environment)}[/]")
@@ -35,30 +28,30 @@ def render_suite(report: Any, out: Any) -> None:
     table.add_column("verdict", justify="center")
     table.add_column("worst rel err", justify="right")
     for i, finding in enumerate(report.findings, 1):
-        row = [str(i), finding.probe]
+        row = [str(i), finding.subject]
         if befores is not None:
             b = befores[i - 1] if i - 1 < len(befores) else None
-            row += [_styled(b.verdict) if b else "–", _worst(b) if b else "–"]
-        row += [_styled(finding.verdict), _worst(finding)]
+            row += [_styled(b.verdict) if b else "–", worst_tensor(b, labels=False) if b else "–"]
+        row += [_styled(finding.verdict), worst_tensor(finding, labels=False)]
         table.add_row(*row)
     out.print(table)
     for i, finding in enumerate(report.findings, 1):
-        if finding.verdict != "PASS":
+        if finding.verdict is not Verdict.PASS:
             out.print(f"{i}. {_styled(finding.verdict)} — {finding.diagnosis}")
             if finding.remedy:
                 out.print(f"   [bold]remedy:[/] {finding.remedy}")
     label = "after the patch: " if befores is not None else ""
-    out.print(f"\n{label}verdict {_styled(report.verdict)}  (exit {report.exit_code}, {report.wall_s:.1f} s in ranks)")
+    out.print(f"\n{label}verdict {_styled(report.verdict)}  (exit {int(report.exit_code)}, {report.wall_s:.1f} s in ranks)")
 
 
 def run(
-    suite: Optional[str] = typer.Argument(None, help="A shipped suite name (see --list) or a YAML file."),
-    patch: bool = typer.Option(False, "--patch", help="Run every check before and after cpdoctor's fixed CP attention."),
-    timeout: float = timeout_option(per_launch=True),
-    json_path: Optional[str] = json_option(),
-    junit_path: Optional[str] = junit_option(),
-    markdown_path: Optional[str] = markdown_option(),
-    list_suites: bool = typer.Option(False, "--list", help="List the shipped suites and exit."),
+    suite: Annotated[Optional[str], typer.Argument(help="A shipped suite name (see --list) or a YAML file.")] = None,
+    patch: Annotated[bool, typer.Option("--patch", help="Run every check before and after cpdoctor's fixed CP attention.")] = False,
+    timeout: LaunchTimeout = DEFAULT_TIMEOUT_S,
+    json_path: JsonPath = None,
+    junit_path: JunitPath = None,
+    markdown_path: MarkdownPath = None,
+    list_suites: Annotated[bool, typer.Option("--list", help="List the shipped suites and exit.")] = False,
 ) -> None:
     """Run a suite of examinations; checks of the same kind and world size share one launch.
     Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input (a malformed suite too), 3 cannot examine."""
@@ -80,7 +73,3 @@ def run(
     with waiting(f"running suite {loaded.name} ({len(loaded.checks)} checks)", quiet="-" in (json_path, junit_path, markdown_path)):
         report = run_suite(loaded, patch=patch, timeout_s=timeout)
     emit(report, json_path, render_suite, junit_path=junit_path, markdown_path=markdown_path, command="run")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("run")(run)

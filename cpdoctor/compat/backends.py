@@ -13,10 +13,11 @@ device and dtype, with tiny tensors and in one process:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.compat import diffusers as compat
+from cpdoctor.errors import Unsupported, UnsupportedKind, first_line
 
 AUTO = "auto"
 PREFERENCE = ("_native_flash", "_native_cudnn", "flash", "flash_hub", "_flash_3", "cpdoctor_cpu")
@@ -40,28 +41,35 @@ class BackendFacts:
     emulated: bool = False
     """The CUDA kernels underneath are cpdoctor's CPU stand-ins (cpdoctor/kernels/standins.py)."""
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def unsupported_reason(self, ring: int) -> str | None:
-        """Why a CP examination with this ring degree cannot run here, or None when it can."""
+    def unsupported(self, ring: int, model_level: bool = False) -> Unsupported | None:
+        """Why a CP examination with this ring degree cannot run here, or None when it can. `model_level`: the
+        examination goes through `enable_parallelism`, which refuses a backend not registered for CP."""
         if not self.registered:
-            return f"{self.name} is not a registered attention backend in this diffusers"
+            return Unsupported(UnsupportedKind.NOT_REGISTERED, f"{self.name} is not a registered attention backend in this diffusers")
         if self.requirement_error:
-            return self.requirement_error
+            return Unsupported(UnsupportedKind.MISSING_PACKAGE, self.requirement_error)
         if not self.runs_here:
             cp = (
                 ""
                 if self.cp_registered
                 else f"; nor is {self.name} registered for context parallelism in this diffusers (enable_parallelism refuses it)"
             )
-            return f"{self.name} does not run here: {self.run_error}{cp}"
+            return Unsupported(UnsupportedKind.DOES_NOT_RUN, f"{self.name} does not run here: {self.run_error}{cp}")
         if self.has_backward is False and not self.emulated:
             # Under emulation every kernel has a backward: a backward that fails is the backend's own code
             # (e.g. K/V transposed twice), which the examination must run and report, not skip.
-            return f"{self.name} has no backward here, and the examination back-propagates: {self.run_error}"
+            return Unsupported(
+                UnsupportedKind.NO_BACKWARD, f"{self.name} has no backward here, and the examination back-propagates: {self.run_error}"
+            )
         if ring > 1 and self.routes_cp and self.returns_lse is False:
-            return f"{self.name} has no LSE, and ring attention needs one to merge blocks ({self.lse_error})"
+            return Unsupported(
+                UnsupportedKind.NO_LSE, f"{self.name} has no LSE, and ring attention needs one to merge blocks ({self.lse_error})"
+            )
+        if model_level and not self.cp_registered:
+            return Unsupported(
+                UnsupportedKind.NOT_CP_CAPABLE,
+                f"{self.name} is not registered as context-parallel capable, and enable_parallelism refuses it",
+            )
         return None
 
 
@@ -77,11 +85,6 @@ class _OpCtx:
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tensors
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def discover_ops(
@@ -114,7 +117,7 @@ def _call_with_spy(
         except _Captured as cap:
             return True, cap.forward_op, cap.backward_op, None, None
         except Exception as exc:  # noqa: BLE001
-            return None, None, None, _first_line(exc), None
+            return None, None, None, first_line(exc), None
     return False, None, None, None, out
 
 
@@ -159,13 +162,13 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
         except Exception as exc:  # noqa: BLE001
             if facts.runs_here:
                 facts.has_backward = False
-            facts.run_error = _first_line(exc) if err is None else err
+            facts.run_error = first_line(exc) if err is None else err
         return facts
     try:
         out, ctx = _try_forward_op(fwd, q, return_lse=False)
         facts.runs_here = True
     except Exception as exc:  # noqa: BLE001
-        facts.run_error = _first_line(exc)
+        facts.run_error = first_line(exc)
         return facts
     try:
         # called as the ring calls it (return_lse, a parallel config of world size 2); its saved context is
@@ -176,13 +179,13 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
             out, ctx = res[0], ring_ctx
     except Exception as exc:  # noqa: BLE001
         facts.returns_lse = False
-        facts.lse_error = _first_line(exc)
+        facts.lse_error = first_line(exc)
     try:
         grads = bwd(ctx, torch.randn_like(out))
         facts.has_backward = all(g is not None for g in grads[:3])
     except Exception as exc:  # noqa: BLE001
         facts.has_backward = False
-        facts.run_error = f"backward: {_first_line(exc)}"
+        facts.run_error = f"backward: {first_line(exc)}"
     return facts
 
 
@@ -195,6 +198,6 @@ def resolve_auto(
         facts = examine_backend(name, device, dtype, heads, head_dim)
         facts.emulated = emulated
         seen.append(facts)
-        if facts.cp_registered and facts.routes_cp and facts.has_backward and facts.unsupported_reason(ring) is None:
+        if facts.cp_registered and facts.routes_cp and facts.has_backward and facts.unsupported(ring) is None:
             return name, seen
     return None, seen

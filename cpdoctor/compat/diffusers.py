@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cpdoctor.errors import BadInput
+from cpdoctor.errors import BadInput, first_line
 
 
 def dispatch_module() -> Any:
@@ -27,6 +27,35 @@ def dispatch_module() -> Any:
     if not hasattr(attention_dispatch, "_templated_context_parallel_attention"):
         raise BadInput("this diffusers has no context parallelism (it arrived in 0.36.0); upgrade diffusers")
     return attention_dispatch
+
+
+def forward_params(cls: type) -> set[str]:
+    """The parameter names of a model class's `forward` (without self): which optional inputs this release's
+    class takes (pooled projections, guidance, ids, masks) is read from its signature."""
+    return set(inspect.signature(cls.forward).parameters) - {"self"}
+
+
+@contextlib.contextmanager
+def quiet(warning_category: type[Warning] = Warning) -> Iterator[None]:
+    """diffusers' logger at error level and Python warnings of `warning_category` ignored, for the block:
+    diffusers warns on every enable_parallelism / set_attention_backend ("experimental"), backends tried on tiny
+    tensors warn, torch warns on the functional collectives diffusers calls; probes never print."""
+    import warnings
+
+    try:
+        from diffusers.utils import logging as dlogging
+    except ImportError:
+        dlogging = None
+    level = dlogging.get_verbosity() if dlogging is not None else None
+    if dlogging is not None:
+        dlogging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", warning_category)
+            yield
+    finally:
+        if dlogging is not None and level is not None:
+            dlogging.set_verbosity(level)
 
 
 def diffusers_version() -> str:
@@ -84,7 +113,7 @@ def requirement_error(name: str) -> str | None:
     try:
         check(backend_member(name))
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot run here"
-        return str(exc).splitlines()[0]
+        return first_line(exc, with_type=False)
     return None
 
 

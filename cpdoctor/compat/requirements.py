@@ -21,6 +21,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from cpdoctor.errors import Unsupported, UnsupportedKind
+
 
 @dataclass(frozen=True)
 class Requirement:
@@ -123,7 +125,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:4])
 
 
-def missing_requirement(backend: str) -> str | None:
+def missing_requirement(backend: str) -> Unsupported | None:
     """Why `backend` cannot run here for want of a package (diffusers' own message), or None when it has what it
     needs or nothing could be read. torch itself is left to the ranks."""
     req = installed_requirements().get(backend)
@@ -133,7 +135,11 @@ def missing_requirement(backend: str) -> str | None:
     try:
         version = importlib.metadata.version(req.package)
     except importlib.metadata.PackageNotFoundError:
-        return f"{backend} needs {req.package}, which is not installed here (diffusers: {said})"
+        return Unsupported(
+            UnsupportedKind.MISSING_PACKAGE, f"{backend} needs {req.package}, which is not installed here (diffusers: {said})"
+        )
     if req.minimum and _version_tuple(version) < _version_tuple(req.minimum):
-        return f"{backend} needs {req.package}>={req.minimum}, found {version} (diffusers: {said})"
+        return Unsupported(
+            UnsupportedKind.MISSING_PACKAGE, f"{backend} needs {req.package}>={req.minimum}, found {version} (diffusers: {said})"
+        )
     return None

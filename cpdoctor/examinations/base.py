@@ -1,14 +1,15 @@
 """The one shape of every launched examination: a request, its cases, what every rank runs, what rank 0
-evaluates (numbers only), and the finding the numbers turn into. attention, model and train_step are entries
-(registry.py); the CLI, the Python API and suites reach them by kind only."""
+evaluates (numbers only), and the finding the numbers turn into. attention, model and the others are entries
+(registry.py); the CLI, the Python API and suites reach them by kind only, and a launch Job carries the entry
+itself as its program (launch/ never looks an examination up)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from cpdoctor.errors import Unsupported
 from cpdoctor.examinations import judging
-from cpdoctor.launch.jobs import Case, RankFailure
+from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.report import Finding
 
 
@@ -18,24 +19,24 @@ class Examination:
 
     kind: str = ""
     request_type: type = object
-    probe: str = ""
-    """The module with `run_rank(case, ctx)` and `evaluate(case, payloads, ctx)`, imported inside the ranks only
-    (it imports torch and diffusers)."""
     in_suites: bool = True
-    """Whether YAML suites and the API may name this kind (internal probes say False)."""
+    """Whether YAML suites and the API may name this kind (internal examinations say False)."""
 
     # -- in the parent, before anything launches ---------------------------------------------------------
     def build_request(self, **fields: Any) -> Any:
-        """A validated request from keyword fields (None = default). BadInput on bad input."""
+        """Receives the request's fields as keywords (None = the default); returns the validated request.
+        Raises BadInput (one line, exit 2) for anything wrong with them."""
         return self.request_type.from_dict({k: v for k, v in fields.items() if v is not None}).validate()
 
     def prepare(self, request: Any) -> Any:
-        """Parent-side resolution of what depends on the installed software (default: validation only)."""
+        """Receives a validated request; returns it with what depends on the installed software resolved
+        (default: validation only). Runs in the parent; BadInput for what cannot work."""
         return request.validate()
 
-    def unsupported_here(self, request: Any) -> str | None:
-        """Why nothing of `request` can run here, known in the parent in well under a second (no rank, no torch
-        or diffusers import): a backend whose package is missing. None when the ranks must find out."""
+    def unsupported_here(self, request: Any) -> Unsupported | None:
+        """Receives a request; returns why nothing of it can run here, known in the parent in well under a
+        second (no rank, no torch or diffusers import): a backend whose package is missing. None when the ranks
+        must find out."""
         backend = getattr(request, "backend", "auto")
         if backend == "auto" or getattr(request, "emulate", False):
             return None
@@ -44,35 +45,46 @@ class Examination:
         return missing_requirement(backend)
 
     def cases(self, request: Any) -> list[Case]:
-        """The stock code first, then, with `patch`, the same with cpdoctor's fix patched in."""
+        """Receives a prepared request; returns the cases to launch: the stock code first, then, with
+        `patch`, the same with cpdoctor's fix patched in."""
         cases = [Case(request, patched=False)]
         if getattr(request, "patch", False):
             cases.append(Case(request, patched=True))
         return cases
 
     def world_size(self, request: Any) -> int:
+        """The number of ranks the request's cases run on."""
         return int(request.world_size)
 
     def device(self, request: Any) -> str:
+        """The device preference of the request ("auto", "cpu" or "cuda")."""
         return str(getattr(request, "device", "auto"))
 
     # -- on every rank / on rank 0 ------------------------------------------------------------------------
-    def run_rank(self, case: Case, ctx: Any) -> Any:
-        return importlib.import_module(self.probe).run_rank(case, ctx)
+    def run_rank(self, case: Case, ctx: Any) -> RankResult:
+        """On every rank: receives the case and the rank's DistContext; returns this rank's typed numbers
+        (tensors on the CPU). Raises whatever the examined code raises (it becomes a CRASH finding)."""
+        raise NotImplementedError
 
-    def evaluate(self, case: Case, payloads: list[Any], ctx: Any) -> Any:
-        return importlib.import_module(self.probe).evaluate(case, payloads, ctx)
+    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
+        """On rank 0: receives every rank's result in rank order; returns the case's measured numbers against
+        the reference (numbers only, no verdict)."""
+        raise NotImplementedError
 
     # -- judging, in the parent -------------------------------------------------------------------------------
-    def finding(self, case: Case, evaluated: Any) -> Finding:
+    def finding(self, case: Case, evaluated: CaseNumbers) -> Finding:
+        """In the parent: receives rank 0's numbers for a case; returns the judged finding (verdict,
+        diagnosis, remedy, rows)."""
         raise NotImplementedError
 
     def describe(self, request: Any) -> str:
+        """One line naming what the request examines (a finding's subject)."""
         raise NotImplementedError
 
     def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
+        """In the parent: receives the ranks that failed a case; returns its CRASH / HANG findings."""
         return judging.failure_findings(self.describe(case.request), failures, timeout_s)
 
-    def environment(self, evaluated: Any) -> dict[str, Any] | None:
+    def environment(self, evaluated: CaseNumbers) -> dict[str, Any] | None:
         """The environment the ranks reported with their numbers (None when they reported none)."""
         return getattr(evaluated, "environment", None)

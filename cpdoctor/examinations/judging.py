@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from cpdoctor.errors import Unsupported, UnsupportedKind
 from cpdoctor.launch.jobs import FailureKind, RankFailure
-from cpdoctor.report import Finding, Verdict
+from cpdoctor.report import FailureEvidence, Finding, JudgedRow, TensorRow, Verdict
 
 EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
 
@@ -39,23 +40,35 @@ def tolerance(dtype: str, baseline: float | None) -> float:
     return 4 * eps if baseline is None else 2 * baseline + eps
 
 
-def judge_row(row: dict[str, Any], dtype: str, slack: float = 1.0) -> dict[str, Any]:
+def judge_row(row: TensorRow, dtype: str, slack: float = 1.0) -> JudgedRow:
     """A measured tensor row with its tolerance, the ranks outside it and its verdict. `slack` widens the
     tolerance for a row that is the worst of many (see the model examination's worst parameter)."""
-    tol = tolerance(dtype, row.get("baseline_rel_err"))
-    bad = [r for r, e in enumerate(row.get("per_rank_rel_err") or []) if not e <= tol]
-    ok = row["rel_err"] <= slack * tol and row["nonfinite"] == 0 and not bad
-    return {**row, "tolerance": tol, "bad_ranks": bad, "verdict": Verdict.PASS if ok else Verdict.FAIL}
+    tol = tolerance(dtype, row.baseline_rel_err)
+    bad = tuple(r for r, e in enumerate(row.per_rank_rel_err) if not e <= tol)
+    ok = row.rel_err <= slack * tol and row.nonfinite == 0 and not bad
+    return JudgedRow.judged(row, tol, bad, Verdict.PASS if ok else Verdict.FAIL)
 
 
-def unsupported_remedy(reason: str) -> str:
-    if "install" in reason:
-        return "install the missing package, or pick another backend (`cpdoctor env` lists what runs here)"
-    if "LSE" in reason:
-        return LSE_REMEDY
-    if "context-parallel capable" in reason:
-        return CP_BACKEND_REMEDY
-    return OTHER_BACKEND_REMEDY
+def judge_rows(rows: dict[str, TensorRow], dtype: str) -> dict[str, JudgedRow]:
+    return {name: judge_row(row, dtype) for name, row in rows.items()}
+
+
+UNSUPPORTED_REMEDIES: dict[UnsupportedKind, str] = {
+    UnsupportedKind.MISSING_PACKAGE: "install the missing package, or pick another backend (`cpdoctor env` lists what runs here)",
+    UnsupportedKind.NOT_REGISTERED: OTHER_BACKEND_REMEDY,
+    UnsupportedKind.NOT_CP_CAPABLE: CP_BACKEND_REMEDY,
+    UnsupportedKind.DOES_NOT_RUN: OTHER_BACKEND_REMEDY,
+    UnsupportedKind.NO_BACKWARD: OTHER_BACKEND_REMEDY,
+    UnsupportedKind.NO_LSE: LSE_REMEDY,
+    UnsupportedKind.REFUSED_BY_RELEASE: "use a layout this release supports, or a release that supports this one",
+    UnsupportedKind.NOT_EXAMINED: "run this check alone",
+}
+"""The remedy of each kind of UNSUPPORTED (a unit test checks that every kind has one)."""
+
+
+def unsupported_finding(subject: str, unsupported: Unsupported, remedy: str | None = None, **more: Any) -> Finding:
+    """The UNSUPPORTED finding for `unsupported`, with the remedy of its kind unless one is given."""
+    return Finding(subject, Verdict.UNSUPPORTED, unsupported.message, remedy or UNSUPPORTED_REMEDIES[unsupported.kind], **more)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,7 +203,7 @@ def _ranks(failures: list[RankFailure]) -> str:
     return ", ".join(str(f.rank) for f in failures)
 
 
-def failure_findings(probe: str, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
+def failure_findings(subject: str, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
     """CRASH / HANG findings from the ranks that failed, each with that rank's traceback; a CRASH names a
     known signature of diffusers' CP code when its traceback shows one."""
     crashed = [f for f in failures if f.kind is FailureKind.CRASH and not f.waiting]
@@ -207,20 +220,22 @@ def failure_findings(probe: str, failures: list[RankFailure], timeout_s: float) 
         if known is not None:
             diagnosis += f" — {known.name}: {known.diagnosis}"
             remedy = known.remedy
-        details = {"tracebacks": {str(f.rank): f.traceback for f in crashed}, "where": {str(f.rank): f.where for f in failures if f.where}}
-        if known is not None:
-            details["signature"] = known.name
-        findings.append(Finding(probe, Verdict.CRASH, diagnosis, remedy, details=details))
+        evidence = FailureEvidence(
+            tracebacks={f.rank: f.traceback for f in crashed},
+            where={f.rank: f.where for f in failures if f.where},
+            signature=None if known is None else known.name,
+        )
+        findings.append(Finding(subject, Verdict.CRASH, diagnosis, remedy, failure=evidence))
     if hung and not crashed:
         where = "; ".join(f"rank {f.rank} at {f.where}" for f in hung if f.where)
         waits = f"; rank {_ranks([f for f in waiting if f.kind is FailureKind.HANG])} was waiting for it in a collective" if waiting else ""
         findings.append(
             Finding(
-                probe,
+                subject,
                 Verdict.HANG,
                 f"rank {_ranks(hung)} did not finish within {timeout_s:g} s" + (f" ({where})" if where else "") + waits,
                 "a rank is stuck before a collective its peers entered; raise --timeout if the machine is just slow",
-                details={"logs": {str(f.rank): f.traceback for f in hung}, "where": {str(f.rank): f.where for f in failures if f.where}},
+                failure=FailureEvidence(logs={f.rank: f.traceback for f in hung}, where={f.rank: f.where for f in failures if f.where}),
             )
         )
     return findings

@@ -1,34 +1,39 @@
-"""Numbers, not opinions: how a probe measures a CP result against its reference, and the typed record of
-what rank 0 measured for one case (judged later, in the parent)."""
+"""Numbers, not opinions: how a probe measures a CP result against its reference, and the typed record of what
+rank 0 measured for one case (judged later, in the parent)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.errors import Unsupported
+from cpdoctor.launch.jobs import CaseNumbers
+from cpdoctor.report.numbers import Comparison, TensorRow
+
 
 @dataclass
-class Measurement:
-    """What rank 0 measured for one case. `tensors` maps a tensor name to its row (rel_err, max_abs,
-    nonfinite, worst_rank, per_rank_rel_err, baseline_rel_err); `unsupported` says why nothing could be
-    measured; `details` holds what one examination adds (the model's parameters, its op-level cross-checks)."""
+class Measurement(CaseNumbers):
+    """What rank 0 measured for one case of an attention-shaped examination: a row per tensor, or why nothing
+    could be measured. `facts` is what the examination established about the backend (compat.backends.
+    BackendFacts for diffusers' backends); `baseline_error` says why the no-CP baseline could not run."""
 
     backend: str
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: Any = None
     environment: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    unsupported: str | None = None
+    tensors: dict[str, TensorRow] = field(default_factory=dict)
+    unsupported: Unsupported | None = None
     baseline_error: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
+    rng_advanced: bool = False
+    """The CP forward and backward moved the device's random generator (a backend op forcing dropout > 0)."""
 
 
 def torch_dtype(name: str) -> Any:
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
 
 
-def compare(x: Any, ref: Any) -> dict[str, float]:
+def compare(x: Any, ref: Any) -> Comparison:
     """Relative L2 error, max abs error and non-finite count of `x` against the fp64 `ref`."""
     import torch
 
@@ -37,26 +42,37 @@ def compare(x: Any, ref: Any) -> dict[str, float]:
     finite = torch.isfinite(xd)
     diff = torch.where(finite, xd - ref, torch.zeros_like(ref))
     denom = ref.norm().item() or 1.0
-    return {
-        "rel_err": diff.norm().item() / denom if bool(finite.all()) else float("inf"),
-        "max_abs": diff.abs().max().item() if diff.numel() else 0.0,
-        "nonfinite": int((~finite).sum().item()),
-    }
+    return Comparison(
+        rel_err=diff.norm().item() / denom if bool(finite.all()) else float("inf"),
+        max_abs=diff.abs().max().item() if diff.numel() else 0.0,
+        nonfinite=int((~finite).sum().item()),
+    )
 
 
-def rank_environment(ctx: Any, backend: str, req: Any) -> dict[str, Any]:
+def sharded_row(shards: list[Any], order: list[int], refs: list[Any], whole_ref: Any, dim: int, baseline: float | None) -> TensorRow:
+    """The row of one tensor that every rank holds a shard of: `shards[r]` is rank r's, `order` the ranks in
+    sequence order, `refs[r]` the reference of rank r's shard; the whole is compared after concatenating along
+    `dim`. The worst rank is the one with the largest error."""
+    import torch
+
+    per_rank = [compare(s, r).rel_err for s, r in zip(shards, refs)]
+    whole = compare(torch.cat([shards[r] for r in order], dim=dim), whole_ref)
+    worst = max(range(len(per_rank)), key=lambda r: per_rank[r])
+    return TensorRow.of(whole, worst_rank=worst, per_rank_rel_err=tuple(per_rank), baseline_rel_err=baseline)
+
+
+def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = None) -> dict[str, Any]:
     """The environment line of a report, as rank 0 saw it."""
     import platform
 
     import torch
 
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.examinations.judging import emulation_note
 
     device = str(ctx.device)
     if ctx.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(ctx.device)})"
-    return {
+    env: dict[str, Any] = {
         "torch": torch.__version__,
         "diffusers": compat.diffusers_version(),
         "python": platform.python_version(),
@@ -67,5 +83,7 @@ def rank_environment(ctx: Any, backend: str, req: Any) -> dict[str, Any]:
         "ulysses": req.ulysses,
         "backend": backend,
         "dtype": req.dtype,
-        **({"emulated": emulation_note(backend)} if getattr(req, "emulate", False) else {}),
     }
+    if emulated:
+        env["emulated"] = emulated
+    return env

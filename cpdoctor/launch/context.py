@@ -16,6 +16,22 @@ COLLECTIVE_TIMEOUT_SHARE = 0.8
 hung peer says so before the deadline."""
 
 
+def device_and_group(device_pref: str, n_gpu: int, local_world: int) -> tuple[str, str]:
+    """(device type, process-group backend) for a rank: CUDA when asked for or when there is a GPU, NCCL when
+    every local rank has a GPU of its own, gloo otherwise (a one-GPU workstation can still examine CUDA
+    kernels with ranks sharing it). The parent uses it too, to say where the ranks ran when none reported."""
+    if device_pref == "cpu" or (device_pref == "auto" and n_gpu == 0):
+        return "cpu", "gloo"
+    return "cuda", "nccl" if n_gpu >= local_world else "gloo"
+
+
+@dataclass(frozen=True)
+class LocalRef:
+    """A ticket for an object a rank keeps in its own process (`DistContext.keep`) instead of sending it."""
+
+    ticket: int
+
+
 @dataclass
 class DistContext:
     """What a probe may use of the distributed world: identity, device, CP meshes, the gather to rank 0."""
@@ -29,6 +45,7 @@ class DistContext:
     _report_group: Any = None
     _meshes: dict = field(default_factory=dict)
     owns_group: bool = True
+    _kept: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def join(cls, timeout_s: float, device_pref: str = "auto") -> DistContext:
@@ -41,17 +58,13 @@ class DistContext:
         world_size = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
-        if use_cuda and not torch.cuda.is_available():
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device_pref == "cuda" and n_gpu == 0:
             raise CannotExamine("--device cuda was asked for but torch sees no CUDA device here")
-        if use_cuda:
-            n_gpu = torch.cuda.device_count()
-            device = torch.device("cuda", local_rank % n_gpu)
+        device_type, pg_backend = device_and_group(device_pref, n_gpu, local_world)
+        device = torch.device("cuda", local_rank % n_gpu) if device_type == "cuda" else torch.device("cpu")
+        if device_type == "cuda":
             torch.cuda.set_device(device)
-            pg_backend = "nccl" if n_gpu >= local_world else "gloo"
-        else:
-            device = torch.device("cpu")
-            pg_backend = "gloo"
         timeout = datetime.timedelta(seconds=max(1.0, timeout_s * COLLECTIVE_TIMEOUT_SHARE))
         owns_group = not dist.is_initialized()  # a training script's own group is joined, never destroyed
         if owns_group:
@@ -91,6 +104,18 @@ class DistContext:
         t = tensor.to(self.device)
         dist.all_reduce(t)
         return t.cpu()
+
+    def keep(self, obj: Any) -> LocalRef:
+        """Keep `obj` in this process and hand out a ticket to send instead: rank 0 evaluates in its own
+        process, so what it measured (a model's summed gradients) need not cross the payload gather, which
+        pickles every payload and pads each rank's to the largest."""
+        ref = LocalRef(len(self._kept) + 1)
+        self._kept[ref.ticket] = obj
+        return ref
+
+    def take(self, ref: LocalRef) -> Any:
+        """The object `keep` was given for `ref` (once)."""
+        return self._kept.pop(ref.ticket)
 
     def broadcast_from_root(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (so every rank of a training script takes the same decision)."""

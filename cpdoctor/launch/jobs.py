@@ -1,34 +1,62 @@
-"""The typed values that cross the process boundary: a Job of Cases, each rank's RankPayload, and the
-CaseOutcome of every case (its evaluated numbers, or the RankFailures that stopped it)."""
+"""The typed values that cross the process boundary: a Job of Cases and the RankProgram that runs them, each
+rank's RankPayload (a `RankResult` or why there is none), and the CaseOutcome of every case (rank 0's
+`CaseNumbers`, or the RankFailures that stopped it).
+
+launch/ knows no examination: a Job carries its program (the examination entry, pickled by reference to its
+class), so the worker runs whatever it is handed and never looks anything up.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from cpdoctor.launch.context import DistContext
 
 
 @dataclass(frozen=True)
 class Case:
     """One examination run on every rank: the examination's request (its own dataclass), patched or not.
 
-    `options` carries what an examination adds to a case (the model's op-level cross-checks, the fix's dK/dV
-    strategy); `label` names the case in fault injection and logs ("unpatched" / "patched")."""
+    `dkv` chooses the fixed ring's dK/dV strategy in a patched case (tests and benchmarks compare them; None is
+    the fix's default); `label` names the case in fault injection and logs ("unpatched" / "patched")."""
 
     request: Any
     patched: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
+    dkv: str | None = None
 
     @property
     def label(self) -> str:
         return "patched" if self.patched else "unpatched"
 
 
+class RankResult:
+    """Base of what one rank returns for one case: each examination's probe returns a dataclass of its own
+    that derives from it (numbers, never opinions; plain tensors on the CPU, so it pickles)."""
+
+
+class CaseNumbers:
+    """Base of what rank 0 evaluates from every rank's RankResult for one case (judged later, in the parent).
+    `environment` is what rank 0 saw (versions, device, process group, layout): the report's environment."""
+
+    environment: dict[str, Any]
+
+
+class RankProgram(Protocol):
+    """What a Job runs: `run_rank` on every rank, `evaluate` on rank 0 (an Examination is one)."""
+
+    def run_rank(self, case: Case, ctx: DistContext) -> RankResult: ...
+
+    def evaluate(self, case: Case, results: list[RankResult], ctx: DistContext) -> CaseNumbers: ...
+
+
 @dataclass(frozen=True)
 class Job:
-    """What one launch runs: cases of one examination kind, in order, on one device kind."""
+    """What one launch runs: cases of one examination, in order, on one device kind."""
 
-    kind: str
+    program: RankProgram
     cases: tuple[Case, ...]
     device: str = "auto"
     timeout_s: float = 300.0
@@ -47,7 +75,7 @@ class RankPayload:
     """One rank's answer for one case: its numbers (`value`) or why it has none."""
 
     status: RankStatus
-    value: Any = None
+    value: RankResult | None = None
     message: str = ""
     traceback: str = ""
     warnings: list[str] = field(default_factory=list)  # raised inside the examination, kept off the terminal
@@ -86,7 +114,7 @@ class CaseOutcome:
     """A case's result: rank 0's evaluated numbers, or the failures that stopped it."""
 
     case: Case
-    evaluated: Any = None
+    evaluated: CaseNumbers | None = None
     failures: list[RankFailure] = field(default_factory=list)
     refusal: RankPayload | None = None  # bad input / cannot examine: the request, not a rank, is at fault
     warnings: dict[str, int] = field(default_factory=dict)  # message -> how many times, over all ranks

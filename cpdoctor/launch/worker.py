@@ -17,7 +17,7 @@ from typing import Any
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.launch.context import DistContext
 from cpdoctor.launch.faults import inject_fault
-from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankStatus
+from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankProgram, RankStatus
 from cpdoctor.launch.progress import StepLog
 
 OutcomeSink = Callable[[int, CaseOutcome], None]
@@ -27,23 +27,23 @@ def _error(exc: BaseException) -> RankPayload:
     return RankPayload(RankStatus.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
 
 
-def run_case(entry: Any, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
+def run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
     """This rank's payload for one case, with the warnings raised meanwhile (diffusers' deprecation notices on
     every rank would bury the verdict under torchrun: they are counted in the report instead)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        payload = _run_case(entry, case, ctx, log, index)
+        payload = _run_case(program, case, ctx, log, index)
     payload.warnings = [f"{w.category.__name__}: {w.message}" for w in caught]
     return payload
 
 
-def _run_case(entry: Any, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
+def _run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
     """Every exception becomes a payload, never an escape."""
     try:
         log.mark(index, "preparing")
         inject_fault(ctx.rank, case.label)
         log.mark(index, "examining")
-        return RankPayload(RankStatus.OK, entry.run_rank(case, ctx))
+        return RankPayload(RankStatus.OK, program.run_rank(case, ctx))
     except BadInput as exc:
         return RankPayload(RankStatus.BAD_INPUT, message=str(exc))
     except CannotExamine as exc:
@@ -69,23 +69,24 @@ def refusal(payloads: list[RankPayload]) -> RankPayload | None:
     return next((p for p in payloads if p.status in (RankStatus.BAD_INPUT, RankStatus.CANNOT_EXAMINE)), None)
 
 
-def _evaluate(entry: Any, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
+def _evaluate(program: RankProgram, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        outcome = _judge_payloads(entry, case, payloads, ctx)
+        outcome = _outcome(program, case, payloads, ctx)
     for message in [w for p in payloads for w in p.warnings] + [f"{w.category.__name__}: {w.message}" for w in caught]:
         outcome.warnings[message] = outcome.warnings.get(message, 0) + 1
     return outcome
 
 
-def _judge_payloads(entry: Any, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
+def _outcome(program: RankProgram, case: Case, payloads: list[RankPayload], ctx: DistContext) -> CaseOutcome:
     refused = refusal(payloads)
     if refused is not None:
         return CaseOutcome(case, refusal=refused)
     if not all(p.ok for p in payloads):
         return CaseOutcome(case, failures=failures_from_payloads(payloads))
     try:
-        return CaseOutcome(case, evaluated=entry.evaluate(case, [p.value for p in payloads], ctx))
+        results = [p.value for p in payloads if p.value is not None]
+        return CaseOutcome(case, evaluated=program.evaluate(case, results, ctx))
     except Exception as exc:  # noqa: BLE001 - rank 0's evaluation failing is a finding too
         p = _error(exc)
         return CaseOutcome(case, failures=[RankFailure(0, FailureKind.CRASH, p.message, p.traceback)])
@@ -104,12 +105,9 @@ def execute_job(
     for the gather), then still joins the gather so a torchrun user gets the traceback on rank 0 too. After
     each case rank 0 tells every rank whether the job goes on: it stops at a refused request and after a
     collective that timed out (the process group may not be usable any more)."""
-    from cpdoctor.examinations import registry
-
-    entry = registry.get(job.kind)
     outcomes: list[CaseOutcome] = []
     for index, case in enumerate(job.cases):
-        payload = run_case(entry, case, ctx, log, index)
+        payload = run_case(job.program, case, ctx, log, index)
         if payload.status is RankStatus.ERROR and on_local_error is not None:
             on_local_error(index, payload)
         log.mark(index, "reporting")
@@ -125,7 +123,7 @@ def execute_job(
         if ctx.rank == 0:
             assert gathered is not None
             log.mark(index, "evaluating")
-            outcome = _evaluate(entry, case, gathered, ctx)
+            outcome = _evaluate(job.program, case, gathered, ctx)
             outcomes.append(outcome)
             if on_outcome is not None:
                 on_outcome(index, outcome)

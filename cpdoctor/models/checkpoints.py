@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any
 
-from cpdoctor.errors import BadInput
+from cpdoctor.errors import BadInput, first_line
 
 SAFETENSORS_NAME = "diffusion_pytorch_model.safetensors"
 SAFETENSORS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -86,11 +86,6 @@ def hub_cache_dir() -> str:
     return str(constants.HF_HUB_CACHE)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 def _check_options(revision: Any, variant: Any) -> None:
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise BadInput(f"--revision must be a branch, tag or commit, got {revision!r}")
@@ -135,7 +130,7 @@ def _read_json(path: str, what: str) -> Any:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except (OSError, ValueError) as exc:
-        raise BadInput(f"cannot read {what} {path}: {_one_line(exc)}") from exc
+        raise BadInput(f"cannot read {what} {path}: {first_line(exc)}") from exc
 
 
 def _local_root(path: str) -> tuple[str, str | None]:
@@ -273,7 +268,7 @@ def check_safetensors(path: str) -> None:
         with safe_open(path, "pt") as fh:
             fh.keys()
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: all one thing to the user
-        raise BadInput(f"{path} is not a readable safetensors file (truncated or corrupt?): {_one_line(exc)}") from exc
+        raise BadInput(f"{path} is not a readable safetensors file (truncated or corrupt?): {first_line(exc)}") from exc
 
 
 def weight_files(model_dir: str, variant: str | None = None, allow_pickle: bool = False, partial: bool = False) -> tuple[list[str], bool]:
@@ -419,11 +414,11 @@ def locate_hub(
         raise
     except LocalEntryNotFoundError as exc:
         if download:
-            raise BadInput(f"cannot download {where} into {cache} (offline? HF_HUB_OFFLINE): {_one_line(exc)}") from exc
+            raise BadInput(f"cannot download {where} into {cache} (offline? HF_HUB_OFFLINE): {first_line(exc)}") from exc
         raise _not_found(repo_id, revision, cache) from exc
     except Exception as exc:  # noqa: BLE001 - invalid id, incomplete snapshot, network, auth: one line each
         verb = "download" if download else "find"
-        raise BadInput(f"cannot {verb} {where} in the Hugging Face cache at {cache}: {_one_line(exc)}") from exc
+        raise BadInput(f"cannot {verb} {where} in the Hugging Face cache at {cache}: {first_line(exc)}") from exc
     commit = os.path.basename(os.path.normpath(folder))
     directory, subfolder = transformer_folder(folder)
     source = f"hub cache {repo_id}@{commit[:12]}"

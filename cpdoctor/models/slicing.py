@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from cpdoctor.errors import BadInput
+from cpdoctor.errors import BadInput, first_line
 
 DEPTH_KEY = re.compile(r"(layers|blocks|depth)$")
 """Config keys that may size a block stack (num_layers, num_single_layers, num_blocks, depth, ...)."""
@@ -234,9 +234,7 @@ def read_tensors(names: Iterable[str], where: Mapping[str, str], stats: ReadStat
         except BadInput:
             raise
         except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError
-            raise BadInput(
-                f"cannot read {path}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            ) from exc
+            raise BadInput(f"cannot read {path}: {first_line(exc)}") from exc
     return out
 
 
@@ -260,7 +258,7 @@ def load_sliced(cls: type, config: Mapping[str, Any], where: Mapping[str, str], 
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
-        raise BadInput(f"the checkpoint's tensors do not fit {cls.__name__}: {str(exc).strip().splitlines()[0]}") from exc
+        raise BadInput(f"the checkpoint's tensors do not fit {cls.__name__}: {first_line(exc, with_type=False)}") from exc
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise BadInput(f"the checkpoint left {leftover[0]} unset")

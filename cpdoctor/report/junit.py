@@ -10,14 +10,15 @@ import datetime
 import socket
 import xml.etree.ElementTree as ET
 
-from cpdoctor.report import Finding, Report, Verdict
+from cpdoctor.report.findings import Finding, Report
 from cpdoctor.report.text import finding_text
+from cpdoctor.report.verdict import Verdict
 
 FAILURE_TAG = {Verdict.FAIL: "failure", Verdict.CRASH: "error", Verdict.HANG: "error"}
 
 
 def _testcase(suite: ET.Element, command: str, finding: Finding, before: Finding | None) -> str | None:
-    case = ET.SubElement(suite, "testcase", classname=f"cpdoctor.{command}", name=finding.probe, time="0")
+    case = ET.SubElement(suite, "testcase", classname=f"cpdoctor.{command}", name=finding.subject, time="0")
     verdict = Verdict(finding.verdict)
     if verdict in FAILURE_TAG:
         body = finding_text(finding)

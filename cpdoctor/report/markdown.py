@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpdoctor.report import TENSOR_LABELS, Finding, Report, Verdict, environment_line, fmt
+from cpdoctor.report.findings import Finding, Report
+from cpdoctor.report.render import TENSOR_LABELS, environment_line, fmt
+from cpdoctor.report.verdict import Verdict
 
 
 def _cell(text: Any) -> str:
@@ -23,22 +25,22 @@ def _tensor_rows(finding: Finding, before: Finding | None) -> list[str]:
         row = [TENSOR_LABELS.get(name, name)]
         if before is not None and before.tensors:
             b = before.tensors.get(name)
-            row.append(f"{fmt(b['rel_err'])} {Verdict(b['verdict']).value}" if b else "–")
+            row.append(f"{fmt(b.rel_err)} {b.verdict.value}" if b else "–")
         row += [
-            fmt(t["rel_err"]),
-            fmt(t["max_abs"]),
-            fmt(t.get("tolerance")),
-            fmt(t.get("baseline_rel_err")),
-            fmt(t.get("worst_rank")),
-            str(t["nonfinite"]),
-            f"**{Verdict(t['verdict']).value}**",
+            fmt(t.rel_err),
+            fmt(t.max_abs),
+            fmt(t.tolerance),
+            fmt(t.baseline_rel_err),
+            fmt(t.worst_rank),
+            str(t.nonfinite),
+            f"**{t.verdict.value}**",
         ]
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return lines
 
 
 def _finding_block(finding: Finding, before: Finding | None) -> list[str]:
-    lines = [f"#### `{finding.probe}`", ""]
+    lines = [f"#### `{finding.subject}`", ""]
     if finding.tensors:
         lines += _tensor_rows(finding, before) + [""]
     if before is not None:
@@ -48,7 +50,7 @@ def _finding_block(finding: Finding, before: Finding | None) -> list[str]:
         lines.append(f"Remedy: {finding.remedy}  ")
     if finding.command:
         lines.append(f"Look closer: `{finding.command}`  ")
-    for rank, tb in finding.details.get("tracebacks", {}).items():
+    for rank, tb in finding.tracebacks.items():
         lines += ["", f"<details><summary>rank {rank} traceback</summary>", "", "```", tb.rstrip(), "```", "</details>"]
     return lines + [""]
 
@@ -59,7 +61,7 @@ def _summary_table(report: Report) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, f in enumerate(report.findings, 1):
         row = (
-            [str(i), f"`{f.probe}`"]
+            [str(i), f"`{f.subject}`"]
             + ([Verdict(befores[i - 1].verdict).value if i - 1 < len(befores) else "–"] if befores else [])
             + [f"**{Verdict(f.verdict).value}**"]
         )
@@ -71,7 +73,7 @@ def to_markdown(report: Report, command: str) -> str:
     """The Markdown document of `report`, produced by `cpdoctor <command>`."""
     label = "after the patch: " if report.before is not None else ""
     lines = [
-        f"### cpdoctor {command}: {label}{Verdict(report.verdict).value} (exit {report.exit_code})",
+        f"### cpdoctor {command}: {label}{Verdict(report.verdict).value} (exit {int(report.exit_code)})",
         "",
         f"_{environment_line(report.environment)}_",
         "",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from cpdoctor.report import Finding, render_finding
+from cpdoctor.report.findings import Finding
+from cpdoctor.report.render import render_finding
 
 
 def finding_text(finding: Finding, before: Finding | None = None, width: int = 130) -> str:

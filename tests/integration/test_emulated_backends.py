@@ -61,9 +61,9 @@ def world4():
 
 def test_every_emulated_report_says_what_was_examined(world2):
     for f in world2:
-        note = f.details.get("emulated", "")
-        assert "emulated on CPU" in note and "not examined: the CUDA kernel itself" in note, f.probe
-        assert f.probe.endswith("emulated") or " emulated" in f.probe
+        note = f.emulated or ""
+        assert "emulated on CPU" in note and "not examined: the CUDA kernel itself" in note, f.subject
+        assert f.subject.endswith("emulated") or " emulated" in f.subject
 
 
 def test_the_real_kernels_dtype_refusal(world2):
@@ -76,7 +76,7 @@ def test_native_flash_double_transpose(world2, has_stale_kv_backward):
         if has_stale_kv_backward:
             assert f.verdict == "CRASH", f.diagnosis
             assert "Number of heads in key/value must divide" in f.diagnosis and "double transpose" in f.diagnosis
-            assert f.details.get("signature") == "double transpose"
+            assert f.failure.signature == "double transpose"
         else:
             assert f.verdict == "PASS", f.diagnosis
 
@@ -113,7 +113,7 @@ def test_flash_attn(world2, has_stale_kv_backward):
 
 def test_patched_ring_runs_every_cuda_block_kernel(world2):
     for f in world2[7:11]:
-        assert f.verdict == "PASS", (f.probe, f.diagnosis)
+        assert f.verdict == "PASS", (f.subject, f.diagnosis)
         assert max(t["rel_err"] for t in f.tensors.values()) < 1e-2
 
 
@@ -121,7 +121,7 @@ def test_patched_ulysses_runs_every_cuda_block_kernel(world2):
     """0.39.0's _native_flash/_native_cudnn backward ops transpose twice and crash under Ulysses; the fixed
     Ulysses never calls them: PASS on every release, masked too."""
     for f in world2[12:16]:
-        assert f.verdict == "PASS", (f.probe, f.diagnosis)
+        assert f.verdict == "PASS", (f.subject, f.diagnosis)
         assert max(t["rel_err"] for t in f.tensors.values()) < 1e-2
 
 
@@ -134,7 +134,7 @@ def assert_direction_then_fixed(stock, patched, has_stale_kv_backward) -> None:
             assert f.verdict == "FAIL" and "wrong way round the ring" in f.diagnosis, f.diagnosis
             assert f.tensors["dq"]["verdict"] == "PASS"
     for f in patched:
-        assert f.verdict == "PASS", (f.probe, f.diagnosis)
+        assert f.verdict == "PASS", (f.subject, f.diagnosis)
 
 
 def test_ring3(world3, has_stale_kv_backward):
@@ -149,6 +149,6 @@ def test_ring_times_ulysses(world4, has_stale_kv_backward):
     stock, patched = world4[:3], world4[3:6]
     if not has_stale_kv_backward:
         for f in stock:
-            assert f.verdict == "PASS", (f.probe, f.diagnosis)
+            assert f.verdict == "PASS", (f.subject, f.diagnosis)
     for f in patched:
-        assert f.verdict == "PASS", (f.probe, f.diagnosis)
+        assert f.verdict == "PASS", (f.subject, f.diagnosis)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpdoctor.errors import CannotExamine
+from cpdoctor.examinations import registry
 from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.train_step import TrainStepRequest
 from cpdoctor.launch import Case, Job
@@ -43,7 +44,7 @@ def _typed(kind: str, case: dict) -> Case:
 
 
 def launch(kind: str, cases: list[dict], world: int) -> list[dict]:
-    res = run_spawned(Job(kind, tuple(_typed(kind, c) for c in cases), "auto", TIMEOUT), world)
+    res = run_spawned(Job(registry.get(kind), tuple(_typed(kind, c) for c in cases), "auto", TIMEOUT), world)
     assert len(res.outcomes) == len(cases) and all(o.completed for o in res.outcomes), res.outcomes[-1]
     return [o.evaluated if isinstance(o.evaluated, dict) else dataclasses.asdict(o.evaluated) for o in res.outcomes]
 

@@ -80,7 +80,7 @@ def assert_backward_only(f):
     assert "forward exact" in f.diagnosis and "backward wrong" in f.diagnosis
     assert "the attention op alone fails at this layout" in f.diagnosis
     assert "cpdoctor.patch()" in f.remedy
-    assert f.details["op_level"][0]["verdict"] == "FAIL"
+    assert f.evidence.op_level[0].verdict == "FAIL"
 
 
 def test_ring2(world2, has_stale_kv_backward):
@@ -90,7 +90,7 @@ def test_ring2(world2, has_stale_kv_backward):
             assert "`cpdoctor check --ring 2`" in f.diagnosis and "stale iteration-0" in f.diagnosis
         else:  # 0.42.1: exact at ring 2
             assert_pass(f)
-    assert world2["flux"].details["model"]["parameter_tensors"] > 50
+    assert world2["flux"].evidence.model.parameter_tensors > 50
 
 
 def test_text_padding_mask_under_ring(world2):
@@ -100,7 +100,7 @@ def test_text_padding_mask_under_ring(world2):
     assert f.tensors["grads"]["verdict"] == "FAIL"
     assert "forward wrong" in f.diagnosis and "padding mask is involved" in f.diagnosis
     assert "`cpdoctor check --ring 2 --mask-pad 3`" in f.diagnosis
-    assert [o["command"] for o in f.details["op_level"]] == ["cpdoctor check --ring 2", "cpdoctor check --ring 2 --mask-pad 3"]
+    assert [o.command for o in f.evidence.op_level] == ["cpdoctor check --ring 2", "cpdoctor check --ring 2 --mask-pad 3"]
 
 
 def test_ring4(world4, has_stale_kv_backward):
@@ -147,7 +147,7 @@ def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
 
-    from cpdoctor.examinations.model.probe import TINY_CONFIGS
+    from cpdoctor.models.tiny import TINY_CONFIGS
     from cpdoctor.models.catalog import resolve_model
 
     torch.manual_seed(3)

@@ -89,15 +89,18 @@ def test_the_snapshot_loads_through_from_pretrained(cache, saved):
     exactly the saved weights; prepare pins the revision to the commit the ranks then load."""
     import torch
 
-    from cpdoctor.examinations.model import probe
+    from cpdoctor.examinations.model.build import build_model
+    from cpdoctor.examinations.model.prepare import prepare
     from cpdoctor.examinations.model.request import ModelRequest
+    from cpdoctor.examinations.model.spec import request_spec
 
-    req, spec = probe.prepare(ModelRequest(model=REPO, ring=2))
+    req = prepare(ModelRequest(model=REPO, ring=2))
+    spec = request_spec(req)
     assert req.revision == MAIN and spec.source == f"hub cache {REPO}@{MAIN[:12]}"
     assert spec.checkpoint == snapshot(cache, MAIN) + "/transformer"
-    rank_spec = probe.request_spec(req, local_only=True)
+    rank_spec = request_spec(req, local_only=True)
     assert rank_spec.weights == spec.weights
-    model = probe.build_model(spec, req, "cpu", torch.float32)
+    model = build_model(spec, req, "cpu", torch.float32)
     expected = tiny_flux(seed=3).state_dict()
     got = model.state_dict()
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
@@ -216,7 +219,7 @@ def test_directories_without_a_transformer(tmp_path, saved):
 
 
 def test_names_and_options(tmp_path, saved):
-    from cpdoctor.examinations.model import probe
+    from cpdoctor.examinations.model import spec as probe
 
     assert locate("flux") is None and locate("FluxTransformer2DModel") is None
     with pytest.raises(BadInput, match="no such file or directory: ./nowhere"):
@@ -266,12 +269,12 @@ def test_variant_and_pickle_load_through_from_pretrained(tmp_path, saved):
     """build_model passes variant= and use_safetensors=False (only with allow_pickle) to from_pretrained."""
     import torch
 
-    from cpdoctor.examinations.model import probe
+    from cpdoctor.examinations.model import build, spec
     from cpdoctor.examinations.model.request import ModelRequest
 
     expected = tiny_flux(seed=3).state_dict()
     req = ModelRequest(model=str(saved["pipe"]), variant="fp16")
-    model = probe.build_model(probe.request_spec(req), req, "cpu", torch.float32)
+    model = build.build_model(spec.request_spec(req), req, "cpu", torch.float32)
     got = model.state_dict()
     assert all(torch.equal(got[k], expected[k].half().float()) for k in expected)
 
@@ -280,6 +283,6 @@ def test_variant_and_pickle_load_through_from_pretrained(tmp_path, saved):
     shutil.copy(saved["single"] / "config.json", ckpt)
     torch.save(expected, ckpt / "diffusion_pytorch_model.bin")
     req = ModelRequest(model=str(ckpt), allow_pickle=True)
-    model = probe.build_model(probe.request_spec(req), req, "cpu", torch.float32)
+    model = build.build_model(spec.request_spec(req), req, "cpu", torch.float32)
     got = model.state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)

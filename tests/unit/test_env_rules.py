@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cpdoctor.examinations.env import findings as rules
+from cpdoctor.compat.backends import BackendFacts
 from cpdoctor.examinations.env.backend_table import BackendRow, Cell, OpProbe, judge_cells, kernel_flags, requirement_hint
 from cpdoctor.examinations.env.facts import NOT_COLLECTED, collect
 from cpdoctor.examinations.env.findings import CodeFacts, DispatchTrial, RingSource
@@ -22,12 +23,17 @@ OK = Cell(True)
 
 
 def by_probe(findings):
-    return {f.probe: f for f in findings}
+    return {f.subject: f for f in findings}
 
 
-def row(name="b", *, facts=None, accepts=True, op=None, ring=OK, ulysses=OK, training=OK) -> BackendRow:
-    facts = {"runs_here": True, "cp_registered": True, "routes_cp": True, "returns_lse": True} if facts is None else facts
-    return BackendRow(name, facts, accepts, op, ring, ulysses, training)
+def facts(name: str = "b", **given: object) -> BackendFacts:
+    """A backend's facts as compat.backends finds them (registered; the rest as given)."""
+    return BackendFacts(name, registered=True, **given)  # type: ignore[arg-type]
+
+
+def row(name="b", *, facts_=None, accepts=True, op=None, ring=OK, ulysses=OK, training=OK) -> BackendRow:
+    f = facts(name, runs_here=True, cp_registered=True, routes_cp=True, returns_lse=True) if facts_ is None else facts_
+    return BackendRow(name, f, accepts, op, ring, ulysses, training)
 
 
 def clean_op(**kw) -> OpProbe:
@@ -62,7 +68,7 @@ def test_ring_source_of_0_39_is_three_fails():
 
 def test_ring_source_fixed_is_three_passes_and_patched_wording():
     found = rules.ring_findings(RING_FIXED)
-    assert [(f.probe, f.verdict) for f in found] == [
+    assert [(f.subject, f.verdict) for f in found] == [
         ("ring backward: rotated K/V", Verdict.PASS),
         ("ring backward: dK/dV direction", Verdict.PASS),
         ("ring forward: mask rotation", Verdict.PASS),
@@ -80,7 +86,7 @@ def test_unreadable_and_absent_ring_are_warnings_that_say_measure_it():
     assert [(f.verdict, f.remedy) for f in found] == [(Verdict.WARN, "measure it")] * 3
     assert [f.command for f in found] == ["cpdoctor check --ring 2", "cpdoctor check --ring 3", "cpdoctor check --ring 2 --mask-pad 3"]
     absent = rules.ring_findings(RingSource(absent=True))
-    assert [(f.probe, f.verdict) for f in absent] == [("ring template", Verdict.WARN)]
+    assert [(f.subject, f.verdict) for f in absent] == [("ring template", Verdict.WARN)]
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
@@ -107,12 +113,12 @@ def test_unreadable_and_absent_ring_are_warnings_that_say_measure_it():
 )
 def test_dispatch_rules(trial, verdict, words, command):
     f = rules.dispatch_finding(trial)
-    assert f.probe == "dispatch: CP check" and f.verdict is verdict and words in f.diagnosis and f.command == command
+    assert f.subject == "dispatch: CP check" and f.verdict is verdict and words in f.diagnosis and f.command == command
 
 
 def test_dispatch_warning_keeps_its_details():
     f = rules.dispatch_finding(DispatchTrial(["_native_math"], [], "_native_math", None))
-    assert f.details == {"tried": "_native_math", "ignores_config": ["_native_math"], "drops_config": []}
+    assert f.details() == {"tried": "_native_math", "ignores_config": ["_native_math"], "drops_config": []}
     assert f.remedy.startswith("choose a CP-capable backend")
 
 
@@ -127,7 +133,7 @@ def test_cudnn_on_meta_without_lse_is_a_fail_with_a_bf16_command():
     assert lse.verdict is Verdict.FAIL and "asks its kernel not to compute the LSE (compute_log_sumexp=False)" in lse.diagnosis
     assert lse.diagnosis.endswith("measured on the meta device, as this device has no kernel for it: shapes and kernel arguments only")
     assert lse.command == "cpdoctor check --ulysses 2 --backend _native_cudnn --dtype bf16"
-    assert lse.details == {"kernel_args": {"aten.x": [{"compute_log_sumexp": False}]}}
+    assert lse.details() == {"kernel_args": {"aten.x": [{"compute_log_sumexp": False}]}}
     assert "_native_cudnn: backward" not in found  # the LSE finding says it; the grads have the right shape
     # measured on meta only: nothing passes here, and no backend can do CP on this device
     assert "CP ops on this device" not in found and found["CP backends here"].verdict is Verdict.WARN
@@ -159,25 +165,25 @@ def test_wrong_numbers_and_rng_advance():
 
 def test_clean_ops_pass_and_no_cp_backend_warns():
     found = rules.op_findings([row("cpdoctor_cpu", op=clean_op()), row("native", op=clean_op(saved_lse=False))], "fp32")
-    assert [(f.probe, f.verdict) for f in found] == [("CP ops on this device", Verdict.PASS)]
+    assert [(f.subject, f.verdict) for f in found] == [("CP ops on this device", Verdict.PASS)]
     assert found[0].diagnosis.startswith("cpdoctor_cpu, native: the forward saves what the backward needs")
     nothing = rules.op_findings([row("flash", ulysses=Cell(False, "not installed"))], "fp32")
-    assert [(f.probe, f.verdict) for f in nothing] == [("CP backends here", Verdict.WARN)]
+    assert [(f.subject, f.verdict) for f in nothing] == [("CP backends here", Verdict.WARN)]
 
 
 # ------------------------------------------------------------------------------------------------ table cells
 
 
 def test_cells_of_a_backend_that_is_not_installed_or_not_registered():
-    cells = judge_cells({"requirement_error": "flash_attn is not available. Please install `flash-attn>=2.6.3`."}, False, None)
+    cells = judge_cells(facts(requirement_error="flash_attn is not available. Please install `flash-attn>=2.6.3`."), False, None)
     assert cells == (Cell(False, "not installed: install `flash-attn>=2.6.3`"),) * 3
-    math = judge_cells({"runs_here": True, "cp_registered": False, "routes_cp": False}, True, None)
+    math = judge_cells(facts(runs_here=True, cp_registered=False, routes_cp=False), True, None)
     assert math[0] == Cell(False, "not registered for CP (enable_parallelism refuses it); accepts a parallel config and ignores it")
     assert requirement_hint("Something broke. Details follow") == "Something broke"
 
 
 def test_cells_of_native_and_of_a_backward_that_reads_a_missing_lse():
-    native = {"runs_here": True, "cp_registered": True, "routes_cp": True, "returns_lse": False}
+    native = facts(runs_here=True, cp_registered=True, routes_cp=True, returns_lse=False)
     ring, ulysses, training = judge_cells(native, True, clean_op(saved_lse=False))
     assert ring == Cell(False, "no LSE: the ring needs one to merge KV blocks") and ulysses == OK and training == OK
     _, _, training = judge_cells(native, True, clean_op(lse_not_requested=True))
@@ -216,7 +222,7 @@ def test_default_backend_and_uneven_modes():
         "ContextParallelConfig has ulysses_anything (inference only: its backward raises NotImplementedError), "
         "ring_anything (no class found):"
     )
-    assert both.details == {"modes": ["ulysses_anything", "ring_anything"]}
+    assert both.details() == {"modes": ["ulysses_anything", "ring_anything"]}
 
 
 def _report(code: CodeFacts, rows: list[BackendRow]) -> Report:
@@ -227,7 +233,7 @@ def test_a_0_39_install_fails_with_exit_1():
     code = CodeFacts(RING_0_39, DispatchTrial(["_native_math"], [], "_native_math", None), {}, None)
     report = _report(code, [row("cpdoctor_cpu", op=clean_op())])
     assert (report.verdict, report.exit_code) == (Verdict.FAIL, ExitCode.FOUND)
-    assert [f.probe for f in report.findings] == [
+    assert [f.subject for f in report.findings] == [
         "ring backward: rotated K/V",
         "ring backward: dK/dV direction",
         "ring forward: mask rotation",

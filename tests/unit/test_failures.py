@@ -15,7 +15,7 @@ def crash(rank: int, message: str, tb: str = "") -> RankFailure:
 
 def test_double_transpose_signature():
     (f,) = failure_findings("p", [crash(0, "RuntimeError: Number of heads in key/value must divide number of heads in query")], 30)
-    assert f.verdict == Verdict.CRASH and "double transpose" in f.diagnosis and f.details["signature"] == "double transpose"
+    assert f.verdict == Verdict.CRASH and "double transpose" in f.diagnosis and f.failure.signature == "double transpose"
     assert "cpdoctor.patch()" in f.remedy
 
 
@@ -35,8 +35,8 @@ def test_lse_rank_signature_needs_an_lse_in_the_failing_line():
 
 def test_an_unknown_crash_says_read_the_traceback():
     (f,) = failure_findings("p", [crash(1, "RuntimeError: fault injected into rank 1", "Traceback ...")], 30)
-    assert f.remedy == "read the traceback below" and "signature" not in f.details
-    assert f.details["tracebacks"] == {"1": "Traceback ..."}
+    assert f.remedy == "read the traceback below" and f.failure.signature is None
+    assert f.tracebacks == {1: "Traceback ..."} and f.details()["tracebacks"] == {"1": "Traceback ..."}
 
 
 def test_a_waiting_rank_is_named_not_blamed():

@@ -79,12 +79,13 @@ def test_prepare_refuses_what_does_not_fit_and_names_the_blocks_that_do(monkeypa
     from diffusers import FluxTransformer2DModel
 
     from cpdoctor.errors import BadInput
-    from cpdoctor.examinations.model import probe
+    from cpdoctor.examinations.model import prepare as probe
     from cpdoctor.examinations.model.request import ModelRequest
+    from cpdoctor.examinations.model.spec import ModelSpec, model_survey
 
     config = dict(FLUX_DEV)
-    spec = probe.ModelSpec(FluxTransformer2DModel, "flux", "FluxTransformer2DModel", config, "test", None)
-    survey = probe.model_survey(spec)
+    spec = ModelSpec(FluxTransformer2DModel, "flux", "FluxTransformer2DModel", config, "test", None)
+    survey = model_survey(spec)
     kwargs = {"hidden_states": torch.empty(1, 256, 64, device="meta"), "encoder_hidden_states": torch.empty(1, 64, 4096, device="meta")}
     monkeypatch.setattr(probe, "_available", lambda device: 24 * GiB)
     req = ModelRequest(model="x", ring=2, dtype="bf16", device="cpu")

@@ -3,37 +3,33 @@ cross-check at the same layout (no process, no diffusers)."""
 
 from __future__ import annotations
 
+from cpdoctor.examinations.attention.judge import RoutingFacts
 from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.model.judge import model_finding
+from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement, OpLevel
 from cpdoctor.examinations.model.request import ModelRequest
-from cpdoctor.report import Verdict
+from cpdoctor.report import ParamRow, TensorRow, Verdict
 
 
-def row(err: float, base: float, world: int = 2, per_rank: bool = True) -> dict:
-    return {
-        "rel_err": err,
-        "max_abs": err,
-        "nonfinite": 0,
-        "worst_rank": 0,
-        "per_rank_rel_err": [err] * world if per_rank else [],
-        "baseline_rel_err": base,
-    }
+def row(err: float, base: float, world: int = 2, per_rank: bool = True) -> TensorRow:
+    return TensorRow(err, err, 0, worst_rank=0, per_rank_rel_err=(err,) * world if per_rank else (), baseline_rel_err=base)
 
 
-def op(ring: int, **errors: float) -> dict:
+def op(ring: int, **errors: float) -> OpLevel:
     tensors = {n: row(errors.get(n, 4e-7), 4e-7, ring) for n in ("out", "dq", "dk", "dv")}
-    return {"request": AttentionRequest(ring=ring), "evaluated": Measurement("cpdoctor_cpu", {"routes_cp": True}, {}, tensors)}
+    return OpLevel(AttentionRequest(ring=ring), Measurement("cpdoctor_cpu", RoutingFacts(routes_cp=True), {}, tensors))
 
 
-def measured(out: float, grads: float, base: float, *ops: dict) -> Measurement:
-    params = {"w": {**row(grads, base, per_rank=False), "numel": 10}}
-    return Measurement(
+def measured(out: float, grads: float, base: float, *ops: OpLevel) -> ModelMeasurement:
+    return ModelMeasurement(
         "cpdoctor_cpu",
-        {},
+        None,
         {},
         {"out": row(out, base), "grads": row(grads, base, per_rank=False)},
-        details={"params": params, "op_level": list(ops), "model": {"parameter_tensors": 1}},
+        model=ModelInfo("flux", "FluxTransformer2DModel", "tiny config", parameter_tensors=1),
+        params={"w": ParamRow(grads, grads, 0, 10, 1.0, base)},
+        op_level=list(ops),
     )
 
 
@@ -57,7 +53,7 @@ def test_noise_does_not_hide_a_wrong_attention_op():
     f = model_finding(req, measured(3e-3, 7.2e-2, 7e-2, op(2, dq=2.19, dk=1.7, dv=1.5)))
     assert f.verdict == Verdict.FAIL
     assert "noise hides" in f.diagnosis and "stale iteration-0" in f.diagnosis and "--dtype fp32" in f.remedy
-    assert all(t["verdict"] == Verdict.PASS for t in f.tensors.values())  # the model's own numbers are within tolerance
+    assert all(t.verdict == Verdict.PASS for t in f.tensors.values())  # the model's own numbers are within tolerance
 
 
 def test_model_path_defect_when_the_op_passes():

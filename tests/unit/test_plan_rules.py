@@ -13,15 +13,16 @@ from types import SimpleNamespace
 import pytest
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.plan import judge, remedies
-from cpdoctor.examinations.plan.measure import Key, Measurement
-from cpdoctor.examinations.plan.request import check_int
-from cpdoctor.examinations.plan.result import HeadsCheck, Plan, Problem, Remedy
+from cpdoctor.examinations.plan import judge
+from cpdoctor.models.splits import remedies
+from cpdoctor.models.splits.measure import Key, MeasuredSplits, SplitKind
+from cpdoctor.models.splits.plan import check_int
+from cpdoctor.models.splits.result import HeadsCheck, Plan, Problem, Remedy
 from cpdoctor.report import ExitCode, Report, Verdict
 
-IMG = Key("", "hidden_states", "split", 1)
-TXT = Key("", "encoder_hidden_states", "split", 1)
-MASK = Key("", "encoder_hidden_states_mask", "split", 1)
+IMG = Key("", "hidden_states", SplitKind.SPLIT, 1)
+TXT = Key("", "encoder_hidden_states", SplitKind.SPLIT, 1)
+MASK = Key("", "encoder_hidden_states_mask", SplitKind.SPLIT, 1)
 
 
 # ------------------------------------------------------------------------------------------------ arithmetic
@@ -79,8 +80,8 @@ def test_text_padding_wording():
 
 
 def test_problem_wording():
-    lengths = {IMG: {6889: 1}, TXT: {77: 1}, Key("pos", "output[1]", "split", 0): {77: 1}}
-    keys = {TXT, Key("pos", "output[1]", "split", 0)}
+    lengths = {IMG: {6889: 1}, TXT: {77: 1}, Key("pos", "output[1]", SplitKind.SPLIT, 0): {77: 1}}
+    keys = {TXT, Key("pos", "output[1]", SplitKind.SPLIT, 0)}
     assert remedies.tokens_what(("text",), keys, lengths, ring=2, ulysses=1) == (
         "text tokens: encoder_hidden_states 77, pos:output[1] 77 do not split over 2 ranks (ring 2 x ulysses 1)"
     )
@@ -95,7 +96,7 @@ def test_problem_wording():
 
 
 def test_fmt_lengths():
-    m = Measurement({IMG: {6972: 1}, TXT: {78: 1}}, {}, set(), 1328, 1344, None, 78)
+    m = MeasuredSplits({IMG: {6972: 1}, TXT: {78: 1}}, {}, set(), 1328, 1344, None, 78)
     assert remedies.fmt_lengths(m, {IMG}, 2) == "6972 -> 3486 per rank"
     assert remedies.fmt_lengths(m, {IMG, TXT}, 4) == "encoder_hidden_states 78 -> 19.5, hidden_states 6972 -> 1743"
 
@@ -130,7 +131,7 @@ class _Measurer:
         lengths = {IMG: {(height // 16) * (width // 16): 1}, TXT: {text_len: 1}}
         if text_mask:
             lengths[MASK] = {text_len: 1}
-        return Measurement(lengths, {}, {(24, 24)}, height, width, frames, text_len)
+        return MeasuredSplits(lengths, {}, {(24, 24)}, height, width, frames, text_len)
 
     def make_shallow(self, reference, text_mask):  # noqa: ANN001
         return True
@@ -205,7 +206,7 @@ def test_each_problem_is_a_fail_finding_with_its_ways_out_and_a_command():
         ],
     )
     findings = judge.plan_findings(_plan([text, image]), "/ckpt dir")
-    assert [(f.probe, f.verdict) for f in findings] == [
+    assert [(f.subject, f.verdict) for f in findings] == [
         ("plan: encoder_hidden_states", Verdict.FAIL),
         ("plan: hidden_states, img_ids", Verdict.FAIL),
     ]
@@ -219,11 +220,11 @@ def test_each_problem_is_a_fail_finding_with_its_ways_out_and_a_command():
 
 def test_no_problem_is_one_pass_finding():
     findings = judge.plan_findings(_plan([]), "flux")
-    assert [(f.probe, f.verdict, f.diagnosis) for f in findings] == [
+    assert [(f.subject, f.verdict, f.diagnosis) for f in findings] == [
         ("plan: every split", Verdict.PASS, "every split divides over 2 ranks")
     ]
     assert Report.of(findings, {}, {}).exit_code == ExitCode.OK
-    assert judge.remedy_settings(Remedy("ulysses_anything", "x", True, {"ring": 1, "ulysses": 2})) is None
+    assert Remedy("ulysses_anything", "x", True, {"ring": 1, "ulysses": 2}).settings() is None
 
 
 # ------------------------------------------------------------------------------------------------ measuring on meta
@@ -231,7 +232,7 @@ def test_no_problem_is_one_pass_finding():
 
 def test_recorder_and_spy_on_a_tiny_module_on_the_meta_device():
     torch = pytest.importorskip("torch")
-    from cpdoctor.examinations.plan.measure import Recorder, attention_spy
+    from cpdoctor.models.splits.measure import Recorder, attention_spy
 
     split = SimpleNamespace(split_dim=1, expected_dims=3, split_output=False)
     rope = SimpleNamespace(split_dim=0, expected_dims=2, split_output=True)

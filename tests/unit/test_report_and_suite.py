@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cpdoctor.errors import BadInput
-from cpdoctor.report import ExitCode, Finding, Report, RunResult, Verdict, overall, render
+from cpdoctor.report import ExitCode, FailureEvidence, Finding, JudgedRow, Report, RunResult, Verdict, overall, render
 
 
 def finding(verdict: str, **kw) -> Finding:
@@ -32,15 +32,7 @@ def test_overall(verdicts, expected):
 
 
 def test_json_keys_and_plain_strings():
-    row = {
-        "rel_err": 2.19,
-        "max_abs": 3.0,
-        "tolerance": 1e-6,
-        "baseline_rel_err": 4e-7,
-        "worst_rank": 1,
-        "nonfinite": 0,
-        "verdict": Verdict.FAIL,
-    }
+    row = JudgedRow(2.19, 3.0, 0, worst_rank=1, baseline_rel_err=4e-7, tolerance=1e-6, verdict=Verdict.FAIL)
     before = RunResult.of([finding("FAIL", tensors={"dq": row})])
     report = Report.of([finding("PASS")], {"torch": "x"}, {"ring": 2}, before=before, wall_s=1.23456)
     data = json.loads(report.to_json())
@@ -53,10 +45,9 @@ def test_json_keys_and_plain_strings():
 def test_render_shows_before_and_after_and_tracebacks():
     from rich.console import Console
 
-    row = {"rel_err": 2.19, "max_abs": 3.0, "tolerance": 1e-6, "baseline_rel_err": 4e-7, "worst_rank": 1, "nonfinite": 0}
-    crash = finding("CRASH", details={"tracebacks": {"1": "Traceback (most recent call last): boom"}})
+    crash = finding("CRASH", failure=FailureEvidence(tracebacks={1: "Traceback (most recent call last): boom"}))
     report = Report.of(
-        [finding("PASS", tensors={"dq": {**row, "rel_err": 4e-7, "verdict": Verdict.PASS}})],
+        [finding("PASS", tensors={"dq": JudgedRow(4e-7, 3.0, 0, worst_rank=1, baseline_rel_err=4e-7, tolerance=1e-6)})],
         {"torch": "2.x", "world_size": 2},
         {},
         before=RunResult.of([crash]),

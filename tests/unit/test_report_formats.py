@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from cpdoctor.report import Finding, Report, RunResult, Verdict
+from dataclasses import replace
+
+from cpdoctor.report import FailureEvidence, Finding, JudgedRow, Report, RunResult, Verdict
 from cpdoctor.report.junit import to_junit
 from cpdoctor.report.markdown import to_markdown
 
-ROW = {
-    "rel_err": 1.16,
-    "max_abs": 3.0,
-    "tolerance": 9.6e-7,
-    "baseline_rel_err": 4.2e-7,
-    "worst_rank": 1,
-    "nonfinite": 0,
-    "verdict": Verdict.FAIL,
-}
+ROW = JudgedRow(1.16, 3.0, 0, worst_rank=1, baseline_rel_err=4.2e-7, tolerance=9.6e-7, verdict=Verdict.FAIL)
 
 
 def report() -> Report:
     findings = [
-        Finding("attention ring=2", Verdict.PASS, "exact", tensors={"dk": {**ROW, "rel_err": 4e-7, "verdict": Verdict.PASS}}),
+        Finding("attention ring=2", Verdict.PASS, "exact", tensors={"dk": replace(ROW, rel_err=4e-7, verdict=Verdict.PASS)}),
         Finding(
             "attention ring=3",
             Verdict.FAIL,
@@ -37,7 +31,7 @@ def report() -> Report:
             Verdict.CRASH,
             "rank 1 raised: RuntimeError: boom",
             "read the traceback below",
-            details={"tracebacks": {"1": "Traceback (most recent call last):\n  boom"}},
+            failure=FailureEvidence(tracebacks={1: "Traceback (most recent call last):\n  boom"}),
         ),
         Finding("attention ring=2 mask", Verdict.HANG, "rank 1 did not finish within 25 s", "raise --timeout"),
     ]

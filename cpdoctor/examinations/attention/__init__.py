@@ -8,17 +8,26 @@ from typing import Any
 from cpdoctor.examinations.attention import judge
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.base import Examination
-from cpdoctor.launch.jobs import Case, RankFailure
+from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.report import Finding
 
 
 class AttentionExamination(Examination):
     kind = "attention"
-    probe = "cpdoctor.examinations.attention.probe"
     request_type = AttentionRequest
 
     def build_request(self, **fields: Any) -> AttentionRequest:
         return build_request(**fields)
+
+    def run_rank(self, case: Case, ctx: Any) -> RankResult:
+        from cpdoctor.examinations.attention import probe
+
+        return probe.run_rank(case, ctx)
+
+    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
+        from cpdoctor.examinations.attention import probe
+
+        return probe.evaluate(case, results, ctx)
 
     def finding(self, case: Case, evaluated: Any) -> Finding:
         return judge.attention_finding(case.request, evaluated)
@@ -30,7 +39,7 @@ class AttentionExamination(Examination):
         found = super().failure_findings(case, failures, timeout_s)
         if getattr(case.request, "emulate", False):
             for f in found:
-                f.details["emulated"] = judge.emulation_note(case.request.backend)
+                f.emulated = judge.emulation_note(case.request.backend)
         return found
 
 

@@ -7,9 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.judging import CP_BACKEND_REMEDY, GRADS_FAR_WORSE, Rule, diagnose, emulation_note, judge_row, unsupported_remedy
+from cpdoctor.examinations.judging import (
+    CP_BACKEND_REMEDY,
+    GRADS_FAR_WORSE,
+    Rule,
+    diagnose,
+    emulation_note,
+    judge_rows,
+    unsupported_finding,
+)
 from cpdoctor.examinations.measurement import Measurement
-from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
+from cpdoctor.report import TENSOR_LABELS, Finding, JudgedRow, Verdict
 
 PATCH = "cpdoctor.patch()"
 REPORT_IT = "cpdoctor.patch() if the ring is involved; otherwise report it with `cpdoctor env --markdown`"
@@ -141,24 +149,36 @@ RULES: tuple[Rule[Signature], ...] = (
 )
 
 
-def signature(req: Any, facts: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> Signature:
-    bad = frozenset(n for n, t in tensors.items() if t["verdict"] == Verdict.FAIL)
+@dataclass(frozen=True)
+class RoutingFacts:
+    """What the diagnosis needs to know about the backend: its name, whether it routes into diffusers' CP
+    templates at all (False: it ignores the parallel config), whether it is registered for CP."""
+
+    name: str | None = None
+    routes_cp: bool | None = True
+    cp_registered: bool | None = True
+
+
+def signature(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> Signature:
+    """The facts the rules read, from the request, the backend's facts (anything with `name`, `routes_cp`,
+    `cp_registered`) and the judged rows."""
+    bad = frozenset(n for n, t in tensors.items() if t.failed)
     return Signature(
         ring=req.ring,
         ulysses=req.ulysses,
         dtype=req.dtype,
         mask_pad=req.mask_pad,
-        backend=facts.get("name", req.backend),
-        routes_cp=facts.get("routes_cp"),
-        cp_registered=facts.get("cp_registered"),
+        backend=getattr(facts, "name", None) or req.backend,
+        routes_cp=getattr(facts, "routes_cp", None),
+        cp_registered=getattr(facts, "cp_registered", None),
         bad=bad,
-        errors={n: t["rel_err"] for n, t in tensors.items()},
-        bad_ranks=tuple(sorted({r for n in bad for r in tensors[n].get("bad_ranks", [])})),
-        nonfinite=sum(t["nonfinite"] for t in tensors.values()),
+        errors={n: t.rel_err for n, t in tensors.items()},
+        bad_ranks=tuple(sorted({r for n in bad for r in tensors[n].bad_ranks})),
+        nonfinite=sum(t.nonfinite for t in tensors.values()),
     )
 
 
-def diagnose_attention(req: Any, facts: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> tuple[str, str]:
+def diagnose_attention(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> tuple[str, str]:
     """(diagnosis, remedy) naming the signature seen."""
     sig = signature(req, facts, tensors)
     if not sig.bad:
@@ -206,28 +226,29 @@ def check_command(req: Any, patch: bool = False) -> str:
     return " ".join(parts)
 
 
+@dataclass
+class AttentionEvidence:
+    """What an op-level finding carries besides its rows (JSON `details`): the backend's facts, the RNG note
+    when the CP run moved the device's generator, why the no-CP baseline could not run."""
+
+    facts: Any = None
+    rng_advanced: str | None = None
+    baseline_error: str | None = None
+
+
 def attention_finding(req: Any, evaluated: Measurement) -> Finding:
     """The finding for one evaluated attention case."""
-    probe = describe(req, evaluated.backend)
-    facts = evaluated.facts
-    emulated = {"emulated": emulation_note(evaluated.backend)} if getattr(req, "emulate", False) else {}
+    subject = describe(req, evaluated.backend)
+    emulated = emulation_note(evaluated.backend) if getattr(req, "emulate", False) else None
+    evidence = AttentionEvidence(evaluated.facts, baseline_error=evaluated.baseline_error)
     if evaluated.unsupported is not None:
-        return Finding(
-            probe,
-            Verdict.UNSUPPORTED,
-            evaluated.unsupported,
-            unsupported_remedy(evaluated.unsupported),
-            details={"facts": facts, **emulated},
-        )
-    tensors = {name: judge_row(row, req.dtype) for name, row in evaluated.tensors.items()}
-    diagnosis, remedy = diagnose_attention(req, facts, tensors)
-    verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) else Verdict.FAIL
-    details: dict[str, Any] = {"facts": facts, **emulated}
-    if facts.get("rng_advanced"):
-        details["rng_advanced"] = RNG_NOTE
+        return unsupported_finding(subject, evaluated.unsupported, evidence=evidence, emulated=emulated)
+    tensors = judge_rows(evaluated.tensors, req.dtype)
+    diagnosis, remedy = diagnose_attention(req, evaluated.facts, tensors)
+    verdict = Verdict.PASS if all(not t.failed for t in tensors.values()) else Verdict.FAIL
+    if evaluated.rng_advanced:
+        evidence.rng_advanced = RNG_NOTE
         diagnosis = f"{diagnosis}; and {RNG_NOTE}"
         remedy = remedy or "cpdoctor.patch() (its ring calls the kernels with dropout 0); or a release whose op does not force dropout"
-    if evaluated.baseline_error is not None:
-        details["baseline_error"] = evaluated.baseline_error
     command = None if verdict == Verdict.PASS else check_command(req, patch=not req.patch)
-    return Finding(probe, verdict, diagnosis, remedy, tensors, details, command=command)
+    return Finding(subject, verdict, diagnosis, remedy, tensors, evidence, command=command, emulated=emulated)

@@ -10,14 +10,40 @@ verdict is made elsewhere (judge.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.errors import BadInput
+from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind, first_line
 from cpdoctor.examinations.attention.request import AttentionRequest
-from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, torch_dtype
-from cpdoctor.launch.jobs import Case
+from cpdoctor.examinations.judging import emulation_note
+from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, sharded_row, torch_dtype
+from cpdoctor.launch.jobs import Case, RankResult
 
 TENSORS = ("out", "dq", "dk", "dv")
+
+
+@dataclass
+class AttentionShard(RankResult):
+    """One rank's shard of out, dQ, dK, dV (CPU tensors) through diffusers' CP attention, and what the run showed
+    of the backend (its facts, whether the device's RNG moved)."""
+
+    flat_rank: int
+    backend: str
+    facts: Any  # compat.backends.BackendFacts
+    out: Any
+    dq: Any
+    dk: Any
+    dv: Any
+    rng_advanced: bool = False
+
+
+@dataclass
+class NotRunnable(RankResult):
+    """This rank found that the backend cannot run the examination here, and why."""
+
+    backend: str
+    facts: Any
+    unsupported: Unsupported
 
 
 def make_inputs(req: AttentionRequest) -> dict[str, Any]:
@@ -63,8 +89,11 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     if req.backend == backends.AUTO:
         name, seen = backends.resolve_auto(device, dtype, heads, req.head_dim, req.ring, emulated=req.emulate)
         if name is None:
-            reasons = "; ".join(f"{f.name}: {f.unsupported_reason(req.ring) or 'not CP-capable'}" for f in seen)
-            return "auto", backends.BackendFacts("auto", registered=True, requirement_error=f"no CP-capable backend runs here ({reasons})")
+            reasons = "; ".join(f"{f.name}: {_why(f.unsupported(req.ring))}" for f in seen)
+            facts = backends.BackendFacts(
+                "auto", registered=True, runs_here=False, run_error=f"no CP-capable backend runs here ({reasons})"
+            )
+            return "auto", facts
         return name, seen[-1]
     if compat.backend_member(req.backend) is None:
         names = compat.registered_backend_names()
@@ -76,7 +105,18 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
     return req.backend, facts
 
 
-def run_rank(case: Case, ctx: Any) -> dict:
+def _why(unsupported: Unsupported | None) -> str:
+    return "not CP-capable" if unsupported is None else unsupported.message
+
+
+def no_backend_here(facts: Any, ring: int) -> Unsupported | None:
+    """Why the chosen backend cannot run the examination: its own reason, or none of auto's candidates runs."""
+    if facts.name == "auto":
+        return Unsupported(UnsupportedKind.NOT_CP_CAPABLE, facts.run_error)
+    return facts.unsupported(ring)
+
+
+def run_rank(case: Case, ctx: Any) -> RankResult:
     """This rank's shard of out/dQ/dK/dV through diffusers' CP attention (CPU tensors), or why it cannot run."""
     import torch
 
@@ -86,11 +126,11 @@ def run_rank(case: Case, ctx: Any) -> dict:
     req: AttentionRequest = case.request.validate()
     prepare_emulation(req)
     dispatch = compat.dispatch_module()
-    fix_patch.set_patched(case.patched, dkv=case.options.get("dkv"))
+    fix_patch.set_patched(case.patched, dkv=case.dkv)
     name, facts = select_backend(req, ctx.device)
-    reason = facts.unsupported_reason(req.ring)
-    if reason:
-        return {"unsupported": reason, "backend": name, "facts": facts.to_dict()}
+    unsupported = no_backend_here(facts, req.ring)
+    if unsupported is not None:
+        return NotRunnable(name, facts, unsupported)
     mesh = ctx.cp_mesh(req.ring, req.ulysses)
     config = compat.setup_parallel_config(req.ring, req.ulysses, ctx.rank, ctx.world_size, ctx.device, mesh)
     flat = compat.flat_cp_rank(config)
@@ -104,9 +144,9 @@ def run_rank(case: Case, ctx: Any) -> dict:
     rng_before = device_rng_state(ctx.device)
     out = dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=name, parallel_config=config)
     out.backward(shard(inputs["grad_out"]))
-    grads = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    found = {**facts.to_dict(), "rng_advanced": not torch.equal(rng_before, device_rng_state(ctx.device))}
-    return {"flat_rank": flat, "backend": name, "facts": found, **{n: t.detach().cpu() for n, t in grads.items()}}
+    advanced = not torch.equal(rng_before, device_rng_state(ctx.device))
+    cpu = [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
+    return AttentionShard(flat, name, facts, *cpu, rng_advanced=advanced)
 
 
 def device_rng_state(device: Any) -> Any:
@@ -138,39 +178,31 @@ def single_process(inputs: dict[str, Any], backend: str, device: Any) -> dict[st
     return {n: t.detach().cpu() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
 
-def evaluate(case: Case, payloads: list[dict], ctx: Any) -> Measurement:
+def evaluate(case: Case, results: list[RankResult], ctx: Any) -> Measurement:
     """On rank 0: measure every rank's shard against the fp64 reference, and the same backend's
     single-process error (the baseline the tolerance is built from)."""
-    import torch
-
     req: AttentionRequest = case.request
-    first = payloads[0]
-    backend = first["backend"]
-    result = Measurement(backend, first["facts"], rank_environment(ctx, backend, req))
-    unsupported = [p["unsupported"] for p in payloads if "unsupported" in p]
-    if unsupported:
-        result.unsupported = unsupported[0]
+    first = results[0]
+    emulated = emulation_note(first.backend) if req.emulate else None
+    result = Measurement(first.backend, first.facts, rank_environment(ctx, first.backend, req, emulated))
+    refused = next((r for r in results if isinstance(r, NotRunnable)), None)
+    if refused is not None:
+        result.unsupported = refused.unsupported
         return result
+    shards: list[AttentionShard] = results  # type: ignore[assignment]
+    result.rng_advanced = any(s.rng_advanced for s in shards)
     inputs = make_inputs(req)
     ref = reference(inputs)
+    baseline: dict[str, float | None] = dict.fromkeys(TENSORS)
     try:
-        base = single_process(inputs, backend, ctx.device)
-        baseline = {n: compare(base[n], ref[n])["rel_err"] for n in TENSORS}
+        base = single_process(inputs, first.backend, ctx.device)
+        baseline = {n: compare(base[n], ref[n]).rel_err for n in TENSORS}
     except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
-        baseline = {n: None for n in TENSORS}
-        result.baseline_error = f"{type(exc).__name__}: {exc}"
-    order = sorted(range(len(payloads)), key=lambda r: payloads[r]["flat_rank"])
-    tensors = {}
+        result.baseline_error = first_line(exc)
+    order = sorted(range(len(shards)), key=lambda r: shards[r].flat_rank)
     for n in TENSORS:
-        ref_shards = ref[n].chunk(len(payloads), dim=1)
-        per_rank = [compare(payloads[r][n], ref_shards[payloads[r]["flat_rank"]]) for r in range(len(payloads))]
-        whole = compare(torch.cat([payloads[r][n] for r in order], dim=1), ref[n])
-        worst = max(range(len(per_rank)), key=lambda r: per_rank[r]["rel_err"])
-        tensors[n] = {
-            **whole,
-            "worst_rank": worst,
-            "per_rank_rel_err": [p["rel_err"] for p in per_rank],
-            "baseline_rel_err": baseline[n],
-        }
-    result.tensors = tensors
+        ref_shards = ref[n].chunk(len(shards), dim=1)
+        mine = [getattr(s, n) for s in shards]
+        refs = [ref_shards[s.flat_rank] for s in shards]
+        result.tensors[n] = sharded_row(mine, order, refs, ref[n], dim=1, baseline=baseline[n])
     return result

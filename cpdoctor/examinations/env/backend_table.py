@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from cpdoctor.examinations.env.common import SHAPE, first_line, torch_dtype
+from cpdoctor.compat.backends import BackendFacts
+from cpdoctor.errors import first_line
+from cpdoctor.examinations.env.common import SHAPE, torch_dtype
 from cpdoctor.examinations.judging import tolerance
+from cpdoctor.report.serialize import to_jsonable
 
 
 @dataclass
@@ -71,26 +74,38 @@ class Cell:
 
 @dataclass
 class BackendRow:
+    """One row of env's backend table: the backend's facts, its ops as training calls them, and the cells."""
+
     name: str
-    facts: dict[str, Any]
+    facts: BackendFacts
     accepts_parallel_config: bool
     op: OpProbe | None
     ring: Cell
     ulysses: Cell
     training: Cell
 
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["installed"] = not self.facts.get("requirement_error")
-        data["cp_capable"] = bool(self.facts.get("cp_registered"))
-        data["runs_here"] = bool(self.facts.get("runs_here"))
-        data["returns_lse"] = self.returns_lse
-        data["has_backward"] = self.facts.get("has_backward")
-        return data
+    @property
+    def installed(self) -> bool:
+        return not self.facts.requirement_error
+
+    @property
+    def cp_capable(self) -> bool:
+        return bool(self.facts.cp_registered)
+
+    @property
+    def runs_here(self) -> bool:
+        return bool(self.facts.runs_here)
 
     @property
     def returns_lse(self) -> bool | None:
-        return self.facts.get("returns_lse")
+        return self.facts.returns_lse
+
+    def to_jsonable(self) -> dict[str, Any]:
+        """The row as the JSON report has it (the facts, the probed ops, the cells, and the derived columns)."""
+        data = {f.name: to_jsonable(getattr(self, f.name)) for f in fields(self)}
+        data.update(installed=self.installed, cp_capable=self.cp_capable, runs_here=self.runs_here, returns_lse=self.returns_lse)
+        data["has_backward"] = self.facts.has_backward
+        return data
 
 
 class _OpCtx:
@@ -196,7 +211,7 @@ def _forward(forward_op: Callable, qkv: tuple, config: Any, probe: OpProbe, call
         try:
             return forward_op(ctx, *qkv, None, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=config), ctx
         except Exception as exc:  # noqa: BLE001 - an op that wants more of the config than a stand-in has
-            probe.config_error = first_line(exc)
+            probe.config_error = first_line(exc, limit=200)
             calls.clear()
             ctx = _OpCtx()
             return forward_op(ctx, *qkv, None, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=None), ctx
@@ -246,14 +261,14 @@ def probe_ops(forward_op: Callable, backward_op: Callable, device: Any, dtype_na
         try:
             out, ctx = _forward(forward_op, qkvg[:3], parallel_config, probe, calls)
         except Exception as exc:  # noqa: BLE001
-            probe.error, probe.kernel_args = f"forward: {first_line(exc)}", calls
+            probe.error, probe.kernel_args = f"forward: {first_line(exc, limit=200)}", calls
             return probe
         fwd_calls = {name: list(seen) for name, seen in calls.items()}
         try:
             with torch.no_grad():
                 grads = backward_op(ctx, qkvg[3])
         except Exception as exc:  # noqa: BLE001
-            probe.backward_error = first_line(exc)
+            probe.backward_error = first_line(exc, limit=200)
     if not meta:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -288,18 +303,18 @@ def requirement_hint(message: str) -> str:
     return _short(message[i + len("please ") :]) if i >= 0 else _short(message)
 
 
-def _not_cp_registered(facts: dict, accepts: bool) -> str:
+def _not_cp_registered(facts: BackendFacts, accepts: bool) -> str:
     why = "not registered for CP (enable_parallelism refuses it)"
-    if accepts and facts.get("routes_cp") is False:
+    if accepts and facts.routes_cp is False:
         why += "; accepts a parallel config and ignores it"
     return why
 
 
-CELL_RULES: list[tuple[Callable[[dict, bool], bool], Callable[[dict, bool], str]]] = [
-    (lambda f, a: bool(f.get("requirement_error")), lambda f, a: f"not installed: {requirement_hint(f['requirement_error'])}"),
-    (lambda f, a: not f.get("cp_registered"), _not_cp_registered),
-    (lambda f, a: not f.get("routes_cp"), lambda f, a: f"does not route into diffusers' CP templates ({_short(f.get('run_error'))})"),
-    (lambda f, a: not f.get("runs_here"), lambda f, a: f"no kernel for this device ({_short(f.get('run_error'))})"),
+CELL_RULES: list[tuple[Callable[[BackendFacts, bool], bool], Callable[[BackendFacts, bool], str]]] = [
+    (lambda f, a: bool(f.requirement_error), lambda f, a: f"not installed: {requirement_hint(f.requirement_error or '')}"),
+    (lambda f, a: not f.cp_registered, _not_cp_registered),
+    (lambda f, a: not f.routes_cp, lambda f, a: f"does not route into diffusers' CP templates ({_short(f.run_error)})"),
+    (lambda f, a: not f.runs_here, lambda f, a: f"no kernel for this device ({_short(f.run_error)})"),
 ]
 """(condition on the backend's facts and whether it accepts a parallel config, why) in order: the first that
 holds makes ring, Ulysses and training all ✗ for that reason."""
@@ -321,13 +336,13 @@ TRAINING_RULES: list[tuple[Callable[[OpProbe | None], bool], Callable[[OpProbe |
 training cell ✗; none holding makes it ✓."""
 
 
-def judge_cells(facts: dict, accepts_config: bool, op: OpProbe | None) -> tuple[Cell, Cell, Cell]:
+def judge_cells(facts: BackendFacts, accepts_config: bool, op: OpProbe | None) -> tuple[Cell, Cell, Cell]:
     """The ring, Ulysses and training cells of one backend on this device."""
     for holds, why in CELL_RULES:
         if holds(facts, accepts_config):
             no = Cell(False, why(facts, accepts_config))
             return no, no, no
-    ring = Cell(True) if facts.get("returns_lse") else Cell(False, "no LSE: the ring needs one to merge KV blocks")
+    ring = Cell(True) if facts.returns_lse else Cell(False, "no LSE: the ring needs one to merge KV blocks")
     training = next((Cell(False, why(op)) for holds, why in TRAINING_RULES if holds(op)), Cell(True))
     return ring, Cell(True), training
 
@@ -356,5 +371,5 @@ def examine_row(name: str, device: Any, dtype_name: str, config: Any) -> Backend
     facts = backends.examine_backend(name, device, torch_dtype(dtype_name), heads=SHAPE[2], head_dim=SHAPE[3])
     accepts = "_parallel_config" in compat.accepted_kwargs(name)
     op = _probe_row_ops(name, facts, device, dtype_name, config)
-    ring, ulysses, training = judge_cells(facts.to_dict(), accepts, op)
-    return BackendRow(name, facts.to_dict(), accepts, op, ring, ulysses, training)
+    ring, ulysses, training = judge_cells(facts, accepts, op)
+    return BackendRow(name, facts, accepts, op, ring, ulysses, training)

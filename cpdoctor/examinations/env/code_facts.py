@@ -11,8 +11,10 @@ import contextlib
 import os
 from typing import Any
 
+from cpdoctor.compat.diffusers import quiet
+from cpdoctor.errors import first_line
 from cpdoctor.examinations.env.backend_table import BackendRow
-from cpdoctor.examinations.env.common import SHAPE, first_line, quiet, torch_dtype
+from cpdoctor.examinations.env.common import SHAPE, torch_dtype
 from cpdoctor.examinations.env.findings import CodeFacts, DispatchTrial, RingSource
 
 
@@ -83,7 +85,7 @@ def dispatch_trial(rows: list[BackendRow], device: Any, dtype_name: str, config:
         with quiet():
             compat.dispatch_module().dispatch_attention_fn(q, q, q, backend=compat.backend_member(trial.tried), parallel_config=config)
     except Exception as exc:  # noqa: BLE001
-        trial.error = first_line(exc)
+        trial.error = first_line(exc, limit=200)
     return trial
 
 

@@ -7,13 +7,13 @@ fact never stops the report. Nothing here prints, and nothing is decided from a 
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 import platform
 from collections.abc import Callable
 from typing import Any
 
-from cpdoctor.examinations.env.common import NOT_COLLECTED, NOT_INSTALLED
+from cpdoctor.compat.packages import installed_version
+from cpdoctor.examinations.env.common import NOT_COLLECTED
 
 ATTENTION_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
     "flash-attn": (("flash-attn", "flash_attn"), "flash_attn"),
@@ -114,26 +114,11 @@ def device_list() -> list[str]:
 
 
 def diffusers_version() -> str:
-    try:
-        return importlib.metadata.version("diffusers")
-    except importlib.metadata.PackageNotFoundError:
-        return NOT_INSTALLED
-
-
-def package_version(distributions: tuple[str, ...], module: str) -> str:
-    """The installed version of a package (by distribution metadata), "installed" when only the module is found."""
-    for dist in distributions:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    if importlib.util.find_spec(module) is not None:
-        return "installed (version unknown)"
-    return NOT_INSTALLED
+    return installed_version("diffusers")
 
 
 def attention_packages() -> dict[str, str]:
-    return {label: collect(lambda d=dists, m=mod: package_version(d, m)) for label, (dists, mod) in ATTENTION_PACKAGES.items()}
+    return {label: collect(lambda d=dists, m=mod: installed_version(*d, module=m)) for label, (dists, mod) in ATTENTION_PACKAGES.items()}
 
 
 def world() -> dict[str, Any]:

@@ -23,8 +23,13 @@ PASS, FAIL, WARN, INFO = Verdict.PASS, Verdict.FAIL, Verdict.WARN, Verdict.INFO
 
 
 @dataclass(frozen=True)
-class Rule:
-    probe: str
+class FactRule:
+    """One line of an env table: for the finding titled `subject`, when `when(facts)` holds, this verdict,
+    diagnosis, remedy and command (templates filled from the words), and `evidence(facts)` as its details.
+    (The op-level and model diagnoses use `judging.Rule`, which composes aspects; env's rules each decide one
+    finding.)"""
+
+    subject: str
     when: Callable[[Any], bool]
     verdict: Verdict
     diagnosis: str
@@ -32,28 +37,45 @@ class Rule:
     command: str | None = None
     final: bool = False
     """No later rule of the table applies once this one has."""
-    details: Callable[[Any], dict[str, Any]] | None = None
+    evidence: Callable[[Any], Any] | None = None
 
     def finding(self, facts: Any, words: Mapping[str, Any]) -> Finding:
         return Finding(
-            self.probe.format(**words),
+            self.subject.format(**words),
             self.verdict,
             self.diagnosis.format(**words),
             self.remedy.format(**words),
-            details=self.details(facts) if self.details else {},
+            evidence=self.evidence(facts) if self.evidence else None,
             command=self.command.format(**words) if self.command else None,
         )
 
 
-def apply(rules: list[Rule], facts: Any, words: Mapping[str, Any]) -> list[Finding]:
-    """The findings of `rules` on `facts`: per probe name, the first rule whose condition holds."""
+@dataclass(frozen=True)
+class DispatchEvidence:
+    tried: str | None
+    ignores_config: list[str]
+    drops_config: list[str]
+
+
+@dataclass(frozen=True)
+class KernelArgsEvidence:
+    kernel_args: dict[str, list[Any]]
+
+
+@dataclass(frozen=True)
+class ModesEvidence:
+    modes: list[str]
+
+
+def apply(rules: list[FactRule], facts: Any, words: Mapping[str, Any]) -> list[Finding]:
+    """The findings of `rules` on `facts`: per subject, the first rule whose condition holds."""
     out: list[Finding] = []
     decided: set[str] = set()
     for rule in rules:
-        probe = rule.probe.format(**words)
-        if probe in decided or not rule.when(facts):
+        subject = rule.subject.format(**words)
+        if subject in decided or not rule.when(facts):
             continue
-        decided.add(probe)
+        decided.add(subject)
         out.append(rule.finding(facts, words))
         if rule.final:
             break
@@ -93,8 +115,8 @@ def ring_words(src: RingSource) -> dict[str, str]:
 _STALE, _DIRECTION, _MASK = "ring backward: rotated K/V", "ring backward: dK/dV direction", "ring forward: mask rotation"
 _RING2, _RING3, _MASKCMD = "cpdoctor check --ring 2", "cpdoctor check --ring 3", "cpdoctor check --ring 2 --mask-pad 3"
 
-RING_RULES: list[Rule] = [
-    Rule(
+RING_RULES: list[FactRule] = [
+    FactRule(
         "ring template",
         lambda s: s.absent,
         WARN,
@@ -103,7 +125,7 @@ RING_RULES: list[Rule] = [
         _RING2,
         final=True,
     ),
-    Rule(
+    FactRule(
         _STALE,
         lambda s: s.passes_tensors is None,
         WARN,
@@ -111,7 +133,7 @@ RING_RULES: list[Rule] = [
         "measure it",
         _RING2,
     ),
-    Rule(
+    FactRule(
         _STALE,
         lambda s: s.passes_tensors is False,
         FAIL,
@@ -122,8 +144,8 @@ RING_RULES: list[Rule] = [
         "ring ≥ 3); or Ulysses-only CP",
         _RING2,
     ),
-    Rule(_STALE, lambda s: True, PASS, "{prefix}passes the rotated key/value and the merged out/lse to backward_op", "", _RING2),
-    Rule(
+    FactRule(_STALE, lambda s: True, PASS, "{prefix}passes the rotated key/value and the merged out/lse to backward_op", "", _RING2),
+    FactRule(
         _DIRECTION,
         lambda s: s.sends_to_next is None,
         WARN,
@@ -131,7 +153,7 @@ RING_RULES: list[Rule] = [
         "measure it",
         _RING3,
     ),
-    Rule(
+    FactRule(
         _DIRECTION,
         lambda s: bool(s.sends_to_next),
         FAIL,
@@ -141,8 +163,8 @@ RING_RULES: list[Rule] = [
         "cpdoctor.patch(); or keep ring_degree ≤ 2 and scale with Ulysses",
         _RING3,
     ),
-    Rule(_DIRECTION, lambda s: True, PASS, "{prefix}does not hand dK/dV to rank r+1 with `list(range(1, W)) + [0]`", "", _RING3),
-    Rule(
+    FactRule(_DIRECTION, lambda s: True, PASS, "{prefix}does not hand dK/dV to rank r+1 with `list(range(1, W)) + [0]`", "", _RING3),
+    FactRule(
         _MASK,
         lambda s: s.gathers_mask is None,
         WARN,
@@ -150,7 +172,7 @@ RING_RULES: list[Rule] = [
         "measure it",
         _MASKCMD,
     ),
-    Rule(
+    FactRule(
         _MASK,
         lambda s: s.gathers_mask is False,
         FAIL,
@@ -160,7 +182,7 @@ RING_RULES: list[Rule] = [
         "cpdoctor.patch() (its ring rotates the mask with the keys); or Ulysses-only CP for masked models",
         _MASKCMD,
     ),
-    Rule(_MASK, lambda s: True, PASS, "{prefix}gathers the attention mask with the keys", "", _MASKCMD),
+    FactRule(_MASK, lambda s: True, PASS, "{prefix}gathers the attention mask with the keys", "", _MASKCMD),
 ]
 
 
@@ -197,20 +219,20 @@ def dispatch_words(t: DispatchTrial) -> dict[str, str]:
 
 
 _DISPATCH = "dispatch: CP check"
-DISPATCH_RULES: list[Rule] = [
-    Rule(
+DISPATCH_RULES: list[FactRule] = [
+    FactRule(
         _DISPATCH,
         lambda t: not (t.ignoring or t.dropping),
         INFO,
         "no backend that is not registered for CP runs here, so nothing could route a parallel config to one",
     ),
-    Rule(
+    FactRule(
         _DISPATCH,
         lambda t: t.error is not None and "parallel" in t.error.lower(),
         PASS,
         "dispatch_attention_fn refuses a parallel config for {tried}, which is not registered for CP ({error})",
     ),
-    Rule(
+    FactRule(
         _DISPATCH,
         lambda t: t.error is not None,
         INFO,
@@ -219,7 +241,7 @@ DISPATCH_RULES: list[Rule] = [
         "",
         "cpdoctor check --ring 2 --backend {tried}",
     ),
-    Rule(
+    FactRule(
         _DISPATCH,
         lambda t: True,
         WARN,
@@ -230,7 +252,7 @@ DISPATCH_RULES: list[Rule] = [
         "attention_backend context manager does not check) or dispatch_attention_fn is called directly",
         "choose a CP-capable backend (a ✓ in the Ulysses column) before enable_parallelism and do not switch it afterwards",
         "cpdoctor check --ring 2 --backend {tried}",
-        details=lambda t: {"tried": t.tried, "ignores_config": t.ignoring, "drops_config": t.dropping},
+        evidence=lambda t: DispatchEvidence(t.tried, list(t.ignoring), list(t.dropping)),
     ),
 ]
 
@@ -292,8 +314,8 @@ def _saves_no_lse(row: BackendRow) -> bool:
     )
 
 
-OP_RULES: list[Rule] = [
-    Rule(
+OP_RULES: list[FactRule] = [
+    FactRule(
         "{name}: LSE for backward",
         _saves_no_lse,
         FAIL,
@@ -303,9 +325,9 @@ OP_RULES: list[Rule] = [
         "{patch}another backend for training (cpdoctor_cpu on CPU; one with ✓ in the training column); or upgrade diffusers to a "
         "release whose {name} forward computes the LSE whenever a backward may need it",
         "{command}",
-        details=lambda row: {"kernel_args": row.op.kernel_args},
+        evidence=lambda row: KernelArgsEvidence(row.op.kernel_args),
     ),
-    Rule(
+    FactRule(
         "{name}: backward",
         lambda row: bool(row.op.backward_error),
         FAIL,
@@ -313,7 +335,7 @@ OP_RULES: list[Rule] = [
         "{patch}another backend for training",
         "{command}",
     ),
-    Rule(
+    FactRule(
         "{name}: backward",
         lambda row: row.op.grad_shapes_ok is False,
         FAIL,
@@ -323,7 +345,7 @@ OP_RULES: list[Rule] = [
         "{patch}another backend for training; or upgrade diffusers to a release whose backward ops return model layout",
         "{command}",
     ),
-    Rule(
+    FactRule(
         "{name}: backward",
         lambda row: row.op.rel_err is not None and row.op.backward_ok is False and not row.op.lse_not_requested,
         FAIL,
@@ -331,7 +353,7 @@ OP_RULES: list[Rule] = [
         "another backend",
         "{command}",
     ),
-    Rule(
+    FactRule(
         "{name}: RNG",
         lambda row: bool(row.op.rng_advanced or row.op.forced_dropout),
         WARN,
@@ -358,15 +380,15 @@ def _clean(rows: list[BackendRow]) -> list[str]:
     ]
 
 
-SUMMARY_RULES: list[Rule] = [
-    Rule(
+SUMMARY_RULES: list[FactRule] = [
+    FactRule(
         "CP ops on this device",
         lambda rows: bool(_clean(rows)),
         PASS,
         "{clean}: the forward saves what the backward needs when no LSE is asked for, the backward matches an fp64 "
         "reference, and the device generator does not move",
     ),
-    Rule(
+    FactRule(
         "CP backends here",
         lambda rows: not any(r.ulysses.ok for r in rows),
         WARN,
@@ -389,29 +411,29 @@ def op_findings(rows: list[BackendRow], dtype_name: str) -> list[Finding]:
 # ----------------------------------------------------------------------------------------------------------
 
 _DEFAULT = "default backend (DIFFUSERS_ATTN_BACKEND)"
-DEFAULT_BACKEND_RULES: list[Rule] = [
-    Rule(
+DEFAULT_BACKEND_RULES: list[FactRule] = [
+    FactRule(
         _DEFAULT,
         lambda row: row is None,
         WARN,
         "DIFFUSERS_ATTN_BACKEND={name} is not a backend of the installed diffusers",
         "unset it or name a backend from the table",
     ),
-    Rule(
+    FactRule(
         _DEFAULT,
         lambda row: not row.ulysses.ok,
         WARN,
         "DIFFUSERS_ATTN_BACKEND={name} cannot do CP here: {ulysses_why}",
         "name a backend with ✓ in the Ulysses (and ring) column",
     ),
-    Rule(
+    FactRule(
         _DEFAULT,
         lambda row: not row.ring.ok or not row.training.ok,
         WARN,
         "DIFFUSERS_ATTN_BACKEND={name} does Ulysses here but not everything: {gaps}",
         "name a backend with ✓ in the ring and training columns if you need them",
     ),
-    Rule(_DEFAULT, lambda row: True, PASS, "DIFFUSERS_ATTN_BACKEND={name} can do ring, Ulysses and training here"),
+    FactRule(_DEFAULT, lambda row: True, PASS, "DIFFUSERS_ATTN_BACKEND={name} can do ring, Ulysses and training here"),
 ]
 
 
@@ -428,8 +450,8 @@ def default_backend_finding(name: str | None, rows: list[BackendRow]) -> Finding
 
 
 _UNEVEN, _PLAN = "uneven sequence lengths", "cpdoctor plan MODEL --ring R --ulysses U"
-UNEVEN_RULES: list[Rule] = [
-    Rule(
+UNEVEN_RULES: list[FactRule] = [
+    FactRule(
         _UNEVEN,
         lambda modes: not modes,
         INFO,
@@ -437,14 +459,14 @@ UNEVEN_RULES: list[Rule] = [
         "",
         _PLAN,
     ),
-    Rule(
+    FactRule(
         _UNEVEN,
         lambda modes: True,
         INFO,
         "ContextParallelConfig has {scopes}: they shard lengths that do not divide the CP world",
         "for training, pick lengths that divide (`cpdoctor plan MODEL` lists the nearest ones)",
         _PLAN,
-        details=lambda modes: {"modes": list(modes)},
+        evidence=lambda modes: ModesEvidence(list(modes)),
     ),
 ]
 

@@ -9,7 +9,20 @@ rank records its own shard; `assemble` puts the shards back along the dimension 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+
+from cpdoctor.report import BlockRow
+
+
+@dataclass
+class BlockRecord:
+    """What the hooks saw, in plain data for a payload: the blocks in call order, each block's sequence outputs
+    and the gradients that reached its sequence inputs (CPU tensors; a rank's own shards under CP)."""
+
+    order: list[str] = field(default_factory=list)
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
+    grads: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def _seq_tensors(values: Any) -> list[Any]:
@@ -71,9 +84,8 @@ class BlockRecorder:
             h.remove()
         self.handles = []
 
-    def record(self) -> dict[str, Any]:
-        """{order, outputs, grads}: plain data for a payload."""
-        return {"order": list(self.order), "outputs": dict(self.outputs), "grads": {k: list(v) for k, v in self.grads.items()}}
+    def record(self) -> BlockRecord:
+        return BlockRecord(list(self.order), dict(self.outputs), {k: list(v) for k, v in self.grads.items()})
 
 
 def assemble(shards: list[Any], ref: Any) -> Any:
@@ -99,7 +111,7 @@ def _flat(tensors: list[Any]) -> Any:
     return torch.cat([t.double().reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float64)
 
 
-def _error(parts: list[Any], refs: list[Any]) -> dict[str, float] | None:
+def _error(parts: list[Any], refs: list[Any]) -> Any:
     from cpdoctor.examinations.measurement import compare
 
     pairs = [(p, r) for p, r in zip(parts, refs) if p is not None and r is not None]
@@ -108,30 +120,30 @@ def _error(parts: list[Any], refs: list[Any]) -> dict[str, float] | None:
     return compare(_flat([p for p, _ in pairs]), _flat([r for _, r in pairs]))
 
 
-def block_errors(cp: list[dict], base: dict | None, ref: dict) -> list[dict[str, Any]]:
+def block_errors(cp: list[BlockRecord], base: BlockRecord | None, ref: BlockRecord) -> list[BlockRow]:
     """Per block in the reference's call order: the CP run's output and input-gradient errors (shards of every
     rank assembled) and the no-CP baseline's, against the reference."""
     rows = []
-    for name in ref["order"]:
-        ref_out, ref_grad = ref["outputs"].get(name, []), ref["grads"].get(name, [])
-        out_parts = [assemble([p["outputs"].get(name, [None] * len(ref_out))[i] for p in cp], r) for i, r in enumerate(ref_out)]
+    for name in ref.order:
+        ref_out, ref_grad = ref.outputs.get(name, []), ref.grads.get(name, [])
+        out_parts = [assemble([p.outputs.get(name, [None] * len(ref_out))[i] for p in cp], r) for i, r in enumerate(ref_out)]
         grad_parts = [
-            None if r is None else assemble([(p["grads"].get(name) or [None] * len(ref_grad))[i] for p in cp], r)
+            None if r is None else assemble([(p.grads.get(name) or [None] * len(ref_grad))[i] for p in cp], r)
             for i, r in enumerate(ref_grad)
         ]
         out_c, grad_c = _error(out_parts, ref_out), _error(grad_parts, ref_grad)
-        row: dict[str, Any] = {
-            "name": name,
-            "out_rel_err": None if out_c is None else out_c["rel_err"],
-            "grad_rel_err": None if grad_c is None else grad_c["rel_err"],
-            "nonfinite": (0 if out_c is None else out_c["nonfinite"]) + (0 if grad_c is None else grad_c["nonfinite"]),
-            "baseline_out_rel_err": None,
-            "baseline_grad_rel_err": None,
-        }
+        base_out = base_grad = None
         if base is not None:
-            bo = _error(base["outputs"].get(name, []), ref_out)
-            bg = _error(base["grads"].get(name, []), ref_grad)
-            row["baseline_out_rel_err"] = None if bo is None else bo["rel_err"]
-            row["baseline_grad_rel_err"] = None if bg is None else bg["rel_err"]
-        rows.append(row)
+            bo, bg = _error(base.outputs.get(name, []), ref_out), _error(base.grads.get(name, []), ref_grad)
+            base_out, base_grad = (None if bo is None else bo.rel_err), (None if bg is None else bg.rel_err)
+        rows.append(
+            BlockRow(
+                name,
+                None if out_c is None else out_c.rel_err,
+                None if grad_c is None else grad_c.rel_err,
+                (0 if out_c is None else out_c.nonfinite) + (0 if grad_c is None else grad_c.nonfinite),
+                base_out,
+                base_grad,
+            )
+        )
     return rows

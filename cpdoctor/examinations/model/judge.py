@@ -9,13 +9,23 @@ check at the same layout (and the exact `cpdoctor check` command that reproduces
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cpdoctor.examinations.attention.judge import attention_finding, check_command
-from cpdoctor.examinations.judging import GRADS_FAR_WORSE, Rule, diagnose, emulation_note, judge_row, tolerance, unsupported_remedy
-from cpdoctor.examinations.measurement import Measurement
-from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
+from cpdoctor.examinations.judging import (
+    GRADS_FAR_WORSE,
+    Rule,
+    diagnose,
+    emulation_note,
+    join_remedies,
+    judge_row,
+    judge_rows,
+    tolerance,
+    unsupported_finding,
+)
+from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement
+from cpdoctor.report import TENSOR_LABELS, BlockRow, Finding, JudgedRow, ParamRow, TensorRow, Verdict
 
 MODEL_LABELS = {"out": "out", "grads": "all grads", "worst_param": "worst param"}
 
@@ -27,15 +37,14 @@ orders of magnitude past (0.39.0 tiny Flux ring 2: 3.27 against ~1e-7)."""
 MASK_REMEDIES = ("cpdoctor.patch() (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)")
 
 
-def describe_model(req: Any, backend: str | None = None, model: dict | None = None) -> str:
-    model = model or {}
-    name = model.get("short_name") or req.model
-    source = model.get("source")
+def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None = None) -> str:
+    name = model.short_name if model is not None else req.model
+    source = None if model is None else model.source
     source = "" if source is None else (" tiny" if source == "tiny config" else f" from {source}")
     frames = f"x{req.frames}f" if req.frames else ""
-    stacks = model.get("stacks") or {}
-    if any(s["examined"] < s["depth"] for s in stacks.values()):
-        source += " blocks " + "+".join(f"{s['examined']}/{s['depth']}" for s in stacks.values())
+    stacks = model.stacks if model is not None else {}
+    if any(s.examined < s.depth for s in stacks.values()):
+        source += " blocks " + "+".join(f"{s.examined}/{s.depth}" for s in stacks.values())
     return (
         f"model {name}{source} ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} "
         f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
@@ -52,32 +61,23 @@ def op_check_command(req: Any, mask: bool = False) -> str:
     return check_command(op)
 
 
-def worst_param(params: dict[str, dict], dtype: str) -> dict | None:
+def worst_param(params: dict[str, ParamRow], dtype: str) -> JudgedRow | None:
     """The parameter furthest outside its own tolerance, as a tensor row (None when there are none)."""
     if not params:
         return None
 
-    def ratio(item: tuple[str, dict]) -> float:
+    def ratio(item: tuple[str, ParamRow]) -> float:
         p = item[1]
-        return float("inf") if p["nonfinite"] else p["rel_err"] / tolerance(dtype, p.get("baseline_rel_err"))
+        return float("inf") if p.nonfinite else p.rel_err / tolerance(dtype, p.baseline_rel_err)
 
     name, p = max(params.items(), key=ratio)
-    row = {
-        "param": name,
-        "rel_err": p["rel_err"],
-        "max_abs": p["max_abs"],
-        "nonfinite": p["nonfinite"],
-        "numel": p["numel"],
-        "worst_rank": None,
-        "per_rank_rel_err": [],
-        "baseline_rel_err": p.get("baseline_rel_err"),
-    }
+    row = TensorRow(p.rel_err, p.max_abs, p.nonfinite, baseline_rel_err=p.baseline_rel_err, name=name, numel=p.numel)
     return judge_row(row, dtype, slack=WORST_PARAM_SLACK)
 
 
-def judge_model_tensors(evaluated: Measurement, dtype: str) -> dict[str, dict]:
-    tensors = {name: judge_row(row, dtype) for name, row in evaluated.tensors.items()}
-    worst = worst_param(evaluated.details.get("params", {}), dtype)
+def judge_model_tensors(evaluated: ModelMeasurement, dtype: str) -> dict[str, JudgedRow]:
+    tensors = judge_rows(evaluated.tensors, dtype)
+    worst = worst_param(evaluated.params, dtype)
     if worst is not None:
         tensors["worst_param"] = worst
     return tensors
@@ -88,35 +88,32 @@ BLOCK_SLACK = WORST_PARAM_SLACK
 no-CP error + eps): one of many, like the worst parameter."""
 
 
-def judge_blocks(rows: list[dict], dtype: str) -> list[dict]:
+def judge_blocks(rows: list[BlockRow], dtype: str) -> list[BlockRow]:
     """Each block's row with its tolerances and verdict (FAIL when its output or its input gradient leaves the
     no-CP baseline, or is non-finite)."""
     judged = []
     for row in rows:
-        out_tol = tolerance(dtype, row.get("baseline_out_rel_err"))
-        grad_tol = tolerance(dtype, row.get("baseline_grad_rel_err"))
-        out, grad = row.get("out_rel_err"), row.get("grad_rel_err")
+        out_tol = tolerance(dtype, row.baseline_out_rel_err)
+        grad_tol = tolerance(dtype, row.baseline_grad_rel_err)
+        out, grad = row.out_rel_err, row.grad_rel_err
         bad = (
-            bool(row.get("nonfinite"))
+            bool(row.nonfinite)
             or (out is not None and not out <= BLOCK_SLACK * out_tol)
             or (grad is not None and not grad <= BLOCK_SLACK * grad_tol)
         )
-        judged.append({**row, "out_tolerance": out_tol, "grad_tolerance": grad_tol, "verdict": Verdict.FAIL if bad else Verdict.PASS})
+        judged.append(replace(row, out_tolerance=out_tol, grad_tolerance=grad_tol, verdict=Verdict.FAIL if bad else Verdict.PASS))
     return judged
 
 
-def first_bad_block(blocks: list[dict]) -> dict | None:
+def first_bad_block(blocks: list[BlockRow]) -> BlockRow | None:
     """The first block, in the order the forward runs them, whose error leaves the no-CP baseline."""
-    return next((b for b in blocks if b["verdict"] == Verdict.FAIL), None)
+    return next((b for b in blocks if b.verdict is Verdict.FAIL), None)
 
 
-def _block_text(b: dict) -> str:
-    def num(x: Any) -> str:
-        return "–" if x is None else f"{x:.2g}"
-
+def _block_text(b: BlockRow) -> str:
     return (
-        f"first bad block: {b['name']} (output {num(b['out_rel_err'])}, no-CP {num(b.get('baseline_out_rel_err'))}; "
-        f"input grad {num(b['grad_rel_err'])}, no-CP {num(b.get('baseline_grad_rel_err'))})"
+        f"first bad block: {b.name} (output {fmt_or_dash(b.out_rel_err)}, no-CP {fmt_or_dash(b.baseline_out_rel_err)}; "
+        f"input grad {fmt_or_dash(b.grad_rel_err)}, no-CP {fmt_or_dash(b.baseline_grad_rel_err)})"
     )
 
 
@@ -130,27 +127,25 @@ class OpCheck:
 
     @property
     def bad_out(self) -> bool:
-        return self.finding is not None and self.finding.tensors.get("out", {}).get("verdict") == Verdict.FAIL
+        out = None if self.finding is None else self.finding.tensors.get("out")
+        return out is not None and out.failed
 
     def bad_tensors(self) -> str:
         assert self.finding is not None
-        return ", ".join(
-            f"{TENSOR_LABELS.get(n, n)} {t['rel_err']:.2g}" for n, t in self.finding.tensors.items() if t["verdict"] == Verdict.FAIL
-        )
+        return ", ".join(f"{TENSOR_LABELS.get(n, n)} {t.rel_err:.2g}" for n, t in self.finding.tensors.items() if t.failed)
 
 
 def fmt_or_dash(x: float | None) -> str:
     return "–" if x is None else f"{x:.2g}"
 
 
-def op_checks(evaluated: Measurement) -> list[OpCheck]:
-    out = []
-    for item in evaluated.details.get("op_level", []):
-        if "evaluated" in item:
-            out.append(OpCheck(item["request"], attention_finding(item["request"], item["evaluated"]), None))
-        else:
-            out.append(OpCheck(item["request"], None, item.get("error", "not run")))
-    return out
+def op_checks(evaluated: ModelMeasurement) -> list[OpCheck]:
+    return [
+        OpCheck(op.request, attention_finding(op.request, op.evaluated), None)
+        if op.evaluated is not None
+        else OpCheck(op.request, None, op.error or "not run")
+        for op in evaluated.op_level
+    ]
 
 
 @dataclass(frozen=True)
@@ -158,7 +153,7 @@ class ModelSignature:
     """The facts of one measured model case that the diagnosis rules read."""
 
     req: Any
-    tensors: dict[str, dict]
+    tensors: dict[str, JudgedRow]
     plain: OpCheck | None  # the op-level check without a mask
     masked: OpCheck | None  # with the model's padding mask
 
@@ -168,25 +163,24 @@ class ModelSignature:
         return "ring" if u == 1 else ("Ulysses" if r == 1 else "ring × Ulysses")
 
     @property
-    def out(self) -> dict:
+    def out(self) -> JudgedRow:
         return self.tensors["out"]
 
     @property
-    def grads(self) -> dict:
+    def grads(self) -> JudgedRow:
         return self.tensors["grads"]
 
     @property
     def grads_bad(self) -> bool:
         worst = self.tensors.get("worst_param")
-        return self.grads["verdict"] == Verdict.FAIL or (worst is not None and worst["verdict"] == Verdict.FAIL)
+        return self.grads.failed or (worst is not None and worst.failed)
 
     @property
     def worst_text(self) -> str:
         w = self.tensors.get("worst_param")
         if not w:
             return ""
-        base = "–" if w["baseline_rel_err"] is None else f"{w['baseline_rel_err']:.2g}"
-        return f"; worst parameter {w['param']} {w['rel_err']:.2g} (no-CP {base})"
+        return f"; worst parameter {w.name} {w.rel_err:.2g} (no-CP {fmt_or_dash(w.baseline_rel_err)})"
 
     @property
     def masked_op_fails_forward_only_with_mask(self) -> bool:
@@ -201,11 +195,11 @@ class ModelSignature:
 
 
 def _forward_wrong(s: ModelSignature) -> str:
-    what = f"forward wrong: out rel err {s.out['rel_err']:.2g} (tolerance {s.out['tolerance']:.2g})"
+    what = f"forward wrong: out rel err {s.out.rel_err:.2g} (tolerance {s.out.tolerance:.2g})"
     if s.grads_bad:
-        follows = s.grads["rel_err"] <= GRADS_FAR_WORSE * max(s.out["rel_err"], 1e-30)
+        follows = s.grads.rel_err <= GRADS_FAR_WORSE * max(s.out.rel_err, 1e-30)
         cause = "and the gradients with it" if follows else "and the gradients far worse, a backward defect of their own"
-        what += f", {cause} (all grads {s.grads['rel_err']:.2g}{s.worst_text})"
+        what += f", {cause} (all grads {s.grads.rel_err:.2g}{s.worst_text})"
     return what
 
 
@@ -228,17 +222,17 @@ RULES: tuple[Rule[ModelSignature], ...] = (
     Rule(
         "nonfinite",
         "non-finite values",
-        lambda s: bool(s.out["nonfinite"] or s.grads["nonfinite"]),
-        lambda s: f"{s.out['nonfinite'] + s.grads['nonfinite']} non-finite values (NaN/Inf)",
+        lambda s: bool(s.out.nonfinite or s.grads.nonfinite),
+        lambda s: f"{s.out.nonfinite + s.grads.nonfinite} non-finite values (NaN/Inf)",
         ("try --dtype fp32 to separate overflow from a CP defect",),
     ),
-    Rule("what", "forward wrong", lambda s: s.out["verdict"] == Verdict.FAIL, _forward_wrong),
+    Rule("what", "forward wrong", lambda s: s.out.failed, _forward_wrong),
     Rule(
         "what",
         "backward wrong",
         lambda s: True,
         lambda s: (
-            f"forward exact (out {s.out['rel_err']:.2g}), backward wrong: all parameter grads {s.grads['rel_err']:.2g} (tolerance {s.grads['tolerance']:.2g}){s.worst_text}"
+            f"forward exact (out {s.out.rel_err:.2g}), backward wrong: all parameter grads {s.grads.rel_err:.2g} (tolerance {s.grads.tolerance:.2g}){s.worst_text}"
         ),
     ),
     Rule(
@@ -293,79 +287,96 @@ RULES: tuple[Rule[ModelSignature], ...] = (
 )
 
 
-def diagnose_model(req: Any, evaluated: Measurement, tensors: dict[str, dict]) -> tuple[str, str]:
+def diagnose_model(req: Any, evaluated: ModelMeasurement, tensors: dict[str, JudgedRow]) -> tuple[str, str]:
     """(diagnosis, remedy): forward vs backward, the op level at the same layout, the mask."""
     ops = op_checks(evaluated)
     sig = ModelSignature(
         req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None)
     )
     failing_ops = [o for o in ops if o.finding is not None and o.finding.verdict == Verdict.FAIL]
-    if sig.out["verdict"] == Verdict.PASS and not sig.grads_bad and failing_ops:
-        op = failing_ops[0]
-        from cpdoctor.examinations.judging import join_remedies
-
-        return (
-            f"the model's output and gradients stay within its own {req.dtype} no-CP error here (out {sig.out['rel_err']:.2g}, all "
-            f"grads {sig.grads['rel_err']:.2g} against no-CP {fmt_or_dash(sig.grads.get('baseline_rel_err'))}{sig.worst_text}), but the "
-            f"attention op at this layout is wrong (`{op_check_command(req, mask=bool(op.request.mask_pad))}` → {op.bad_tensors()}: "
-            f"{op.finding.diagnosis}): a systematic error that this one step's {req.dtype} noise hides and that training accumulates",
-            join_remedies([op.finding.remedy, "rerun in fp32 (--dtype fp32) to see it at model level"]),
-        )
-    if sig.out["verdict"] == Verdict.PASS and not sig.grads_bad:
-        n_params = evaluated.details.get("model", {}).get("parameter_tensors")
+    if not sig.out.failed and not sig.grads_bad and failing_ops:
+        return _hidden_by_noise(req, sig, failing_ops[0])
+    if not sig.out.failed and not sig.grads_bad:
+        n_params = None if evaluated.model is None else evaluated.model.parameter_tensors
         params = f"all {n_params} parameter gradients" if n_params else "the parameter gradients"
         return (
             f"output and {params} match the single-process fp64 model within the {req.dtype} tolerance through "
-            f"enable_parallelism ({sig.layout}, {req.world_size} ranks) (out {sig.out['rel_err']:.2g}, all grads {sig.grads['rel_err']:.2g}{sig.worst_text})",
+            f"enable_parallelism ({sig.layout}, {req.world_size} ranks) (out {sig.out.rel_err:.2g}, all grads {sig.grads.rel_err:.2g}{sig.worst_text})",
             "",
         )
     diagnosis, remedy, _ = diagnose(RULES, sig)
-    # the op-level remedy (for an op that fails too) joins the rest
-    from cpdoctor.examinations.judging import join_remedies
-
-    extra = _op_remedies(sig) if _plain_verdict(sig) == Verdict.FAIL else ()
+    extra = _op_remedies(sig) if _plain_verdict(sig) == Verdict.FAIL else ()  # the op-level remedy joins the rest
     return diagnosis, join_remedies([remedy, *extra])
 
 
-def model_finding(req: Any, evaluated: Measurement) -> Finding:
+def _hidden_by_noise(req: Any, sig: ModelSignature, op: OpCheck) -> tuple[str, str]:
+    """The model's numbers pass, the attention op at the same layout fails: one step's noise hides it."""
+    assert op.finding is not None
+    return (
+        f"the model's output and gradients stay within its own {req.dtype} no-CP error here (out {sig.out.rel_err:.2g}, all "
+        f"grads {sig.grads.rel_err:.2g} against no-CP {fmt_or_dash(sig.grads.baseline_rel_err)}{sig.worst_text}), but the "
+        f"attention op at this layout is wrong (`{op_check_command(req, mask=bool(op.request.mask_pad))}` → {op.bad_tensors()}: "
+        f"{op.finding.diagnosis}): a systematic error that this one step's {req.dtype} noise hides and that training accumulates",
+        join_remedies([op.finding.remedy, "rerun in fp32 (--dtype fp32) to see it at model level"]),
+    )
+
+
+@dataclass
+class OpLevelSummary:
+    """An op-level cross-check as the finding reports it: its command and verdict, or why it did not run."""
+
+    command: str
+    verdict: Verdict | None = None
+    diagnosis: str | None = None
+    rel_err: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class ModelEvidence:
+    """What a model finding carries besides its rows (JSON `details`)."""
+
+    facts: Any = None
+    model: ModelInfo | None = None
+    blocks: list[BlockRow] = field(default_factory=list)
+    first_bad_block: str | None = None
+    worst_params: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    op_level: list[OpLevelSummary] = field(default_factory=list)
+    baseline_error: str | None = None
+    memory_plan: Any = None
+
+
+def _op_summaries(req: Any, evaluated: ModelMeasurement) -> list[OpLevelSummary]:
+    out = []
+    for op in op_checks(evaluated):
+        summary = OpLevelSummary(op_check_command(req, mask=bool(op.request.mask_pad)))
+        if op.finding is not None:
+            summary.verdict, summary.diagnosis = op.finding.verdict, op.finding.diagnosis
+            summary.rel_err = {n: t.rel_err for n, t in op.finding.tensors.items()}
+        else:
+            summary.error = op.error
+        out.append(summary)
+    return out
+
+
+def model_finding(req: Any, evaluated: ModelMeasurement) -> Finding:
     """The finding for one evaluated model case."""
-    probe = describe_model(req, evaluated.backend, evaluated.details.get("model"))
-    facts = evaluated.facts
+    subject = describe_model(req, evaluated.backend, evaluated.model)
+    emulated = emulation_note(evaluated.backend) if getattr(req, "emulate", False) else None
+    evidence = ModelEvidence(evaluated.facts, evaluated.model, baseline_error=evaluated.baseline_error, memory_plan=req.memory)
     if evaluated.unsupported is not None:
-        return Finding(
-            probe, Verdict.UNSUPPORTED, evaluated.unsupported, unsupported_remedy(evaluated.unsupported), details={"facts": facts}
-        )
+        return unsupported_finding(subject, evaluated.unsupported, evidence=evidence, emulated=emulated)
     tensors = judge_model_tensors(evaluated, req.dtype)
     diagnosis, remedy = diagnose_model(req, evaluated, tensors)
     op_fails = any(op.finding is not None and op.finding.verdict == Verdict.FAIL for op in op_checks(evaluated))
     # the attention op failing at the same layout is corruption even where this step's noise hides it
-    verdict = Verdict.PASS if all(t["verdict"] == Verdict.PASS for t in tensors.values()) and not op_fails else Verdict.FAIL
-    details: dict[str, Any] = {"facts": facts, "model": evaluated.details.get("model", {})}
-    if getattr(req, "emulate", False):
-        details["emulated"] = emulation_note(evaluated.backend)
-    blocks = judge_blocks(evaluated.details.get("blocks", []), req.dtype)
-    first = first_bad_block(blocks)
-    details["blocks"] = [{**b, "verdict": b["verdict"].value} for b in blocks]
-    details["first_bad_block"] = None if first is None else first["name"]
+    verdict = Verdict.PASS if all(not t.failed for t in tensors.values()) and not op_fails else Verdict.FAIL
+    evidence.blocks = judge_blocks(evaluated.blocks, req.dtype)
+    first = first_bad_block(evidence.blocks)
+    evidence.first_bad_block = None if first is None else first.name
     if first is not None:
         diagnosis = f"{diagnosis}; {_block_text(first)}"
-    params = evaluated.details.get("params", {})
-    if params:
-        ranked = sorted(params.items(), key=lambda kv: kv[1]["rel_err"], reverse=True)
-        details["worst_params"] = {n: {"rel_err": p["rel_err"], "baseline_rel_err": p.get("baseline_rel_err")} for n, p in ranked[:5]}
-    ops = []
-    for op in op_checks(evaluated):
-        entry: dict[str, Any] = {"command": op_check_command(req, mask=bool(op.request.mask_pad))}
-        if op.finding is not None:
-            entry.update(
-                verdict=op.finding.verdict.value,
-                diagnosis=op.finding.diagnosis,
-                rel_err={n: t["rel_err"] for n, t in op.finding.tensors.items()},
-            )
-        else:
-            entry["error"] = op.error
-        ops.append(entry)
-    details["op_level"] = ops
-    if evaluated.baseline_error is not None:
-        details["baseline_error"] = evaluated.baseline_error
-    return Finding(probe, verdict, diagnosis, remedy, tensors, details)
+    ranked = sorted(evaluated.params.items(), key=lambda kv: kv[1].rel_err, reverse=True)
+    evidence.worst_params = {n: {"rel_err": p.rel_err, "baseline_rel_err": p.baseline_rel_err} for n, p in ranked[:5]}
+    evidence.op_level = _op_summaries(req, evaluated)
+    return Finding(subject, verdict, diagnosis, remedy, tensors, evidence, emulated=emulated)

@@ -7,7 +7,8 @@ checked by `cpdoctor.examinations.model.probe.prepare`, which needs diffusers; `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.request import LayoutRequest, require_ints
@@ -41,6 +42,9 @@ class ModelRequest(LayoutRequest):
     blocks: int | None = None
     # the reference's dtype, "fp64" or "fp32" where fp64 does not fit (set by `prepare` from the memory plan)
     reference: str | None = None
+    memory: Any = field(default=None, compare=False, repr=False)
+    """The memory plan `prepare` made (cpdoctor.models.memory.MemoryPlan): printed before launch, kept in the
+    finding; not part of what the user asked for (`to_dict` leaves it out)."""
 
     def validate(self) -> ModelRequest:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -63,3 +67,8 @@ class ModelRequest(LayoutRequest):
 
     def with_fields(self, **changes: object) -> ModelRequest:
         return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("memory")
+        return data

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.base import Examination
-from cpdoctor.launch.jobs import Case
+from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Finding, Verdict
 
 
@@ -46,16 +46,23 @@ class TrainStepRequest:
 
 class TrainStepExamination(Examination):
     kind = "train_step"
-    probe = "cpdoctor.examinations.train_step.probe"
     request_type = TrainStepRequest
     in_suites = False
 
+    def run_rank(self, case: Case, ctx: Any) -> RankResult:
+        from cpdoctor.examinations.train_step import probe
+
+        return probe.run_rank(case, ctx)
+
+    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
+        from cpdoctor.examinations.train_step import probe
+
+        return probe.evaluate(case, results, ctx)
+
     def finding(self, case: Case, evaluated: Any) -> Finding:
-        worst = max((v for k, v in evaluated.items() if k.endswith("rel_err") and isinstance(v, float)), default=0.0)
+        worst = max(evaluated.out_rel_err, evaluated.x_grad_rel_err, evaluated.worst_param_rel_err)
         verdict = Verdict.PASS if worst < 1e-5 else Verdict.FAIL
-        return Finding(
-            self.describe(case.request), verdict, f"worst relative error {worst:.2g} against one process", details=dict(evaluated)
-        )
+        return Finding(self.describe(case.request), verdict, f"worst relative error {worst:.2g} against one process", evidence=evaluated)
 
     def describe(self, request: TrainStepRequest) -> str:
         return f"train step ring={request.ring} ulysses={request.ulysses} mask={request.mask}"

@@ -15,7 +15,38 @@ A case: {"ring": 2, "ulysses": 1, "patched": true, "mask": null | "bool4d" | "bo
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
+
+from cpdoctor.launch.jobs import CaseNumbers, RankResult
+
+
+@dataclass
+class StepShard(RankResult):
+    """One rank's CP step: its output and input-gradient shards, the parameter gradients summed over the CP
+    group (rank 0), whether the RNG stayed put, and (with compare_original) how far the other ring's forward is."""
+
+    flat_rank: int
+    out: Any
+    x_grad: Any
+    grads: dict[str, Any] | None
+    rng_untouched: bool
+    forward_vs_other: float | None = None
+
+
+@dataclass
+class StepNumbers(CaseNumbers):
+    """The CP step against the same step in one process (relative L2 errors; the worst parameter named)."""
+
+    out_rel_err: float
+    x_grad_rel_err: float
+    param_rel_err: dict[str, float]
+    worst_param: str
+    worst_param_rel_err: float
+    rng_untouched: bool
+    forward_vs_other: float | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+
 
 DEFAULTS = {
     "ring": 2,
@@ -86,7 +117,7 @@ def _model(c: dict) -> Any:
                 x = layer(x, mask, parallel_config)
             return x
 
-    from cpdoctor.examinations.attention.probe import torch_dtype
+    from cpdoctor.examinations.measurement import torch_dtype
 
     torch.manual_seed(c["seed"])
     return Tiny().to(torch_dtype(c["dtype"]))
@@ -95,7 +126,7 @@ def _model(c: dict) -> Any:
 def _inputs(c: dict) -> dict:
     import torch
 
-    from cpdoctor.examinations.attention.probe import torch_dtype
+    from cpdoctor.examinations.measurement import torch_dtype
 
     gen = torch.Generator().manual_seed(c["seed"] + 1)
     dtype = torch_dtype(c["dtype"])
@@ -131,7 +162,7 @@ def _rng_states() -> list:
     return states
 
 
-def run_rank(case: Any, ctx: Any) -> dict:
+def run_rank(case: Any, ctx: Any) -> StepShard:
     import torch
 
     from cpdoctor.compat import diffusers as compat
@@ -156,13 +187,7 @@ def run_rank(case: Any, ctx: Any) -> dict:
     out, x_grad = _step(model, x, target, mask, config)
     rng_untouched = all(torch.equal(a, b) for a, b in zip(rng_before, _rng_states()))
     grads = {n: ctx.all_sum_cpu(p.grad.detach()) for n, p in model.named_parameters()}
-    payload = {
-        "flat_rank": flat,
-        "out": out.cpu(),
-        "x_grad": x_grad.cpu(),
-        "grads": grads if ctx.rank == 0 else None,
-        "rng_untouched": rng_untouched,
-    }
+    payload = StepShard(flat, out.cpu(), x_grad.cpu(), grads if ctx.rank == 0 else None, rng_untouched)
     if c["compare_original"]:
         was = fix_patch.is_patched()
         fix_patch.set_patched(not was)
@@ -172,7 +197,7 @@ def run_rank(case: Any, ctx: Any) -> dict:
         finally:
             fix_patch.set_patched(was)
         diff = (other.double() - out.double()).norm().item() / (out.double().norm().item() or 1.0)
-        payload["forward_vs_other"] = diff
+        payload.forward_vs_other = diff
     return payload
 
 
@@ -181,7 +206,7 @@ def _rel(x: Any, ref: Any) -> float:
     return (x.double() - ref).norm().item() / (ref.norm().item() or 1.0)
 
 
-def evaluate(case: Any, payloads: list[dict], ctx: Any) -> dict:
+def evaluate(case: Any, payloads: list[StepShard], ctx: Any) -> StepNumbers:
     """Rank 0: the CP step against the single-process step (relative L2 errors, worst parameter named)."""
     import torch
 
@@ -195,20 +220,19 @@ def evaluate(case: Any, payloads: list[dict], ctx: Any) -> dict:
         None if inputs["mask"] is None else inputs["mask"].to(ctx.device),
         None,
     )
-    order = sorted(range(len(payloads)), key=lambda r: payloads[r]["flat_rank"])
-    cp_out = torch.cat([payloads[r]["out"] for r in order], dim=1)
-    cp_x_grad = torch.cat([payloads[r]["x_grad"] for r in order], dim=1)
-    grads = payloads[0]["grads"]
+    order = sorted(range(len(payloads)), key=lambda r: payloads[r].flat_rank)
+    cp_out = torch.cat([payloads[r].out for r in order], dim=1)
+    cp_x_grad = torch.cat([payloads[r].x_grad for r in order], dim=1)
+    grads = payloads[0].grads or {}
     param_errs = {n: _rel(grads[n], p.grad.cpu()) for n, p in model.named_parameters()}
-    worst = max(param_errs, key=param_errs.get)
-    result = {
-        "out_rel_err": _rel(cp_out, out.cpu()),
-        "x_grad_rel_err": _rel(cp_x_grad, x_grad.cpu()),
-        "param_rel_err": param_errs,
-        "worst_param": worst,
-        "worst_param_rel_err": param_errs[worst],
-        "rng_untouched": all(p["rng_untouched"] for p in payloads),
-    }
-    if c["compare_original"]:
-        result["forward_vs_other"] = max(p["forward_vs_other"] for p in payloads)
-    return result
+    worst = max(param_errs, key=lambda n: param_errs[n])
+    others = [p.forward_vs_other for p in payloads if p.forward_vs_other is not None]
+    return StepNumbers(
+        out_rel_err=_rel(cp_out, out.cpu()),
+        x_grad_rel_err=_rel(cp_x_grad, x_grad.cpu()),
+        param_rel_err=param_errs,
+        worst_param=worst,
+        worst_param_rel_err=param_errs[worst],
+        rng_untouched=all(p.rng_untouched for p in payloads),
+        forward_vs_other=max(others) if others else None,
+    )

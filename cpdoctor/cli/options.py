@@ -1,0 +1,49 @@
+"""Every option the commands share, declared once as a typer `Annotated` alias (typer's own style:
+docs_src/options/help/tutorial001_an_py310.py): a command names the alias and its default, so the flag, its
+help text and its type cannot drift between `check`, `model`, `run`, `doctor`, `env`, `plan` and `step`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Ring = Annotated[Optional[int], typer.Option("--ring", help="Ring degree (default 2, or 1 when only --ulysses is given).")]
+Ulysses = Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree (default 1).")]
+Backend = Annotated[str, typer.Option("--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")]
+Batch = Annotated[int, typer.Option("--batch", help="Batch size.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the random inputs (and of a tiny model's weights).")]
+MaskPad = Annotated[int, typer.Option("--mask-pad", help="Mask out the last N keys (text tokens for a model) as padding.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+Patch = Annotated[bool, typer.Option("--patch", help="Examine, apply cpdoctor's fixed CP attention, examine again.")]
+Emulate = Annotated[
+    bool,
+    typer.Option(
+        "--emulate",
+        help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
+    ),
+]
+Timeout = Annotated[float, typer.Option("--timeout", help="Seconds before a rank that has not finished is reported as HANG.")]
+LaunchTimeout = Annotated[float, typer.Option("--timeout", help="Seconds per launch before a rank is reported as HANG.")]
+JsonPath = Annotated[
+    Optional[str], typer.Option("--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table).")
+]
+JunitPath = Annotated[
+    Optional[str],
+    typer.Option("--junit", metavar="FILE", help="Write a JUnit XML report to FILE for CI (one testcase per examination; '-' for stdout)."),
+]
+MarkdownPath = Annotated[
+    Optional[str],
+    typer.Option(
+        "--markdown",
+        metavar="FILE",
+        help="Write the table and verdict as Markdown to FILE, to paste into a pull request or issue ('-' for stdout).",
+    ),
+]
+Height = Annotated[Optional[int], typer.Option("--height", help="Image height in pixels (default: the model family's).")]
+Width = Annotated[Optional[int], typer.Option("--width", help="Image width in pixels (default as height).")]
+TextLen = Annotated[Optional[int], typer.Option("--text-len", help="Text tokens the transformer receives.")]
+Frames = Annotated[Optional[int], typer.Option("--frames", help="Video frames, video models only.")]
+
+DEFAULT_TIMEOUT_S = 300.0

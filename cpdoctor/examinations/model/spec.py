@@ -1,0 +1,125 @@
+"""What model an examination builds: the class, its config and where its weights come from (a tiny config of the
+family, a hub id found in the local Hugging Face cache, a pipeline or transformer folder), and the model's
+block stacks (to cut it to the blocks that fit). Used by the parent (prepare.py) and by every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cpdoctor.compat.diffusers import forward_params
+from cpdoctor.errors import BadInput
+from cpdoctor.examinations.model.request import ModelRequest
+from cpdoctor.models.tiny import TINY_CONFIGS
+
+TINY_SOURCE = "tiny config"
+REFERENCE_BACKEND = "native"
+"""diffusers' default backend (torch SDPA), which runs in float64 on CPU."""
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What to build: the class, its config, and where the weights come from."""
+
+    cls: type
+    short_name: str
+    class_name: str
+    config: dict[str, Any]
+    source: str  # TINY_SOURCE, the checkpoint directory or "hub cache org/name@commit"
+    builder: Any
+    weights: Any = None  # cpdoctor.models.checkpoints.Checkpoint, None for a tiny config
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The directory holding the transformer's config and weights, None for a tiny config."""
+        return None if self.weights is None else self.weights.model_dir
+
+    def full_config(self) -> dict[str, Any]:
+        from cpdoctor.models.catalog import full_config
+
+        return full_config(self.cls, self.config)
+
+
+def resolve_spec(
+    model: str,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    download: bool = False,
+    allow_pickle: bool = False,
+    partial: bool = False,
+) -> ModelSpec:
+    """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a hub id (found in the
+    local Hugging Face cache, fetched only with `download`), a pipeline or a transformer directory. BadInput
+    for an unknown name, a family without a tiny config, checkpoint options given with a name, or a checkpoint
+    that is missing, pickle-only, truncated or incomplete (cpdoctor.models.checkpoints)."""
+    from cpdoctor.models import checkpoints
+    from cpdoctor.models.catalog import builder_for, resolve_model
+
+    weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
+    resolved = resolve_model(model if weights is None else weights.config_file)
+    cls, entry = resolved.cls, resolved.entry
+    builder = builder_for(cls)
+    if weights is None:
+        given = [
+            o
+            for o, v in (("--revision", revision), ("--variant", variant), ("--download", download), ("--allow-pickle", allow_pickle))
+            if v
+        ]
+        if given:
+            raise BadInput(f"{' and '.join(given)} apply to a checkpoint (a hub id org/name or a directory), not to the name {model}")
+        config = TINY_CONFIGS.get(entry.short_name)
+        if config is None:
+            raise BadInput(
+                f"cpdoctor has no tiny config for {entry.short_name} ({entry.class_name}); pass a local checkpoint "
+                f"directory instead (tiny configs: {', '.join(sorted(TINY_CONFIGS))})"
+            )
+        return ModelSpec(cls, entry.short_name, entry.class_name, dict(config), TINY_SOURCE, builder)
+    return ModelSpec(cls, entry.short_name, entry.class_name, dict(weights.config), weights.source, builder, weights)
+
+
+def request_spec(req: ModelRequest, *, local_only: bool = False) -> ModelSpec:
+    """resolve_spec for a request. The ranks and rank 0's evaluation pass local_only: they never download, and
+    `prepare` pinned a hub checkpoint's revision to the commit the parent resolved, so they load the same one."""
+    return resolve_spec(
+        req.model,
+        revision=req.revision,
+        variant=req.variant,
+        download=req.download and not local_only,
+        allow_pickle=req.allow_pickle,
+        partial=req.blocks is not None,
+    )
+
+
+def text_mask_param(spec: ModelSpec) -> str | None:
+    """The forward argument that masks text padding, when this model takes one."""
+    name = getattr(spec.builder, "text_mask_param", None)
+    return name if name and name in forward_params(spec.cls) else None
+
+
+_SURVEYS: dict[tuple[str, str], Any] = {}
+"""Memo of `model_survey` (one meta-device build per class and config per process)."""
+
+
+def model_survey(spec: ModelSpec) -> Any:
+    """The model's block stacks (with the config keys that size them) and its parameters outside them."""
+    from cpdoctor.models.slicing import survey
+
+    key = (spec.cls.__name__, repr(sorted(spec.config.items())))
+    if key not in _SURVEYS:
+        _SURVEYS[key] = survey(spec.cls, spec.config)
+    return _SURVEYS[key]
+
+
+def sliced_config(spec: ModelSpec, blocks: int | None) -> dict[str, Any]:
+    """The config with every stack cut to `blocks` (the full config for None)."""
+    from cpdoctor.models.slicing import sliced_config as cut
+
+    full = spec.full_config()
+    if blocks is None:
+        return full
+    return cut(full, model_survey(spec).stacks, blocks)
+
+
+def is_sliced(spec: ModelSpec, blocks: int | None) -> bool:
+    return blocks is not None and any(s.depth > blocks for s in model_survey(spec).stacks)

@@ -1,0 +1,145 @@
+"""What every examination returns and the user sees: Findings, a run's result, one Report.
+
+Every examination (attention, model, env, plan, suites, the doctor) ends in the same `Report`, so the CLI, the
+API and CI scripts read one shape. In process everything is typed: a finding's tensor rows are `JudgedRow`s,
+what an examination adds is its own `evidence` dataclass, a crash's tracebacks are a `FailureEvidence`. The
+JSON document (`Report.to_dict`, through `serialize.to_jsonable`) is a contract that scripts and CI jobs parse:
+`verdict`, `exit_code`, `environment`, `request`, `findings` (each with `probe`, `verdict`, `diagnosis`,
+`remedy`, `tensors` mapping a tensor name to `rel_err`, `max_abs`, `worst_rank`, `nonfinite`, ..., `details`,
+`command`), `before` (the unpatched run) with --patch, and whatever an examination adds under its own keys
+(`extra`: env's `backends`, plan's `tensors`/`problems`, a suite's name, the doctor's summary).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpdoctor.report.numbers import JudgedRow
+from cpdoctor.report.serialize import to_jsonable
+from cpdoctor.report.verdict import ExitCode, Verdict, overall
+
+
+@dataclass
+class FailureEvidence:
+    """What the ranks that failed left behind: tracebacks (CRASH) or log tails (HANG) per rank, the step each
+    rank had reached, and the known crash signature recognised, if any."""
+
+    tracebacks: dict[int, str] = field(default_factory=dict)
+    logs: dict[int, str] = field(default_factory=dict)
+    where: dict[int, str] = field(default_factory=dict)
+    signature: str | None = None
+
+    def to_jsonable(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in ("tracebacks", "logs", "where"):
+            value = getattr(self, key)
+            if value or key == "where":
+                out[key] = {str(rank): text for rank, text in value.items()}
+        if self.signature is not None:
+            out["signature"] = self.signature
+        return out
+
+
+@dataclass
+class Finding:
+    """One examined thing: its verdict, what the numbers say (diagnosis), what to do (remedy), the numbers.
+
+    `subject` names what was examined (JSON key "probe", kept for scripts written against earlier releases);
+    `evidence` is the examination's own typed record (backend facts, a model's blocks and parameters, ...),
+    written under `details` in JSON together with `emulated` and the failure evidence."""
+
+    subject: str
+    verdict: Verdict
+    diagnosis: str
+    remedy: str = ""
+    tensors: dict[str, JudgedRow] = field(default_factory=dict)
+    evidence: Any = None
+    command: str | None = None
+    """The exact cpdoctor command that examines this more closely."""
+    emulated: str | None = None
+    """What an emulated examination examined and what it did not (every report of one says it)."""
+    failure: FailureEvidence | None = None
+
+    def __post_init__(self) -> None:
+        self.verdict = Verdict(self.verdict)
+
+    @property
+    def tracebacks(self) -> dict[int, str]:
+        return self.failure.tracebacks if self.failure is not None else {}
+
+    def details(self) -> dict[str, Any]:
+        """The JSON `details` object: the evidence's fields, `emulated`, the failure evidence."""
+        data = to_jsonable(self.evidence) if self.evidence is not None else {}
+        if not isinstance(data, dict):
+            data = {"evidence": data}
+        if self.emulated:
+            data["emulated"] = self.emulated
+        if self.failure is not None:
+            data.update(self.failure.to_jsonable())
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "probe": self.subject,
+            "verdict": self.verdict.value,
+            "diagnosis": self.diagnosis,
+            "remedy": self.remedy,
+            "tensors": to_jsonable(self.tensors),
+            "details": self.details(),
+            "command": self.command,
+        }
+
+
+@dataclass
+class RunResult:
+    """The findings of one examination run (patched or not)."""
+
+    verdict: Verdict
+    findings: list[Finding]
+
+    @classmethod
+    def of(cls, findings: list[Finding]) -> RunResult:
+        return cls(overall(findings)[0], findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": Verdict(self.verdict).value, "findings": [f.to_dict() for f in self.findings]}
+
+
+@dataclass
+class Report:
+    """Everything one command found, with its verdict and exit code; `extra` holds what an examination adds
+    under its own top-level keys (typed values, serialised with the rest)."""
+
+    verdict: Verdict
+    exit_code: ExitCode
+    environment: dict[str, Any]
+    request: dict[str, Any]
+    findings: list[Finding]
+    before: RunResult | None = None
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, findings: list[Finding], environment: dict[str, Any], request: dict[str, Any], **kwargs: Any) -> Report:
+        """The report of `findings`, its verdict and exit code derived from them."""
+        verdict, code = overall(findings)
+        return cls(verdict, code, environment, request, findings, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "verdict": Verdict(self.verdict).value,
+            "exit_code": int(self.exit_code),
+            "environment": to_jsonable(self.environment),
+            "request": to_jsonable(self.request),
+            "findings": [f.to_dict() for f in self.findings],
+            "wall_s": round(self.wall_s, 3),
+        }
+        if self.before is not None:
+            data["before"] = self.before.to_dict()
+        data.update(to_jsonable(self.extra))
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
