@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from cpdoctor.examinations.judging import Rule, diagnose
+from cpdoctor.examinations.judging import Rule, diagnose, join_remedies
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
 
@@ -217,10 +217,10 @@ def _factor_remedy(s: StepSignature) -> str:
 def attention_command(s: StepSignature) -> str:
     """The op-level `cpdoctor check` command at this job's CP degrees."""
     from cpdoctor.examinations.attention.judge import check_command
-    from cpdoctor.examinations.attention.request import AttentionRequest
+    from cpdoctor.examinations.attention.request import AttentionRequest, default_seq
 
     dtype = s.n.dtype if s.n.dtype in ("fp32", "bf16", "fp16") else "fp32"
-    return check_command(AttentionRequest(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype))
+    return check_command(AttentionRequest(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype, seq=default_seq(s.n.cp)))
 
 
 def _attention_text(s: StepSignature) -> str:
@@ -316,10 +316,8 @@ def step_finding(n: StepNumbers, evidence: object = None) -> Finding:
         )
         remedy = ""
     else:
-        diagnosis, remedy, _ = diagnose(RULES, s)
-        if s.factor is not None and not remedy:
-            remedy = _factor_remedy(s)
-        elif s.factor is not None:
-            remedy = remedy if _factor_remedy(s) in remedy else f"{remedy}; or {_factor_remedy(s)}"
+        diagnosis, remedy, spoken = diagnose(RULES, s)
+        if "constant factor" in spoken:
+            remedy = join_remedies([remedy, _factor_remedy(s)])
     command = attention_command(s) if verdict is Verdict.FAIL and "gradients wrong" in diagnose(RULES, s)[2] else None
     return Finding(describe(n), verdict, diagnosis, remedy, rows(s), evidence=evidence, command=command)
