@@ -24,8 +24,9 @@ Passes, each in fresh worker processes, every impl warmed up first at S 512:
            glibc serves every tensor-sized block by mmap and returns it on free: RSS then follows the live
            torch allocations (checked: a 4+8 MB allocation pattern reads 11.9 MB). torch has no CPU allocator
            statistics, and tracemalloc does not see its allocations.
-The ideal per-rank time is the same fused kernel run once in one process (one rank's threads) on the rank's
-share of the total work: its S/W queries against all S keys, forward and backward.
+The ideal per-rank time ("ideal", time pass only) is the same fused kernel called once by every rank, with no
+communication, on the rank's share of the total work: its S/W queries against all S keys, forward and
+backward, alternated with the others in the same processes (so it shares the cores exactly as they do).
 
 Usage: python benchmarks/bench_ring.py [--seqs 4096 16384] [--ring4-seqs 4096 16384] [--ring8-seqs 16384]
        [--peer-rings 4 8] [--peer-seqs 16384] [--ulysses-seqs] [--gathered REV] [--reps 3] [--out FILE]
@@ -187,6 +188,9 @@ def worker(spec: dict) -> None:
             t.requires_grad_(True)
 
         def fwd_bwd(impl: str, record: dict | None = None) -> None:
+            if impl == "ideal":
+                ideal_fwd_bwd(record)
+                return
             if impl != "ring_flash_attn":
                 use(impl)
             dist.barrier()
@@ -205,14 +209,31 @@ def worker(spec: dict) -> None:
                 record.setdefault("fwd", []).append(t1 - t0)
                 record.setdefault("bwd", []).append(t2 - t1)
 
+        def ideal_fwd_bwd(record: dict | None) -> None:
+            """This rank's S/W queries against all S keys in one fused call each way, no communication."""
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            qi, gi = (x.detach().transpose(1, 2).contiguous() for x in (q, g))
+            ki, vi = (torch.randn(B, H, seq, D, generator=gen).to(dtype) for _ in range(2))
+            dist.barrier()
+            t0 = time.perf_counter()
+            out, lse = flash(qi, ki, vi, 0.0, False)
+            t1 = time.perf_counter()
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(gi, qi, ki, vi, out, lse, 0.0, False)
+            t2 = time.perf_counter()
+            dist.barrier()
+            if record is not None:
+                record.setdefault("fwd", []).append(t1 - t0)
+                record.setdefault("bwd", []).append(t2 - t1)
+
+        timed = [*impls, "ideal"] if spec["mode"] == "time" else impls
         if seq == WARMUP_SEQ:
-            for impl in impls:
+            for impl in timed:
                 fwd_bwd(impl)
             continue
-        per: dict = {impl: {} for impl in impls}
+        per: dict = {impl: {} for impl in timed}
         if spec["mode"] == "time":
             for _ in range(spec["reps"]):
-                for impl in impls:
+                for impl in timed:
                     fwd_bwd(impl, per[impl])
             for impl in impls:
                 timers = _Timers()
@@ -286,28 +307,6 @@ def spawn(world: int, spec: dict, extra_env: dict | None = None) -> list[dict]:
             return json.load(fh)
 
 
-def ideal(seq: int, world: int) -> dict:
-    """One rank's share of the total work (S/W queries × S keys) in one fused call, a rank's threads."""
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, seq // world, D, generator=gen)
-    k, v = (torch.randn(B, H, seq, D, generator=gen) for _ in range(2))
-    g = torch.randn_like(q)
-    fwd, bwd = [], []
-    for i in range(3 if seq <= 4096 else 2):
-        t0 = time.perf_counter()
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)
-        t1 = time.perf_counter()
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, False)
-        t2 = time.perf_counter()
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return {"fwd": statistics.median(fwd), "bwd": statistics.median(bwd)}
-
-
 def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
     """One row per sequence length: per impl its times (slowest rank, median over repetitions), pieces (rank 0)
     and peak memory (largest rank); every impl's ratios to the built-in ring; the ideal."""
@@ -316,7 +315,7 @@ def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
         key = str(seq)
         row: dict = {"layout": run.layout, "world": run.world, "seq": seq, "dtype": run.dtype}
         source = memory or timing
-        impls = list(source[0][key])
+        impls = [i for i in source[0][key] if i != "ideal"]
         for impl in impls:
             cell: dict = {}
             if timing:
@@ -328,6 +327,9 @@ def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
             if memory:
                 cell["peak_mib"] = max(r[key][impl]["peak_bytes"] for r in memory) / 2**20
             row[impl] = cell
+        if timing:
+            per_rank = [r[key]["ideal"] for r in timing]
+            row["ideal"] = {f"{part}_s": statistics.median(max(v) for v in zip(*(p[part] for p in per_rank))) for part in ("fwd", "bwd")}
         for impl in impls:
             if impl == "builtin":
                 continue
@@ -338,13 +340,8 @@ def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
             if memory:
                 row[f"{impl}_memory_x"] = row[impl]["peak_mib"] / row["builtin"]["peak_mib"]
         if timing:
-            # ranks beyond the core count share cores: a rank can at best get cores/world of one core's time
-            share = max(1.0, run.world / (os.cpu_count() or 1))
-            single = ideal(seq, run.world)
-            row["ideal"] = {"fwd": single["fwd"] * share, "bwd": single["bwd"] * share, "core_share_factor": share}
-            for impl in ("builtin", "patched", "gathered"):
-                if impl in row:
-                    row[f"{impl}_bwd_over_ideal"] = row[impl]["bwd_s"] / row["ideal"]["bwd"]
+            for impl in impls:
+                row[f"{impl}_bwd_over_ideal"] = row[impl]["bwd_s"] / row["ideal"]["bwd_s"]
         rows.append(row)
     return rows
 
@@ -373,13 +370,13 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def print_table(rows: list[dict]) -> None:
     others = [i for i in ("patched", "gathered", "ring_flash_attn") if any(i in r for r in rows)]
-    head = f"{'layout':>9} {'S':>6} {'dtype':>5} | {'built-in s':>10} {'built-in MiB':>12} |"
+    head = f"{'layout':>9} {'S':>6} {'dtype':>5} | {'built-in s':>10} {'built-in MiB':>12} {'bwd/ideal':>9} |"
     for impl in others:
         head += f" {impl[:12] + ' time×':>18} {'mem×':>6} {'bwd/ideal':>9} |"
     print(head)
     for r in rows:
         b = r["builtin"]
-        line = f"{r['layout'] + ' ' + str(r['world']):>9} {r['seq']:>6} {r['dtype']:>5} | {fmt(b.get('total_s'), '.3f'):>10} {fmt(b.get('peak_mib'), '.1f'):>12} |"
+        line = f"{r['layout'] + ' ' + str(r['world']):>9} {r['seq']:>6} {r['dtype']:>5} | {fmt(b.get('total_s'), '.3f'):>10} {fmt(b.get('peak_mib'), '.1f'):>12} {fmt(r.get('builtin_bwd_over_ideal')):>9} |"
         for impl in others:
             line += f" {fmt(r.get(f'{impl}_time_x')):>18} {fmt(r.get(f'{impl}_memory_x')):>6} {fmt(r.get(f'{impl}_bwd_over_ideal')):>9} |"
         print(line)
