@@ -237,6 +237,21 @@ def flash_checks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bo
     )
 
 
+def flash_attn_require_emulation(q: torch.Tensor) -> None:
+    """Outside an emulated examination the flash-attn stand-in behaves as the real flash-attn does with CPU
+    tensors (mha_fwd's CHECK_DEVICE), so a process that imported it earlier cannot run `flash` unannounced."""
+    if not installed():
+        raise RuntimeError("Input tensor must be on CUDA device (cpdoctor's flash-attn stand-in is only active under --emulate)")
+
+
+def flash_attn_unsupported(window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Any, causal: bool) -> None:
+    """The flash-attn features the stand-in does not emulate (NotImplementedError rather than a wrong number)."""
+    if alibi_slopes is not None or softcap != 0.0:
+        raise NotImplementedError("cpdoctor's flash-attn stand-in does not emulate ALiBi or softcap")
+    if window_size_left >= 0 or (window_size_right >= 0 and not (causal and window_size_right == 0)):
+        raise NotImplementedError("cpdoctor's flash-attn stand-in does not emulate sliding windows")
+
+
 def _bhsd_to_bshd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 

@@ -12,7 +12,8 @@ with dropout_p > 0 the forward draws its philox state from the generator (counte
 advances it, as the real one does. Causal masks are aligned to the bottom right (flash-attn >= 2.1).
 Numerics: cpdoctor.kernels.standins (fp32, cast to the input dtype). Windows, softcap and ALiBi are not
 emulated (NotImplementedError). The varlen entry points, the packed variants and their autograd Functions
-(ring-flash-attn and yunchang import them at import time) live in `varlen.py` and are re-exported here."""
+(ring-flash-attn and yunchang import them at import time) live in cpdoctor/kernels/flash_attn_varlen.py and
+are re-exported here."""
 
 from __future__ import annotations
 
@@ -27,18 +28,8 @@ def _round_multiple(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _require_emulation(q: torch.Tensor) -> None:
-    """Outside an emulated examination this package behaves as the real flash-attn does with CPU tensors
-    (mha_fwd's CHECK_DEVICE), so a process that imported it earlier cannot run `flash` unannounced."""
-    if not _s.installed():
-        raise RuntimeError("Input tensor must be on CUDA device (cpdoctor's flash-attn stand-in is only active under --emulate)")
-
-
-def _unsupported(window_size_left: int, window_size_right: int, softcap: float, alibi_slopes, causal: bool) -> None:
-    if alibi_slopes is not None or softcap != 0.0:
-        raise NotImplementedError("cpdoctor's flash-attn stand-in does not emulate ALiBi or softcap")
-    if window_size_left >= 0 or (window_size_right >= 0 and not (causal and window_size_right == 0)):
-        raise NotImplementedError("cpdoctor's flash-attn stand-in does not emulate sliding windows")
+_require_emulation = _s.flash_attn_require_emulation
+_unsupported = _s.flash_attn_unsupported
 
 
 def _flash_attn_forward(
@@ -215,14 +206,32 @@ def flash_attn_func(
     )
 
 
-from flash_attn.varlen import (  # noqa: E402 - the varlen half needs the dense half above
+def flash_attn_qkvpacked_func(
+    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False
+):  # fmt: skip
+    """qkv (B, S, 3, H, D): flash_attn_func on its three slices (flash-attn's FlashAttnQKVPackedFunc computes the
+    same and packs the gradient the same way)."""
+    return flash_attn_func(
+        qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False
+):  # fmt: skip
+    """kv (B, S_k, 2, H_k, D)."""
+    return flash_attn_func(
+        q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )  # fmt: skip
+
+
+# The varlen half lives in cpdoctor.kernels.flash_attn_varlen (importable with or without this package on sys.path).
+from cpdoctor.kernels.flash_attn_varlen import (  # noqa: E402
     FlashAttnVarlenFunc,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
     _wrapped_flash_attn_varlen_backward,
     _wrapped_flash_attn_varlen_forward,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,

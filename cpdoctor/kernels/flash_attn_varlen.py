@@ -1,4 +1,5 @@
-"""The varlen half of cpdoctor's flash-attn 2 stand-in, and the packed (qkv / kv) entry points.
+"""The varlen half of cpdoctor's flash-attn 2 stand-in (flash_attn_standin/flash_attn/flash_attn_interface.py
+re-exports it) and its packed (qkv / kv) entry points. Importable without the stand-in package on sys.path.
 
 ring-flash-attn 0.1.8 (ring_flash_attn_varlen.py, zigzag_ring_flash_attn_varlen.py, llama3_flash_attn_varlen.py)
 and yunchang 0.6.4 (ring/ring_flash_attn_varlen.py, ring/zigzag_ring_flash_attn_varlen.py) import
@@ -39,11 +40,9 @@ from typing import Optional
 import torch
 
 from cpdoctor.kernels import standins as _s
-from flash_attn.flash_attn_interface import (
-    _require_emulation,
-    _unsupported,
-    flash_attn_func,
-)
+
+_require_emulation = _s.flash_attn_require_emulation
+_unsupported = _s.flash_attn_unsupported
 
 
 def _check(cond: bool, message: str) -> None:
@@ -251,24 +250,6 @@ def flash_attn_varlen_func(
     return FlashAttnVarlenFunc.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-    )  # fmt: skip
-
-
-def flash_attn_qkvpacked_func(
-    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False
-):  # fmt: skip
-    """qkv (B, S, 3, H, D): flash_attn_func on its three slices (the real one packs the gradient the same way)."""
-    return flash_attn_func(
-        qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
-    )  # fmt: skip
-
-
-def flash_attn_kvpacked_func(
-    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False
-):  # fmt: skip
-    """kv (B, S_k, 2, H_k, D)."""
-    return flash_attn_func(
-        q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )  # fmt: skip
 
 
