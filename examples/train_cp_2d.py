@@ -66,7 +66,7 @@ def conditioning(model, dp_rank: int, step: int) -> dict:
     return {k: v for k, v in kw.items() if k not in ("hidden_states", "timestep")}
 
 
-def run(args) -> list:
+def run(args, watch=watch_step) -> list:
     """Train `args.steps` watched steps; return each step's cpdoctor Report."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -88,7 +88,7 @@ def run(args) -> list:
         x0 = x0.repeat(1, 1, model.config.in_channels // x0.shape[-1])
         noise_gen = torch.Generator().manual_seed(1000 * step + dp_rank)
         time_gen = torch.Generator().manual_seed(2000 * step + dp_rank)
-        with watch_step(ddp) as watch:
+        with watch(ddp) as watched:
             noise = torch.randn(x0.shape, generator=noise_gen)
             t = torch.rand(1, generator=time_gen)
             x_t = (1 - t) * x0 + t * noise
@@ -101,12 +101,18 @@ def run(args) -> list:
                     dist.all_reduce(p.grad, group=cp_group)
         opt.step()
         opt.zero_grad()
-        reports.append(watch.report)
+        reports.append(watched.report)
         if rank == 0:
-            finding = watch.report.findings[0]
-            print(f"step {step}: loss {loss.item():.4f}  cpdoctor: {watch.report.verdict} — {finding.diagnosis}")
+            finding = watched.report.findings[0]
+            print(f"step {step}: loss {loss.item():.4f}  cpdoctor: {watched.report.verdict} — {finding.diagnosis}")
     del cp_rank
     return reports
+
+
+def one_step(watch) -> None:
+    """For `cpdoctor step examples/train_cp_2d.py:one_step --nproc 4`: one watched step of this training, CP 2 ×
+    data-parallel (ranks / 2), in the process group cpdoctor started."""
+    run(parser().parse_args(["--dp", str(dist.get_world_size() // 2), "--cp", "2", "--steps", "1"]), watch)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -37,7 +37,7 @@ def numbers(**over) -> StepNumbers:
     base = StepNumbers(
         ranks=(0, 1), ring=2, ulysses=1, dp=1, dtype="fp32", forwards=(1, 1), backwards=(1, 1), inputs_differ=(),
         rng_before_groups=((0, 1),), rng_after_groups=((0, 1),), out_grad_spread=0.0, out_grad_differ=(),
-        out_grad_own_shard=False, out_rel_err=2e-7, grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)), peer_spread=0.0,
+        out_grad_own_shard=False, out_rel_err=2e-7, out_max_abs=1e-7, grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)), peer_spread=0.0,
         sum_rel_err=1.0, params=(ParamError("x_embedder.weight", 1e-7, 8), ParamError("transformer_blocks.0.attn.to_q.weight", 1e-7, 8)),
     )  # fmt: skip
     return dataclasses.replace(base, **over)

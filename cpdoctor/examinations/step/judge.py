@@ -285,7 +285,7 @@ def verdict_of(s: StepSignature) -> Verdict:
 def rows(s: StepSignature) -> dict[str, JudgedRow]:
     """The finding's rows: the output (forward) and the parameter gradients (worst rank, every rank)."""
     tol = s.tol
-    out = TensorRow(s.n.out_rel_err, float("nan"), 0, worst_rank=s.n.ranks[0])
+    out = TensorRow(s.n.out_rel_err, s.n.out_max_abs, 0, worst_rank=s.n.ranks[0])
     worst = s.worst
     grads = TensorRow(
         worst.rel_err, worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(g.rel_err for g in s.n.grads)
@@ -296,7 +296,7 @@ def rows(s: StepSignature) -> dict[str, JudgedRow]:
     }
     worst_param = max(s.n.params, key=lambda p: p.rel_err, default=None)
     if worst_param is not None:
-        row = TensorRow(worst_param.rel_err, float("nan"), 0, name=worst_param.name, numel=worst_param.numel)
+        row = TensorRow(worst_param.rel_err, worst_param.max_abs, 0, name=worst_param.name, numel=worst_param.numel)
         table["worst_param"] = JudgedRow.judged(row, tol, (), Verdict.PASS if worst_param.rel_err <= tol else Verdict.FAIL)
     return table
 

@@ -48,6 +48,7 @@ class ParamError:
     name: str
     rel_err: float
     numel: int
+    max_abs: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class StepNumbers:
     """Every peer's output gradient is zero outside its own shard of the gathered output (a per-shard loss)."""
     out_rel_err: float
     """The model's output on the first rank against the reference forward."""
+    out_max_abs: float
     grads: tuple[RankGrad, ...]
     peer_spread: float
     """Largest relative difference between a peer's gradients and the first rank's, after the sync."""
@@ -188,7 +190,8 @@ def measure(
     summed = sum((r.grads.double() for r in records[1:]), records[0].grads.double())
     params, offset = [], 0
     for name, n in zip(param_names, param_numels):
-        params.append(ParamError(name, rel(first[offset : offset + n], expected[offset : offset + n]), n))
+        mine, ref = first[offset : offset + n].double(), expected[offset : offset + n].double()
+        params.append(ParamError(name, rel(mine, ref), n, float((mine - ref).abs().max()) if n else 0.0))
         offset += n
     return StepNumbers(
         ranks=ranks,
@@ -205,6 +208,7 @@ def measure(
         out_grad_differ=tuple(differ),
         out_grad_own_shard=bool(differ) and own_shard_only([r.out_grad for r in records], gather_dim),
         out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
+        out_max_abs=float((out.double() - ref_out.double()).abs().max()) if out is not None and ref_out is not None else float("nan"),
         grads=tuple(grads),
         peer_spread=peer_spread,
         sum_rel_err=rel(summed, expected),

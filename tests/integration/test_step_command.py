@@ -1,0 +1,89 @@
+"""`cpdoctor step path/to/train.py:function`: a correct step PASSes with JSON on stdout; a wrong target is exit 2
+before any rank starts; a model without CP is exit 2 from the ranks (one line, no traceback); a step that
+raises on one rank is one CRASH finding, exit 1, and no process is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_cp_2d.py"
+
+# `cpdoctor step` is registered by cpdoctor/cli/step.py; this runs the CLI with it registered whether or not
+# the app lists it yet.
+CLI = "from cpdoctor.cli import app, main; from cpdoctor.cli.step import register; register(app) if 'step' not in {c.name for c in app.registered_commands} else None; main()"
+
+
+def cpdoctor_step(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", CLI, "step", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+BAD_STEPS = textwrap.dedent(
+    f"""
+    import sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {str(EXAMPLE.parent)!r})
+    import train_cp_2d as ex
+
+    def no_cp(watch):
+        with watch(ex.build_model("flux")):
+            pass
+
+    def raises(watch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from cpdoctor.kernels import cpu_backend
+        mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+        model = ex.enable_cp(ex.build_model("flux"), mesh, cpu_backend.register())
+        with watch(model):
+            if dist.get_rank() == 1:
+                raise ValueError("rank 1's data loader ran dry")
+            x = torch.randn(1, 16, 4)
+            model(hidden_states=x, timestep=torch.tensor([0.5]), **ex.conditioning(model, 0, 0))[0].sum().backward()
+    """
+)
+
+
+def test_a_correct_step_passes_with_json():
+    proc = cpdoctor_step(f"{EXAMPLE}:one_step", "--nproc", "2", "--json", "-")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["verdict"] == "PASS" and report["request"]["target"].endswith(":one_step")
+    assert report["findings"][0]["tensors"]["grads"]["rel_err"] < 1e-5
+
+
+def test_a_wrong_target_is_bad_input_before_any_rank():
+    proc = cpdoctor_step(f"{EXAMPLE}:no_such_function", timeout=60)
+    assert proc.returncode == 2 and "defines no top-level function no_such_function" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def bad_steps(tmp_path) -> Path:
+    path = tmp_path / "bad_steps.py"
+    path.write_text(BAD_STEPS)
+    return path
+
+
+def test_a_model_without_cp_is_bad_input(bad_steps):
+    proc = cpdoctor_step(f"{bad_steps}:no_cp", "--nproc", "2")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no context parallelism enabled" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_step_that_raises_is_one_crash_and_leaves_no_process(bad_steps):
+    proc = cpdoctor_step(f"{bad_steps}:raises", "--nproc", "2", "--timeout", "60", "--json", "-")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert [f["verdict"] for f in report["findings"]] == ["CRASH"]
+    assert "rank 1 raised: ValueError: rank 1's data loader ran dry" in report["findings"][0]["diagnosis"]
+    left = subprocess.run(["pgrep", "-f", str(bad_steps)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
