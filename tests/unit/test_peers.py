@@ -256,6 +256,6 @@ def test_a_crash_names_the_peers_line_and_not_diffusers_signatures():
 
 def test_signature_reads_only_what_failed():
     req = build_request(impl="torch", causal=True)
-    tensors = peer_judge.judge_rows(_measured(req, dict(out=3e-3, dq=3e-3, dk=3e-3, dv=3e-3)).tensors, "bf16")
+    tensors = peer_judge.judged(_measured(req, dict(out=3e-3, dq=3e-3, dk=3e-3, dv=3e-3)).tensors, "bf16")
     sig = peer_judge.signature(req, tensors)
     assert sig.bad == frozenset() and sig.forward_at is None and sig.dq_cast is None

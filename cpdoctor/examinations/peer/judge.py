@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.errors import Unsupported
-from cpdoctor.examinations.judging import CRASH_SIGNATURES, GRADS_FAR_WORSE, CrashSignature, Rule, diagnose, judge_rows, unsupported_finding
+from cpdoctor.examinations.judging import (
+    CRASH_SIGNATURES,
+    GRADS_FAR_WORSE,
+    CrashSignature,
+    Rule,
+    diagnose,
+    judge_row,
+    unsupported_finding,
+)
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.launch.jobs import RankFailure
@@ -187,11 +195,22 @@ def emulation_note(req: PeerRequest, facts: Any) -> str | None:
     return note + (f". Shimmed: {shims}" if shims else ". Nothing shimmed")
 
 
+LSE_DTYPE = "fp32"
+"""The LSE is float32 in every kernel's contract (flash-attn's softmax_lse, aten's logsumexp) whatever the input
+dtype, so its row is judged at fp32's eps: an LSE rounded to the input dtype (a known class of ring bug) is
+about 1e-3 off in bf16, far above its fp32 tolerance but inside a bf16 one."""
+
+
+def judged(rows: dict[str, Any], dtype: str) -> dict[str, JudgedRow]:
+    """Every row against the shared tolerance: the LSE at fp32, the rest at the request's dtype."""
+    return {name: judge_row(row, LSE_DTYPE if name == "lse" else dtype) for name, row in rows.items()}
+
+
 def peer_finding(req: PeerRequest, measured: Measurement) -> Finding:
     subject = describe(req)
     if measured.unsupported is not None:
         return unsupported_finding(subject, measured.unsupported)
-    tensors = judge_rows(measured.tensors, req.dtype)
+    tensors = judged(measured.tensors, req.dtype)
     note = emulation_note(req, measured.facts)
     if not any(row.failed for row in tensors.values()):
         worst = max(tensors, key=lambda n: tensors[n].rel_err / max(tensors[n].tolerance, 1e-30))

@@ -16,7 +16,7 @@ from cpdoctor.peers.layouts import Layout
 
 DEFAULT_SEQ = 240
 """Divides by 2·W for W = 1..6 and 8, so the zigzag, stripe and head-tail layouts work at every degree the
-targets use without choosing a length (FACTS.md measured the peers at S 240-256)."""
+targets use without choosing a length (docs/FACTS.md measured the peers at S 240-256)."""
 
 
 @dataclass(frozen=True)
