@@ -57,13 +57,25 @@ def enable_cp(model, mesh, backend: str):
     return model
 
 
+GRID = 4  # image tokens per side (16 tokens); TEXT text tokens: both divisible by the CP degree
+TEXT = 8
+
+
 def conditioning(model, dp_rank: int, step: int) -> dict:
     """This data-parallel rank's sample (text embeddings, positions): the same on every rank of its CP group."""
-    from cpdoctor.models.catalog import build_inputs
-
     gen = torch.Generator().manual_seed(10_000 + 100 * step + dp_rank)
-    kw = build_inputs(type(model), model.config, 64, 64, 8, device="cpu", generator=gen).kwargs
-    return {k: v for k, v in kw.items() if k not in ("hidden_states", "timestep")}
+    cfg = model.config
+    kw = {"encoder_hidden_states": torch.randn(1, TEXT, cfg.joint_attention_dim, generator=gen), "return_dict": False}
+    if "pooled_projection_dim" in cfg:  # Flux: pooled text, and (0, h, w) positions per image token
+        kw["pooled_projections"] = torch.randn(1, cfg.pooled_projection_dim, generator=gen)
+        h, w = torch.arange(GRID).repeat_interleave(GRID).float(), torch.arange(GRID).repeat(GRID).float()
+        kw["img_ids"] = torch.stack([torch.zeros_like(h), h, w], dim=1)
+        kw["txt_ids"] = torch.zeros(TEXT, 3)
+    else:  # Qwen-Image: the image's (frames, height, width) in tokens
+        kw["img_shapes"] = [[(1, GRID, GRID)]]
+    if cfg.get("guidance_embeds"):
+        kw["guidance"] = torch.full((1,), 3.5)
+    return kw
 
 
 def run(args, watch=watch_step) -> list:
@@ -84,7 +96,9 @@ def run(args, watch=watch_step) -> list:
     reports = []
     for step in range(args.steps):
         cond = conditioning(model, dp_rank, step)
-        x0 = torch.randn(1, 16, model.config.out_channels or model.config.in_channels, generator=torch.Generator().manual_seed(dp_rank))
+        x0 = torch.randn(
+            1, GRID * GRID, model.config.out_channels or model.config.in_channels, generator=torch.Generator().manual_seed(dp_rank)
+        )
         x0 = x0.repeat(1, 1, model.config.in_channels // x0.shape[-1])
         noise_gen = torch.Generator().manual_seed(1000 * step + dp_rank)
         time_gen = torch.Generator().manual_seed(2000 * step + dp_rank)
