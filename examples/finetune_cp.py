@@ -10,7 +10,8 @@ group), twice from the same initial weights and data: once with the installed di
 is ("stock"), once after `cpdoctor.preflight(...)` (which leaves cpdoctor's fix patched in when the stock code
 is wrong). Rank 0 also trains the same model in one process (the truth). It writes the per-step loss and
 gradient norm of all three to JSON, and to a PNG when matplotlib is installed: with a CP defect the stock curves
-part from the single-process ones; after the pre-flight they coincide.
+part from the single-process ones; after the pre-flight they coincide. The first step of each CP run is examined
+by `cpdoctor.watch_step` against one fp64 process: the stock run's says where its gradients went wrong.
 
 The default model is a tiny Flux (random weights, seeded alike on every rank); `--model` takes a Flux-family
 checkpoint directory (or its pipeline folder) instead. On CPU the attention backend is cpdoctor's CPU backend
@@ -20,6 +21,7 @@ checkpoint directory (or its pipeline folder) instead. On CPU the attention back
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cpdoctor
+from cpdoctor.examinations.step import watch_step  # cpdoctor.watch_step once exported
 from cpdoctor.fix.patch import is_patched
 
 TINY_FLUX = dict(
@@ -71,24 +74,29 @@ def make_batches(config, steps: int, grid: int, text: int, batch: int = 1, disti
     return [batches[i % distinct] for i in range(steps)]
 
 
-def train(model, batches, cp_group=None, lr: float = 1e-2) -> dict[str, list[float]]:
-    """AdamW steps; under CP the parameter gradients are summed over the CP group before the step."""
+def train(model, batches, cp_group=None, lr: float = 1e-2, watch: bool = False) -> tuple[dict[str, list[float]], object]:
+    """AdamW steps; under CP the parameter gradients are summed over the CP group before the step. With `watch`,
+    the first step runs inside `cpdoctor.watch_step` (against one fp64 process); its report is returned too."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     curves: dict[str, list[float]] = {"loss": [], "grad_norm": []}
-    for inputs, target in batches:
-        out = model(**inputs, return_dict=False)[0]  # the _cp_plan gathers the full output on every rank
-        loss = F.mse_loss(out.float(), target)
-        opt.zero_grad()
-        loss.backward()
-        if cp_group is not None:
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=cp_group)
+    report = None
+    for i, (inputs, target) in enumerate(batches):
+        with watch_step(model) if watch and i == 0 else contextlib.nullcontext() as watched:
+            out = model(**inputs, return_dict=False)[0]  # the _cp_plan gathers the full output on every rank
+            loss = F.mse_loss(out.float(), target)
+            opt.zero_grad()
+            loss.backward()
+            if cp_group is not None:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=cp_group)
+        if watched is not None:
+            report = watched.report
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         opt.step()
         curves["loss"].append(loss.item())
         curves["grad_norm"].append(norm.item())
-    return curves
+    return curves, report
 
 
 def cp_model(path, backend: str, ring: int, ulysses: int):
@@ -98,7 +106,7 @@ def cp_model(path, backend: str, ring: int, ulysses: int):
     model = build_model(path)
     model.set_attention_backend(backend)
     # Some releases divide by the number of accelerators inside enable_parallelism; on a CPU-only host that is
-    # 0 (FACTS.md), hence cpdoctor's shim. On GPUs it changes nothing.
+    # 0 (docs/FACTS.md), hence cpdoctor's shim. On GPUs it changes nothing.
     with accelerator_count_at_least_one():
         model.enable_parallelism(config=context_parallel_config(ring, ulysses))
     return model
@@ -170,12 +178,17 @@ def main() -> None:
     if rank == 0:
         single = build_model(args.model)
         single.set_attention_backend(backend)
-        curves["single process"] = train(single, batches)
+        curves["single process"], _ = train(single, batches)
     cpdoctor.unpatch()  # the stock code, for the picture only
-    curves["CP, stock diffusers"] = train(cp_model(args.model, backend, args.ring, args.ulysses), batches, dist.group.WORLD)
+    steps: dict[str, object] = {}  # the first step of each CP run, examined by cpdoctor.watch_step
+    curves["CP, stock diffusers"], steps["CP, stock diffusers"] = train(
+        cp_model(args.model, backend, args.ring, args.ulysses), batches, dist.group.WORLD, watch=True
+    )
     if fixed:
         cpdoctor.patch()
-    curves["CP, after cpdoctor.preflight"] = train(cp_model(args.model, backend, args.ring, args.ulysses), batches, dist.group.WORLD)
+    curves["CP, after cpdoctor.preflight"], steps["CP, after cpdoctor.preflight"] = train(
+        cp_model(args.model, backend, args.ring, args.ulysses), batches, dist.group.WORLD, watch=True
+    )
 
     if rank == 0:
         ref = curves["single process"]
@@ -188,6 +201,7 @@ def main() -> None:
             "layout": {"ring": args.ring, "ulysses": args.ulysses, "backend": backend},
             "max_rel_gap": {name: {k: gap(name, k) for k in ("loss", "grad_norm")} for name in curves if name != "single process"},
             "curves": curves,
+            "step": {name: {"verdict": str(r.verdict.value), "diagnosis": r.findings[0].diagnosis} for name, r in steps.items()},
         }
         base = os.path.splitext(args.out)[0]
         with open(base + ".json", "w") as fh:
@@ -198,6 +212,8 @@ def main() -> None:
         after = "cpdoctor's fix patched in" if fixed else "nothing to fix"
         title = f"diffusers {diffusers.__version__}, ring {args.ring} × Ulysses {args.ulysses}, {backend}: pre-flight found the stock CP attention {verdict}, {after}"
         drew = plot(curves, args.out, title)
+        for name, step in summary["step"].items():
+            print(f"{name}: cpdoctor.watch_step on the first step: {step['verdict']} — {step['diagnosis']}")
         for name, g in summary["max_rel_gap"].items():
             print(f"{name}: largest relative gap to one process: loss {g['loss']:.2e}, gradient norm {g['grad_norm']:.2e}")
         print(f"wrote {base}.json" + (f" and {args.out}" if drew else " (pip install matplotlib for the PNG)"))

@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 
 def test_curves_part_with_the_defect_and_coincide_after_the_preflight(tmp_path, has_stale_kv_backward):
-    ring = 2 if has_stale_kv_backward else 3  # FACTS.md: 0.39.0 is wrong from ring 2 on, 0.42.1 from ring 3
+    ring = 2 if has_stale_kv_backward else 3  # docs/FACTS.md: 0.39.0 is wrong from ring 2 on, 0.42.1 from ring 3
     out = tmp_path / "curves.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ring), "--master-port", str(_free_port())]
     proc = subprocess.run(
@@ -32,3 +32,9 @@ def test_curves_part_with_the_defect_and_coincide_after_the_preflight(tmp_path, 
     assert gaps["CP, stock diffusers"]["grad_norm"] > 1e-3  # wrong gradients from the first step
     assert gaps["CP, after cpdoctor.preflight"]["grad_norm"] < 1e-4 and gaps["CP, after cpdoctor.preflight"]["loss"] < 1e-5
     assert len(summary["curves"]["single process"]["loss"]) == 6
+    step = summary["step"]  # cpdoctor.watch_step on each CP run's first step
+    assert (
+        step["CP, stock diffusers"]["verdict"] == "FAIL"
+        and "inputs, loss and reduction are right" in step["CP, stock diffusers"]["diagnosis"]
+    )
+    assert step["CP, after cpdoctor.preflight"]["verdict"] == "PASS"
