@@ -50,6 +50,8 @@ class Variant:
     refuses: SourceLine | None = None
     exposes_lse: bool = True
     varlen: bool = False
+    no_backward: SourceLine | None = None
+    """Where the peer's code raises instead of running this variant's backward (None: it has one)."""
     note: str = ""
     source: str = ""
     """The file of the peer's package (relative to it) that holds this variant's forward and backward."""

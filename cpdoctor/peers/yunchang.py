@@ -55,6 +55,7 @@ SPEC = PeerSpec(
             exposes_lse=False,
             note="yunchang's ring over its PyTorch kernels",
             source="ring/ring_pytorch_attn.py",
+            no_backward=_NO_TORCH_BACKWARD,  # its backward calls pytorch_attn_backward whatever the kernel
         ),
     ),
     kernels=(

@@ -162,6 +162,7 @@ def test_a_forward_only_kernel_is_unsupported_with_the_peers_line():
     why = EXAMINATION.unsupported_here(build_request(impl="yunchang", kernel="torch_flash"))
     assert why.kind is UnsupportedKind.NO_BACKWARD
     assert "Not implemented backward for PyTorch attention types" in why.message and "yunchang/kernels/attention.py:" in why.message
+    assert EXAMINATION.unsupported_here(build_request(impl="yunchang", variant="basic_pytorch")).kind is UnsupportedKind.NO_BACKWARD
 
 
 def test_peer_modules_import_no_torch():

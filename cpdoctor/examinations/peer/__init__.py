@@ -37,14 +37,17 @@ class PeerExamination(Examination):
         spec = peer.spec
         if not peer.installed():
             return Unsupported(UnsupportedKind.MISSING_PACKAGE, f"{spec.distribution} is not installed here; install it: {spec.install}")
-        kernel = request.the_kernel
-        if kernel.no_backward is not None:
-            found = kernel.no_backward.read()
-            said = f"{found.text!r} at {found.location}" if found is not None else "its backward raises"
-            return Unsupported(
-                UnsupportedKind.NO_BACKWARD,
-                f"{spec.impl.value}'s {kernel.name} kernel runs forward only ({said}); every peer check back-propagates",
-            )
+        for what, name, line in (
+            ("variant", request.variant, request.the_variant.no_backward),
+            ("kernel", request.kernel, request.the_kernel.no_backward),
+        ):
+            if line is not None:
+                found = line.read()
+                said = f"{found.text!r} at {found.location}" if found is not None else "its backward raises"
+                return Unsupported(
+                    UnsupportedKind.NO_BACKWARD,
+                    f"{spec.impl.value}'s {name} {what} runs forward only ({said}); every peer check back-propagates",
+                )
         return None
 
     def cases(self, request: PeerRequest) -> list[Case]:
