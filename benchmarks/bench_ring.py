@@ -103,7 +103,7 @@ class _Timers:
 
 def _import_ring_flash_attn():
     """(ring_flash_attn, None) on the flash-attn stand-in (activated here, before anything imports diffusers), or
-    (None, why not). Its HF adapter module fails to import under transformers 5.x (../shared/FACTS.md, "Peers' CP
+    (None, why not). Its HF adapter module fails to import under transformers 5.x (docs/FACTS.md, "Peers' CP
     attention on CPU") and `import ring_flash_attn` reaches it: when that is the failure, that one submodule is
     stubbed (the ring functions do not use it) and the import tried again."""
     import importlib

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from cpdoctor.version import __version__ as __version__
 
 _LAZY = {
     "check_attention": ("cpdoctor.api", "check_attention"),

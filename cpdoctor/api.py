@@ -20,10 +20,17 @@ from cpdoctor.examinations.attention.request import AttentionRequest, build_requ
 from cpdoctor.examinations.judging import emulation_note, unsupported_finding
 from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
+from cpdoctor.launch.torchrun import hold_group_until_exit, is_reporting_rank, leave_together, under_torchrun
 from cpdoctor.report import Finding, Report, RunResult, Verdict
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "hold_group_until_exit",
+    "is_reporting_rank",
+    "leave_together",
+    "under_torchrun",
+    "validate_timeout",
+    "write_repro",
     "PreflightFailed",
     "build_request",
     "check_attention",
@@ -286,3 +293,10 @@ def list_models() -> list[Any]:
     from cpdoctor.models.catalog import list_models as scan
 
     return scan()
+
+
+def write_repro(report: Report, directory: str, command: str) -> list[str]:
+    """For an op-level FAIL: DIR/repro.py (torch + diffusers only) and DIR/ISSUE.md; the paths written."""
+    from cpdoctor.examinations.attention.repro import write_repro as write
+
+    return write(report, directory, command)

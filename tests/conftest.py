@@ -43,6 +43,6 @@ def diffusers_release() -> tuple[int, ...]:
 
 @pytest.fixture(scope="session")
 def has_stale_kv_backward(diffusers_release: tuple[int, ...]) -> bool:
-    """FACTS.md: releases before the fix of the ring backward (0.39.0 among them) recompute every ring step
+    """docs/FACTS.md: releases before the fix of the ring backward (0.39.0 among them) recompute every ring step
     against the iteration-0 K/V; 0.42.1 passes the rotated chunk."""
     return diffusers_release < (0, 42, 0)

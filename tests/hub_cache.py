@@ -13,7 +13,7 @@ from cpdoctor.models.tiny import TINY_CONFIGS
 
 TINY_FLUX = TINY_CONFIGS["flux"]
 TINY_QWEN_IMAGE = TINY_CONFIGS["qwen-image"]
-"""FACTS.md "Tiny models": the same configs `cpdoctor model flux|qwen-image` builds."""
+"""docs/FACTS.md "Tiny models": the same configs `cpdoctor model flux|qwen-image` builds."""
 
 FLUX_DEV = dict(
     patch_size=1,
@@ -27,7 +27,7 @@ FLUX_DEV = dict(
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
-"""FACTS.md, "Real checkpoints": FLUX.1-dev's transformer config."""
+"""docs/FACTS.md, "Real checkpoints": FLUX.1-dev's transformer config."""
 
 
 def tiny_flux(seed: int = 3):

@@ -30,7 +30,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from cpdoctor import __version__
+        from cpdoctor.version import __version__
 
         print(f"cpdoctor {__version__}")
         raise typer.Exit(0)
@@ -81,10 +81,10 @@ register_commands(app)
 def main() -> None:
     """Console-script entry: BadInput -> one line and exit 2; CannotExamine -> one line and exit 3. Under
     torchrun every rank leaves together with the same code (see launch.torchrun.leave_together)."""
-    from cpdoctor.launch import torchrun
+    from cpdoctor import api
 
-    if torchrun.under_torchrun():
-        torchrun.hold_group_until_exit()
+    if api.under_torchrun():
+        api.hold_group_until_exit()
     code: int | str | None = 0
     try:
         app()
@@ -99,4 +99,4 @@ def main() -> None:
     except KeyboardInterrupt:
         print("cpdoctor: interrupted", file=sys.stderr)
         code = 130
-    torchrun.leave_together(code if isinstance(code, int) else (0 if code is None else 1))
+    api.leave_together(code if isinstance(code, int) else (0 if code is None else 1))

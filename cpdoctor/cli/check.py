@@ -88,8 +88,7 @@ def write_repro_files(report: object, directory: str) -> None:
     """Write the upstream repro and issue text for a FAIL (rank 0 only), and say where (on stderr)."""
     import sys
 
-    from cpdoctor.examinations.attention.repro import write_repro
-    from cpdoctor.launch import is_reporting_rank
+    from cpdoctor.api import is_reporting_rank, write_repro
 
     if not is_reporting_rank():
         return

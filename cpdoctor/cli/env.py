@@ -193,9 +193,9 @@ def env(
     emulate: Emulate = False,
 ) -> None:
     from cpdoctor import api
+    from cpdoctor.api import is_reporting_rank
     from cpdoctor.cli.output import check_run_options, emit, waiting
     from cpdoctor.errors import BadInput
-    from cpdoctor.launch import is_reporting_rank
 
     if markdown_path == "-" and json_path == "-":
         raise BadInput("--markdown - and --json - both write to stdout; give one of them a FILE")

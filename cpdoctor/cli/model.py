@@ -39,6 +39,9 @@ MODEL_HELP = (
 )
 
 
+MODEL_LABELS = {"out": "out", "grads": "all grads", "worst_param": "worst param"}
+"""Row labels of a model finding's table (the JSON keeps the keys out / grads / worst_param)."""
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -93,7 +96,6 @@ def blocks_table(finding: Any) -> Any:
 
 def render_model(report: Any, console: Any) -> None:
     """The environment line, each finding's table, its per-block table, then the verdict line."""
-    from cpdoctor.examinations.model.judge import MODEL_LABELS
     from cpdoctor.report import environment_line, render_finding, styled
 
     befores = report.before.findings if report.before is not None else []
@@ -113,8 +115,8 @@ def render_model(report: Any, console: Any) -> None:
 
 def print_plan(request: Any) -> None:
     """The memory plan `prepare` made, on stderr, before any rank starts."""
+    from cpdoctor.api import is_reporting_rank
     from cpdoctor.cli.output import console
-    from cpdoctor.launch import is_reporting_rank
 
     plan = request.memory
     if plan is None or not is_reporting_rank():

@@ -80,10 +80,10 @@ def check_run_options(
     """Bad options caught before any rank starts: a timeout that is not a positive finite number, and an output
     FILE that cannot be written (found after a long run, it would also hide the run's exit code)."""
     if timeout is not None:
-        from cpdoctor.examinations.request import validate_timeout
+        from cpdoctor.api import validate_timeout
 
         validate_timeout(timeout)
-    from cpdoctor.launch import is_reporting_rank
+    from cpdoctor.api import is_reporting_rank
 
     if not is_reporting_rank():
         return
@@ -114,7 +114,7 @@ def emit(
 ) -> None:
     """Render the table unless a document goes to stdout; write JSON / JUnit XML / Markdown where asked; exit
     with the report's code. Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
-    from cpdoctor.launch import is_reporting_rank
+    from cpdoctor.api import is_reporting_rank
 
     if not is_reporting_rank():
         raise typer.Exit(report.exit_code)

@@ -129,7 +129,7 @@ def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_con
 
 def _ring_like_config(device: Any) -> Any:
     """A parallel config as the ring hands it to a forward op (world size 2, no process group): some ops decide
-    from it whether to compute an LSE or force dropout (FACTS.md); None when this diffusers cannot build one."""
+    from it whether to compute an LSE or force dropout (docs/FACTS.md); None when this diffusers cannot build one."""
     try:
         return compat.meshless_parallel_config(2, 1, device)
     except Exception:  # noqa: BLE001 - the plain call below still tells what it can

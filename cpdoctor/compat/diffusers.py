@@ -29,6 +29,12 @@ def dispatch_module() -> Any:
     return attention_dispatch
 
 
+def cp_plan(cls: Any) -> dict[str, Any]:
+    """A model class's context-parallel plan (`_cp_plan`: which module's inputs are split on which dim, which
+    output is gathered), {} when it has none."""
+    return dict(getattr(cls, "_cp_plan", None) or {})
+
+
 def forward_params(cls: type) -> set[str]:
     """The parameter names of a model class's `forward` (without self): which optional inputs this release's
     class takes (pooled projections, guidance, ids, masks) is read from its signature."""

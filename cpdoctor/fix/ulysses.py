@@ -4,7 +4,7 @@
 Why. diffusers' Ulysses template runs the backend's own `forward_op` with `_save_ctx=True` and, in backward,
 its `backward_op(ctx, grad_out)`. Where that op is wrong, Ulysses is wrong: 0.39.0's `_native_flash` and
 `_native_cudnn` backward ops transpose K/V that their forward already saved in the kernel's layout, so the
-kernel sees sequence and heads swapped and raises (../shared/FACTS.md). Replacing the ring alone left those
+kernel sees sequence and heads swapped and raises (docs/FACTS.md). Replacing the ring alone left those
 backends crashing under Ulysses after `--patch`.
 
 What. The same all-to-alls as diffusers (heads scattered, sequence gathered: (B, S/W, H, D) → (B, S, H/W, D),

@@ -1,6 +1,6 @@
 """cpdoctor's own CPU attention backend, registered into diffusers' registry as `cpdoctor_cpu`.
 
-No stock diffusers backend can run ring attention on a CPU (FACTS.md): `native` has no LSE and the fused
+No stock diffusers backend can run ring attention on a CPU (docs/FACTS.md): `native` has no LSE and the fused
 CUDA kernels have no CPU implementation. torch ships a fused CPU flash kernel with an explicit backward
 (`_scaled_dot_product_flash_attention_for_cpu[_backward]`, O(S) memory, fp32 LSE), so this backend wraps it
 in diffusers' op contract and lets diffusers' *own* templates (ring, Ulysses, unified) run on CPU.

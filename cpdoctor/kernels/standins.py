@@ -2,7 +2,7 @@
 
 The CP defects of diffusers' `_native_flash`, `_native_cudnn` and `flash` backends live in its Python glue
 around the kernel call (argument order, layouts, which tensors it saves), not inside the kernels
-(../shared/FACTS.md). A stand-in that keeps the kernel's contract exposes them on a CPU. What is kept, per op:
+(docs/FACTS.md). A stand-in that keeps the kernel's contract exposes them on a CPU. What is kept, per op:
 the argument list and order and the return tuple (the installed torch's schemas,
 `torch.ops.aten.<op>.default._schema`), output shapes and dtypes, LSE shape and padding and the returned
 philox seed/offset tensors (torch/_meta_registrations.py: `meta__scaled_dot_product_flash_attention`,
@@ -188,7 +188,7 @@ def attention_backward(
 
 
 def _lse_as_kernel_reads_it(lse: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
-    """The fused backwards read the LSE through a bare pointer, without its strides (FACTS.md): whatever
+    """The fused backwards read the LSE through a bare pointer, without its strides (docs/FACTS.md): whatever
     layout the caller passes, the kernel sees its storage as a contiguous tensor of `shape`."""
     if lse is None:
         raise RuntimeError(f"{what}: logsumexp is undefined (the forward was run without computing it)")

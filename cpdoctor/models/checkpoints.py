@@ -10,7 +10,7 @@ in, found here before any process starts.
 The Hugging Face cache is read through huggingface_hub only (`snapshot_download(..., local_files_only=True)`
 resolves refs/ and snapshots/ under HF_HUB_CACHE or HF_HOME/hub; `scan_cache_dir` expands a short commit),
 never by hand. The folder is then loaded as a folder: diffusers' `from_pretrained` on a hub id looks the
-shards up on the Hub, which fails offline (FACTS.md, "Real checkpoints"). Nothing is downloaded unless
+shards up on the Hub, which fails offline (docs/FACTS.md, "Real checkpoints"). Nothing is downloaded unless
 `download=True`, and then only the transformer's config, index and the weight files it names.
 
 torch and diffusers are imported inside functions only.

@@ -128,11 +128,6 @@ def survey(cls: type, config: Mapping[str, Any]) -> Survey:
     return Survey(tuple(stacks), total - in_stacks)
 
 
-def stack_blocks(stacks: Iterable[Stack], n: int) -> dict[str, int]:
-    """Blocks kept per stack: min(n, depth)."""
-    return {s.name: min(n, s.depth) for s in stacks}
-
-
 def sliced_config(config: Mapping[str, Any], stacks: Iterable[Stack], n: int) -> dict[str, Any]:
     """The config with every stack's sizing key set to min(n, depth). BadInput when a stack has no key."""
     out = dict(config)
@@ -272,21 +267,3 @@ def selected_keys(cls: type, config: Mapping[str, Any]) -> list[str]:
     with empty_parameters():
         model = build_model(cls, dict(config), device="cpu")
     return list(model.state_dict().keys())
-
-
-def param_counts(cls: type, config: Mapping[str, Any]) -> dict[str, int]:
-    """Parameters of the model of `config`: 'total', and per stack (its first block, 'per_block:<stack>') and
-    the rest ('other': embedders and output layers)."""
-    from cpdoctor.models.catalog import build_model
-
-    with empty_parameters():
-        model = build_model(cls, dict(config), device="cpu")
-    total = sum(p.numel() for p in model.parameters())
-    out = {"total": total}
-    in_stacks = 0
-    for name, ml in block_stacks(model):
-        per = sum(p.numel() for p in ml[0].parameters())
-        out[f"per_block:{name}"] = per
-        in_stacks += sum(p.numel() for p in ml.parameters())
-    out["other"] = total - in_stacks
-    return out

@@ -1,6 +1,6 @@
 """`cpdoctor model` on real checkpoint sources, through the real CLI: a tiny Flux pipeline saved sharded into a
 Hugging Face cache (laid out as huggingface_hub lays it out) and found by hub id with HF_HUB_OFFLINE=1 gives the
-verdict the tiny config gives (FACTS.md: ring 2 exact on 0.42.1, stale K/V backward on 0.39.0); bad sources are
+verdict the tiny config gives (docs/FACTS.md: ring 2 exact on 0.42.1, stale K/V backward on 0.39.0); bad sources are
 exit 2 with one line on stderr, before any rank starts."""
 
 from __future__ import annotations

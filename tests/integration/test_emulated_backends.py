@@ -1,7 +1,7 @@
 """`cpdoctor check --emulate`: diffusers' CUDA backends' CP code (`_native_flash`, `_native_cudnn`, `flash`) run on
 CPU ranks through cpdoctor's kernel stand-ins, and cpdoctor's fix (its CUDA block kernels) through the same.
 
-One launch per world size; the expected verdicts depend on the release under test (../shared/FACTS.md), the tool
+One launch per world size; the expected verdicts depend on the release under test (docs/FACTS.md), the tool
 itself never looks at the version.
 """
 

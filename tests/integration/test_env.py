@@ -1,5 +1,5 @@
 """`cpdoctor env` on the installed diffusers, through the real CLI in a subprocess: what it finds must be what
-FACTS.md measured. The installed release is read here only to pick the expected findings; the tool never does."""
+docs/FACTS.md measured. The installed release is read here only to pick the expected findings; the tool never does."""
 
 from __future__ import annotations
 

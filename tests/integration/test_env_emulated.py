@@ -15,7 +15,7 @@ def test_env_emulated_runs_the_gpu_backends_ops(has_stale_kv_backward):
         op = rows[name]["op"]
         assert op["measured_on"] == "cpu" and rows[name]["runs_here"], (name, op)  # run, not only shaped on meta
     findings = " ".join(f["diagnosis"] for f in data["findings"])
-    if has_stale_kv_backward:  # FACTS.md item 5: 0.39.0's glue around the kernels
+    if has_stale_kv_backward:  # docs/FACTS.md item 5: 0.39.0's glue around the kernels
         assert rows["flash"]["op"]["rng_advanced"] is True  # forced dropout 1e-30 moves the generator
         assert "Number of heads in key/value must divide" in rows["_native_flash"]["op"]["backward_error"]
         assert rows["_native_cudnn"]["op"]["saved_lse"] is False

@@ -20,7 +20,7 @@ def test_dry_run(tmp_path, has_stale_kv_backward):
     rows = {r["backend"]: r for r in data["examinations"]}
     assert set(rows) == {"_native_flash", "_native_cudnn", "_native_efficient"}
     for name in ("_native_flash", "_native_cudnn"):
-        # FACTS.md item 5: 0.39.0's backward ops transpose K/V twice (a crash); the fix's ring calls the kernels itself
+        # docs/FACTS.md item 5: 0.39.0's backward ops transpose K/V twice (a crash); the fix's ring calls the kernels itself
         assert rows[name]["before"] == ("CRASH" if has_stale_kv_backward else "PASS"), rows[name]
         assert rows[name]["after"] == "PASS", rows[name]
     assert rows["_native_efficient"]["before"] == "UNSUPPORTED"  # not registered for CP in these releases

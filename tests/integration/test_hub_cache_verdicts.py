@@ -1,5 +1,5 @@
 """Tiny Flux and tiny Qwen-Image saved in a Hugging Face cache layout (sharded with an index, refs/main), found by
-hub id with HF_HUB_OFFLINE=1, give the verdicts their tiny configs give (FACTS.md), before and after the patch:
+hub id with HF_HUB_OFFLINE=1, give the verdicts their tiny configs give (docs/FACTS.md), before and after the patch:
 one `cpdoctor run` of a suite of model checks (two launches: world 2 and world 4)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Tiny Flux and tiny Qwen-Image (random weights seeded alike on every rank), output and every parameter gradient
 against the same model in one process in fp64. Cases that share a world size run in one launch (a job's cases
 run one after the other in the same processes). The expected verdicts depend on the installed release
-(FACTS.md); only this test reads the version, the tool never does.
+(docs/FACTS.md); only this test reads the version, the tool never does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from conftest import run_cli
 from cpdoctor import api
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations import registry
-from cpdoctor.examinations.model import op_level_requests
 from cpdoctor.launch import Case
 
 TIMEOUT = 240
@@ -27,7 +26,7 @@ TIMEOUT = 240
 def launch(*cases: tuple[dict, bool]) -> list:
     """One launch for all `(request fields, patched)` cases; their findings in order."""
     reqs = [(api.request_for("model", **fields), patched) for fields, patched in cases]
-    jobs = [Case(r, p, {"op_requests": op_level_requests(r)}) for r, p in reqs]
+    jobs = [Case(r, p) for r, p in reqs]
     found = api.run_findings("model", jobs, reqs[0][0].world_size, "cpu", TIMEOUT)
     assert not [f for f in found if f.verdict in ("CRASH", "HANG")], [f.diagnosis for f in found]
     return found
@@ -147,8 +146,8 @@ def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
 
-    from cpdoctor.models.tiny import TINY_CONFIGS
     from cpdoctor.models.catalog import resolve_model
+    from cpdoctor.models.tiny import TINY_CONFIGS
 
     torch.manual_seed(3)
     model = resolve_model("flux").cls(**TINY_CONFIGS["flux"])

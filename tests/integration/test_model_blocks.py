@@ -3,7 +3,7 @@
 A tiny Flux with 3 double + 3 single blocks saved sharded with an index; the shards that hold only blocks 1-2
 are deleted (the index still names them), as on a disk that holds only what is examined. `--blocks 1` reads
 the embedders, block 0 of each stack and the output layers, tensor by tensor, and names the first bad block
-(FACTS.md: the ring backward is wrong on 0.39.0 at ring 2 and on both releases at ring 4; the forward is exact).
+(docs/FACTS.md: the ring backward is wrong on 0.39.0 at ring 2 and on both releases at ring 4; the forward is exact).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`cpdoctor plan`: the static divisibility planner, called directly and through the CLI.
 
 `plan_model` returns the `cpdoctor.report.Report` every examination returns; the measured plan is under its own
-keys (`report.extra`: tensors, heads, problems, notes, settings, model), as dicts, exactly as in the JSON.
+keys (`report.extra`: tensors, heads, problems, notes, settings, model), read here as the JSON has them (`to_dict()`).
 
 The lengths asserted here are the ones diffusers' own forward produces on the meta device; the arithmetic in
 the comments only explains them.
@@ -17,14 +17,15 @@ import pytest
 
 pytest.importorskip("diffusers")
 
+from cpdoctor.api import list_models, plan_model  # noqa: E402
 from cpdoctor.errors import BadInput, CannotExamine  # noqa: E402
-from cpdoctor.examinations.plan.probe import list_models, plan_model, resolve_model  # noqa: E402
 from cpdoctor.models import catalog as model_catalog  # noqa: E402
+from cpdoctor.models.catalog import resolve_model  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A Flux transformer small enough to read (FACTS.md), saved as a checkpoint config: 2 attention heads.
+# A Flux transformer small enough to read (docs/FACTS.md), saved as a checkpoint config: 2 attention heads.
 TINY_FLUX = {
     "_class_name": "FluxTransformer2DModel",
     "patch_size": 1,
@@ -41,7 +42,7 @@ TINY_FLUX = {
 
 def _rows(report):
     """The measured tensors of a plan's Report (its `tensors` key), by name."""
-    return {t["name"]: t for t in report.extra["tensors"]}
+    return {t["name"]: t for t in report.to_dict()["tensors"]}
 
 
 def _cli(*args, timeout=120):
@@ -115,7 +116,7 @@ def test_checkpoint_directory_and_pipeline_directory(tmp_path):
 
 def test_flux_1024_text512_ring2_ulysses2_everything_divides():
     r = plan_model("flux", height=1024, width=1024, text_len=512, ring=2, ulysses=2)
-    assert r.verdict == "PASS" and r.exit_code == 0 and not r.extra["problems"]
+    assert r.verdict == "PASS" and r.exit_code == 0 and not r.to_dict()["problems"]
     assert r.verdict is Verdict.PASS
     assert [(f.verdict, f.diagnosis) for f in r.findings] == [
         (Verdict.PASS, "every split divides over 4 ranks and the heads over ulysses 2")
@@ -130,7 +131,7 @@ def test_flux_1024_text512_ring2_ulysses2_everything_divides():
         "proj_out:output": (1, 4096, 1024),
     }
     assert rows["proj_out:output"]["kind"] == "gather"
-    assert [(h["heads"], h["divisible"], h["source"]) for h in r.extra["heads"]] == [(24, True, "attention calls")]
+    assert [(h["heads"], h["divisible"], h["source"]) for h in r.to_dict()["heads"]] == [(24, True, "attention calls")]
     doc = r.to_dict()
     assert doc["verdict"] == "PASS" and doc["settings"]["world_size"] == 4
     assert set(doc["tensors"][0]) >= {"name", "split_dim", "length", "per_rank", "divisible"}
@@ -147,13 +148,13 @@ def test_qwen_image_1328_text77_ring2_text_does_not_divide():
     assert rows["transformer_blocks.0:hidden_states"]["length"] == 6889
     assert not rows["transformer_blocks.0:hidden_states"]["divisible"]
 
-    problems = r.extra["problems"]
+    problems = r.to_dict()["problems"]
     text_problem = next(p for p in problems if "transformer_blocks.0:encoder_hidden_states" in p["tensors"])
     kinds = {rem["kind"]: rem for rem in text_problem["remedies"]}
     pad = kinds["text_padding"]
     assert pad["measured"] and pad["values"] == {"text_len": 78, "pad": 1, "mask": "encoder_hidden_states_mask"}
     assert "mask" in pad["text"]
-    assert any("mask" in n for n in r.extra["notes"])  # ring attention and masks: pointed at `cpdoctor check`
+    assert any("mask" in n for n in r.to_dict()["notes"])  # ring attention and masks: pointed at `cpdoctor check`
     if "ring_anything" in kinds:  # only when this diffusers' ContextParallelConfig has the field
         assert kinds["ring_anything"]["values"]["inference_only"] is True
 
@@ -161,7 +162,7 @@ def test_qwen_image_1328_text77_ring2_text_does_not_divide():
     resolutions = [rem["values"] for rem in image_problem["remedies"] if rem["kind"] == "resolution"]
     assert resolutions and all(v["height"] % 16 == 0 and v["width"] % 16 == 0 for v in resolutions)
     assert all(((v["height"] // 16) * (v["width"] // 16)) % 2 == 0 for v in resolutions)
-    assert r.extra["settings"]["shallow_remedy_search"] is True
+    assert r.to_dict()["settings"]["shallow_remedy_search"] is True
 
     # every problem is a FAIL finding: its diagnosis the problem, its remedy the measured ways out, its command
     # the plan again with the first of them applied
@@ -183,7 +184,7 @@ def test_width_that_makes_image_tokens_odd():
     rows = _rows(r)
     assert rows["hidden_states"]["length"] == 65 * 65 and not rows["hidden_states"]["divisible"]
     assert rows["encoder_hidden_states"]["divisible"]
-    problems = r.extra["problems"]
+    problems = r.to_dict()["problems"]
     assert len(problems) == 1 and problems[0]["tensors"] == ["hidden_states", "img_ids", "proj_out:output"]
     res = [rem for rem in problems[0]["remedies"] if rem["kind"] == "resolution"]
     assert res and all(rem["measured"] for rem in res)
@@ -192,9 +193,9 @@ def test_width_that_makes_image_tokens_odd():
 
 def test_impossible_ulysses_degree_for_the_heads():
     r = plan_model("flux", height=1024, width=1024, text_len=512, ring=1, ulysses=16)
-    assert all(t["divisible"] for t in r.extra["tensors"])  # 4096 and 512 divide by 16 ...
-    assert [(h["heads"], h["divisible"]) for h in r.extra["heads"]] == [(24, False)]  # ... 24 heads do not
-    problems = r.extra["problems"]
+    assert all(t["divisible"] for t in r.to_dict()["tensors"])  # 4096 and 512 divide by 16 ...
+    assert [(h["heads"], h["divisible"]) for h in r.to_dict()["heads"]] == [(24, False)]  # ... 24 heads do not
+    problems = r.to_dict()["problems"]
     assert len(problems) == 1 and "24 attention heads" in problems[0]["what"]
     degrees = next(rem for rem in problems[0]["remedies"] if rem["kind"] == "degrees")
     assert degrees["values"]["options"]
@@ -204,17 +205,17 @@ def test_impossible_ulysses_degree_for_the_heads():
 def test_checkpoint_config_is_used(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_FLUX))
     r = plan_model(str(tmp_path), height=512, width=512, text_len=64, ring=1, ulysses=4)
-    assert r.extra["model"]["source"].endswith("config.json")
+    assert r.to_dict()["model"]["source"].endswith("config.json")
     assert _rows(r)["hidden_states"]["length"] == 32 * 32
     # the checkpoint's 2 heads, not Flux's 24
-    assert [(h["heads"], h["divisible"]) for h in r.extra["heads"]] == [(2, False)]
+    assert [(h["heads"], h["divisible"]) for h in r.to_dict()["heads"]] == [(2, False)]
 
 
 def test_video_model_frames_remedy():
     # Wan: (81 - 1) / 4 + 1 = 21 latent frames, 496 / 16 = 31, 848 / 16 = 53: 21 * 31 * 53 = 34503, odd
     r = plan_model("wan", height=496, width=848, text_len=512, ring=2, ulysses=1)
     assert _rows(r)["blocks.0:hidden_states"]["length"] == 34503
-    remedies = [rem for p in r.extra["problems"] for rem in p["remedies"]]
+    remedies = [rem for p in r.to_dict()["problems"] for rem in p["remedies"]]
     assert {"resolution", "frames"} <= {rem["kind"] for rem in remedies}
     frames = [rem["values"]["frames"] for rem in remedies if rem["kind"] == "frames"]
     assert all((f - 1) % 4 == 0 for f in frames)
@@ -246,7 +247,7 @@ def test_model_without_input_builder_cannot_be_examined():
 
 def test_modules_do_not_import_torch():
     code = (
-        "import sys, cpdoctor.cli.plan, cpdoctor.models.catalog, cpdoctor.examinations.plan.probe; "
+        "import sys, cpdoctor.cli.plan, cpdoctor.models.catalog, cpdoctor.examinations.plan.planner; "
         "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'imported at module level'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpdoctor.examinations.env import findings as rules
 from cpdoctor.compat.backends import BackendFacts
+from cpdoctor.examinations.env import findings as rules
 from cpdoctor.examinations.env.backend_table import BackendRow, Cell, OpProbe, judge_cells, kernel_flags, requirement_hint
 from cpdoctor.examinations.env.facts import NOT_COLLECTED, collect
 from cpdoctor.examinations.env.findings import CodeFacts, DispatchTrial, RingSource
@@ -17,7 +17,7 @@ from cpdoctor.report import ExitCode, Report, Verdict, overall
 
 UNIFIED = ["TemplatedRingAttention", "_templated_unified_attention"]
 RING_0_39 = RingSource(passes_tensors=False, sends_to_next=True, gathers_mask=False, callers=UNIFIED)
-"""The ring template of diffusers 0.39.0 (FACTS.md): stale K/V backward, dK/dV to r+1, local mask."""
+"""The ring template of diffusers 0.39.0 (docs/FACTS.md): stale K/V backward, dK/dV to r+1, local mask."""
 RING_FIXED = RingSource(passes_tensors=True, sends_to_next=False, gathers_mask=True, callers=UNIFIED)
 OK = Cell(True)
 

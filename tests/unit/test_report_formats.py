@@ -3,9 +3,9 @@ systems read) rather than compared as strings."""
 
 from __future__ import annotations
 
-import pytest
-
 from dataclasses import replace
+
+import pytest
 
 from cpdoctor.report import FailureEvidence, Finding, JudgedRow, Report, RunResult, Verdict
 from cpdoctor.report.junit import to_junit

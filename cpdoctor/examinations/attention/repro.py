@@ -17,6 +17,7 @@ import inspect
 import os
 from typing import Any
 
+from cpdoctor.kernels import cpu_backend
 from cpdoctor.report import TENSOR_LABELS, Report, Verdict
 
 CPU_BACKEND = "cpdoctor_cpu"
@@ -170,8 +171,6 @@ The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`
 
 def _ops_source() -> str:
     """The CPU backend's ops, verbatim (they need only torch)."""
-    from cpdoctor.kernels import cpu_backend
-
     parts = [
         inspect.getsource(getattr(cpu_backend, name))
         for name in ("_kernel_layout", "additive_mask", "forward_op", "block_backward", "backward_op")
@@ -180,9 +179,9 @@ def _ops_source() -> str:
 
 
 def _failing(report: Report) -> Any:
-    finding = next((f for f in report.findings if Verdict(f.verdict) is Verdict.FAIL and f.tensors), None)
+    finding = next((f for f in report.findings if f.verdict is Verdict.FAIL and f.tensors), None)
     if finding is None and report.before is not None:
-        finding = next((f for f in report.before.findings if Verdict(f.verdict) is Verdict.FAIL and f.tensors), None)
+        finding = next((f for f in report.before.findings if f.verdict is Verdict.FAIL and f.tensors), None)
     return finding
 
 
@@ -199,8 +198,8 @@ def write_repro(report: Report, directory: str, command: str) -> list[str]:
     layout = " × ".join(
         p for p in (f"ring {req['ring']}" if req["ring"] > 1 else "", f"Ulysses {req['ulysses']}" if req["ulysses"] > 1 else "") if p
     )
-    title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if Verdict(t['verdict']) is Verdict.FAIL)} wrong under {layout}"
-    tolerance = {n: t["tolerance"] for n, t in finding.tensors.items()}
+    title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if t.failed)} wrong under {layout}"
+    tolerance = {n: t.tolerance for n, t in finding.tensors.items()}
     fields = dict(
         req,
         backend=backend,
@@ -217,13 +216,10 @@ def write_repro(report: Report, directory: str, command: str) -> list[str]:
     with open(script, "w") as fh:
         fh.write(SCRIPT.format(**fields))
     rows = "\n".join(
-        f"| {TENSOR_LABELS.get(n, n)} | {t['rel_err']:.3e} | {t['tolerance']:.2e} | {Verdict(t['verdict']).value} |"
-        for n, t in finding.tensors.items()
+        f"| {TENSOR_LABELS.get(n, n)} | {t.rel_err:.3e} | {t.tolerance:.2e} | {t.verdict.value} |" for n, t in finding.tensors.items()
     )
     baseline = ", ".join(
-        f"{TENSOR_LABELS.get(n, n)} {t['baseline_rel_err']:.1e}"
-        for n, t in finding.tensors.items()
-        if t.get("baseline_rel_err") is not None
+        f"{TENSOR_LABELS.get(n, n)} {t.baseline_rel_err:.1e}" for n, t in finding.tensors.items() if t.baseline_rel_err is not None
     )
     env = report.environment
     system = "\n".join(

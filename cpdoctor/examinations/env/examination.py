@@ -12,25 +12,25 @@ The parts, each a plain function of the machine (nothing here prints):
   remedy and, where more than one process is needed to settle it, the `cpdoctor check` command that measures
   it. Nothing is decided from a version number.
 
-`examine()` puts them together into the `cpdoctor.report.Report` every examination returns; the backend rows
+`examine_environment()` puts them together into the `cpdoctor.report.Report` every examination returns; the backend rows
 are its `backends` key.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 
+from cpdoctor.compat.diffusers import quiet
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.env import findings as rules
-from cpdoctor.examinations.env.common import one_thread, quiet
+from cpdoctor.examinations.env.common import one_thread
 from cpdoctor.examinations.env.facts import collect, collect_environment, ring_class
 from cpdoctor.examinations.env.request import EnvRequest, resolve_device, resolve_dtype
 from cpdoctor.report import Report
 
 
-def examine(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
+def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
     """The whole `cpdoctor env` examination in this process. BadInput (exit 2) without torch or a diffusers with
     CP (a missing required package, as errors.py has it); CannotExamine (exit 3) for --device cuda without a GPU.
     With `emulate`, the CUDA backends' ops run here on cpdoctor's kernel stand-ins, so their capabilities (LSE,
@@ -65,13 +65,5 @@ def examine(device: str = "auto", dtype: str = "auto", emulate: bool = False) ->
         rows = [examine_row(name, dev, dtype_name, config) for name in compat.registered_backend_names()]
         code = gather(rows, dev, dtype_name, config)
     findings = rules.judge(code, rows, dtype_name)
-    extra = {"backends": [r.to_dict() for r in rows]}
+    extra = {"backends": rows}
     return Report.of(findings, environment, request.to_dict(), wall_s=time.perf_counter() - t0, extra=extra)
-
-
-def rank_of_this_process() -> int:
-    """RANK under torchrun, 0 otherwise: only rank 0 prints."""
-    try:
-        return int(os.environ.get("RANK", "0") or 0)
-    except ValueError:
-        return 0

@@ -49,7 +49,7 @@ def os_name() -> str:
 
 def cpdoctor_version() -> str:
     try:
-        from cpdoctor import __version__
+        from cpdoctor.version import __version__
 
         return __version__
     except ImportError:

@@ -53,7 +53,7 @@ def make_inputs(spec: ModelSpec, req: ModelRequest, config: Any) -> dict[str, An
     mask applied, identical on every rank."""
     import torch
 
-    from cpdoctor.models.catalog import build_inputs
+    from cpdoctor.models.inputs import build_inputs
 
     gen = torch.Generator().manual_seed(req.seed + 1)
     inputs = build_inputs(

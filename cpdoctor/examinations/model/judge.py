@@ -27,8 +27,6 @@ from cpdoctor.examinations.judging import (
 from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement
 from cpdoctor.report import TENSOR_LABELS, BlockRow, Finding, JudgedRow, ParamRow, TensorRow, Verdict
 
-MODEL_LABELS = {"out": "out", "grads": "all grads", "worst_param": "worst param"}
-
 WORST_PARAM_SLACK = 10.0
 """The worst single parameter fails the examination only when it is this many times outside its own
 tolerance: one parameter out of hundreds lands past 2 × its rounding noise by chance, a CP defect puts it

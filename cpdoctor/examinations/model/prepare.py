@@ -43,7 +43,7 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
     """Height, width, text length and frames (the family's small defaults, rounded as its pipeline rounds
     them), checked against the model (a text mask for --mask-pad, heads for Ulysses); the request with them
     and the forward's arguments on the meta device."""
-    from cpdoctor.models.catalog import build_inputs
+    from cpdoctor.models.inputs import build_inputs
 
     builder = spec.builder
     full = spec.full_config()

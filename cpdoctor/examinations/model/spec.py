@@ -54,7 +54,8 @@ def resolve_spec(
     for an unknown name, a family without a tiny config, checkpoint options given with a name, or a checkpoint
     that is missing, pickle-only, truncated or incomplete (cpdoctor.models.checkpoints)."""
     from cpdoctor.models import checkpoints
-    from cpdoctor.models.catalog import builder_for, resolve_model
+    from cpdoctor.models.catalog import resolve_model
+    from cpdoctor.models.inputs import builder_for
 
     weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
     resolved = resolve_model(model if weights is None else weights.config_file)

@@ -1,4 +1,5 @@
-"""Measuring one meta-device forward: the length of every tensor a model's `_cp_plan` splits or gathers.
+"""Measuring one meta-device forward: the length of every tensor a model's `_cp_plan` splits or gathers
+(shared by `cpdoctor plan`, which reports it, and `cpdoctor model`, which refuses an indivisible layout with it).
 
 It builds the model on the meta device from its config, hooks the modules named in `_cp_plan` exactly where
 diffusers' ContextParallelSplitHook / GatherHook sit, and runs the model's own forward on meta tensors (shapes
@@ -9,13 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import inspect
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cpdoctor.errors import CannotExamine
-from cpdoctor.models.catalog import InputBuilder, build_inputs, build_model
+from cpdoctor.compat.diffusers import cp_plan, quiet
+from cpdoctor.errors import CannotExamine, first_line
+from cpdoctor.models.catalog import build_model
+from cpdoctor.models.inputs import InputBuilder, build_inputs
+
+
+class SplitKind(str, enum.Enum):
+    """What diffusers does with a tensor of the plan: splits it over the ranks, or gathers it back."""
+
+    SPLIT = "split"  # an input (or an output with split_output=True): ContextParallelInput
+    GATHER = "gather"  # ContextParallelOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +34,7 @@ class Key:
 
     module: str
     item: str  # parameter name, "output[i]" or "output"
-    kind: str
+    kind: SplitKind
     split_dim: int
 
     @property
@@ -33,7 +43,7 @@ class Key:
 
 
 @dataclasses.dataclass
-class Measurement:
+class MeasuredSplits:
     """What one meta forward measured at its (pipeline-rounded) settings."""
 
     lengths: dict[Key, dict[int, int]]  # key -> {length: calls}
@@ -147,13 +157,13 @@ class Recorder:
     def _note_input(self, module_id: str, name: str, value: Any, cpi: Any) -> None:
         """One named input: None is 'not passed'; a list/tuple input has one spec per item."""
         if value is None:
-            self.skipped.setdefault(Key(module_id, name, "split", 0).name, "not passed (None)")
+            self.skipped.setdefault(Key(module_id, name, SplitKind.SPLIT, 0).name, "not passed (None)")
         elif isinstance(value, (list, tuple)):
             for i, (v, c) in enumerate(zip(value, cpi, strict=False)):
                 if not c.split_output:
-                    self._note(Key(module_id, f"{name}[{i}]", "split", c.split_dim), v, c)
+                    self._note(Key(module_id, f"{name}[{i}]", SplitKind.SPLIT, c.split_dim), v, c)
         else:
-            self._note(Key(module_id, name, "split", cpi.split_dim), value, cpi)
+            self._note(Key(module_id, name, SplitKind.SPLIT, cpi.split_dim), value, cpi)
 
     def _attach_inputs(self, mod: Any, module_id: str, by_name: dict) -> None:
         """A pre-hook that reads the named inputs, positional or keyword (or in **kwargs), as diffusers does."""
@@ -178,7 +188,7 @@ class Recorder:
             outs = list(output) if isinstance(output, (list, tuple)) else [output]
             for index, cpi in by_index.items():
                 if isinstance(index, int) and index < len(outs):
-                    self._note(Key(module_id, f"output[{index}]", "split", cpi.split_dim), outs[index], cpi)
+                    self._note(Key(module_id, f"output[{index}]", SplitKind.SPLIT, cpi.split_dim), outs[index], cpi)
 
         self.handles.append(mod.register_forward_hook(out_hook))
 
@@ -191,7 +201,7 @@ class Recorder:
                 if cpo is None or i >= len(outs) or not _is_output_spec(cpo):
                     continue
                 item = "output" if len(specs) == 1 else f"output[{i}]"
-                self._note(Key(module_id, item, "gather", cpo.gather_dim), outs[i], cpo)
+                self._note(Key(module_id, item, SplitKind.GATHER, cpo.gather_dim), outs[i], cpo)
 
         self.handles.append(mod.register_forward_hook(gather_hook))
 
@@ -239,23 +249,12 @@ def meta_safe() -> Iterator[None]:
             else:
                 super().__init__(device_type, *args, **kwargs)
 
-    logger_level = None
-    try:
-        from diffusers.utils import logging as dlogging
-
-        logger_level = dlogging.get_verbosity()
-        dlogging.set_verbosity_error()
-    except Exception:  # noqa: BLE001
-        dlogging = None
     torch.autocast = _Autocast
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             yield
     finally:
         torch.autocast = original
-        if dlogging is not None and logger_level is not None:
-            dlogging.set_verbosity(logger_level)
 
 
 class Measurer:
@@ -267,11 +266,11 @@ class Measurer:
         self.builder = builder
         self.model = build_model(cls, self.config, device="meta")
         self.full_config = dict(self.model.config)
-        self.plan = cls._cp_plan
+        self.plan = cp_plan(cls)
         self.runs = 0
         self.shallow = False
 
-    def measure(self, height: int, width: int, text_len: int, frames: int | None, text_mask: bool = False) -> Measurement:
+    def measure(self, height: int, width: int, text_len: int, frames: int | None, text_mask: bool = False) -> MeasuredSplits:
         import torch
 
         inputs = build_inputs(self.cls, self.full_config, height, width, text_len, frames, device="meta", text_mask=text_mask)
@@ -281,17 +280,16 @@ class Measurer:
             with torch.no_grad(), attention_spy() as heads:
                 self.model(**inputs.kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure means we cannot measure this model here
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise CannotExamine(
                 f"{self.cls.__name__}'s forward failed on the meta device at {inputs.height}x{inputs.width}"
                 f"{'' if inputs.frames is None else f', {inputs.frames} frames'}, text {text_len}: "
-                f"{type(exc).__name__}: {msg[:300]}"
+                f"{first_line(exc, limit=300)}"
             ) from exc
         finally:
             recorder.remove()
-        return Measurement(recorder.lengths, recorder.skipped, heads, inputs.height, inputs.width, inputs.frames, inputs.text_len)
+        return MeasuredSplits(recorder.lengths, recorder.skipped, heads, inputs.height, inputs.width, inputs.frames, inputs.text_len)
 
-    def make_shallow(self, reference: Measurement, text_mask: bool) -> bool:
+    def make_shallow(self, reference: MeasuredSplits, text_mask: bool) -> bool:
         """Keep one block of every top-level block stack; keep that only if it measures exactly like the full model."""
         import torch
 
@@ -314,16 +312,12 @@ class Measurer:
         return ok
 
 
-def try_measure(meas: Measurer, *args: Any, **kwargs: Any) -> Measurement | None:
+def try_measure(meas: Measurer, *args: Any, **kwargs: Any) -> MeasuredSplits | None:
     """meas.measure(...), or None when the forward fails at those settings."""
     try:
         return meas.measure(*args, **kwargs)
     except CannotExamine:
         return None
-
-
-def forward_param_names(cls: type) -> set[str]:
-    return set(inspect.signature(cls.forward).parameters)
 
 
 def plan_order(plan: Mapping[str, Any], key: Key) -> tuple[int, int, int, str]:
@@ -335,4 +329,4 @@ def plan_order(plan: Mapping[str, Any], key: Key) -> tuple[int, int, int, str]:
     items = [str(k) for k in spec] if isinstance(spec, dict) else []
     item = key.item.split("[")[0] if not key.item.startswith("output[") else key.item[len("output[") : -1]
     i = items.index(item) if item in items else len(items)
-    return (key.kind == "gather", m, i, key.name)
+    return (key.kind is SplitKind.GATHER, m, i, key.name)

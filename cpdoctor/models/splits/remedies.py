@@ -15,10 +15,11 @@ import dataclasses
 from functools import cached_property
 from typing import Any
 
-from cpdoctor.errors import CannotExamine
-from cpdoctor.examinations.plan.measure import Key, Measurement, Measurer, forward_param_names, try_measure
-from cpdoctor.examinations.plan.result import HeadsCheck, Problem, Remedy
-from cpdoctor.models.catalog import InputBuilder
+from cpdoctor.compat.diffusers import forward_params
+from cpdoctor.errors import CannotExamine, first_line
+from cpdoctor.models.inputs import InputBuilder
+from cpdoctor.models.splits.measure import Key, MeasuredSplits, Measurer, try_measure
+from cpdoctor.models.splits.result import HeadsCheck, Problem, Remedy, RemedyKind
 
 # How far the remedy search looks (in steps of the pipeline's resolution / frame multiple) and how many extra
 # forwards it may spend. A one-block forward costs ~10-50 ms on meta, a full-depth one 0.3-3 s.
@@ -90,7 +91,7 @@ def frame_candidates(frames: int, step: int, offset: int) -> list[int]:
     return out
 
 
-def fmt_lengths(m: Measurement, keys: set[Key], world: int) -> str:
+def fmt_lengths(m: MeasuredSplits, keys: set[Key], world: int) -> str:
     """ "6972 -> 3486 per rank" when the tensors agree, else one "name length -> per rank" per length."""
     by_length: dict[int, list[str]] = {}
     for k in sorted(keys, key=lambda k: k.name):
@@ -121,13 +122,13 @@ def degrees_remedy(group_lengths: list[int], all_lengths: list[int], heads: list
     if not opts:
         top = max(8, 2 * ring * ulysses)
         text = f"no ring x ulysses up to {top} ranks divides " + ", ".join(str(x) for x in group_lengths)
-        return Remedy(kind="degrees", text=text, measured=True, values={"options": []})
+        return Remedy(kind=RemedyKind.DEGREES, text=text, measured=True, values={"options": []})
     full = set(degree_options(all_lengths, heads, ring, ulysses, limit=64))
     text = "degrees that divide these lengths and the heads: " + ", ".join(
         f"ring={r} x ulysses={u}" + (" (everything divides)" if (r, u) in full else "") for r, u in opts
     )
     options = [{"ring": r, "ulysses": u, "all_divide": (r, u) in full} for r, u in opts]
-    return Remedy(kind="degrees", text=text, measured=True, values={"options": options})
+    return Remedy(kind=RemedyKind.DEGREES, text=text, measured=True, values={"options": options})
 
 
 def heads_degrees_remedy(all_lengths: list[int], heads: list[int], ring: int, ulysses: int) -> Remedy | None:
@@ -138,7 +139,7 @@ def heads_degrees_remedy(all_lengths: list[int], heads: list[int], ring: int, ul
     if not opts:
         return None
     return Remedy(
-        kind="degrees",
+        kind=RemedyKind.DEGREES,
         text="degrees whose Ulysses group divides the heads (and every length): " + ", ".join(f"ring={r} x ulysses={u}" for r, u in opts),
         measured=True,
         values={"options": [{"ring": r, "ulysses": u, "all_divide": True} for r, u in opts]},
@@ -191,7 +192,7 @@ def cp_config_refuses(ring: int, ulysses: int, **flags: Any) -> str | None:
         cp_cls, _ = diffusers_compat.parallel_config_classes()
         cp_cls(ring_degree=ring, ulysses_degree=ulysses, **flags)
     except Exception as exc:  # noqa: BLE001 - its __post_init__ raises ValueError with the reason
-        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return first_line(exc, with_type=False)
     return None
 
 
@@ -208,7 +209,7 @@ def anything_remedy(mode: str, ring: int, ulysses: int, fallback: tuple[int, int
         "inference only: its backward raises NotImplementedError" if backward else "check that its backward works before training with it"
     )
     return Remedy(
-        kind=mode,
+        kind=RemedyKind(mode),
         text=f"ContextParallelConfig(ring_degree={use_r}, ulysses_degree={use_u}, {mode}=True) splits uneven lengths; {scope}",
         measured=backward is not None,
         values={"ring": use_r, "ulysses": use_u, "inference_only": bool(backward), "refuses_requested_degrees": error},
@@ -234,7 +235,7 @@ class Search:
 
     meas: Measurer
     builder: InputBuilder
-    base: Measurement
+    base: MeasuredSplits
     heads: list[HeadsCheck]
     ring: int
     ulysses: int
@@ -250,7 +251,7 @@ class Search:
     @cached_property
     def mask_param(self) -> str | None:
         param = self.builder.text_mask_param
-        return param if param in forward_param_names(self.meas.cls) else None
+        return param if param in forward_params(self.meas.cls) else None
 
     @cached_property
     def fields(self) -> set[str]:
@@ -288,7 +289,7 @@ def dependencies(s: Search) -> dict[Key, list[str]]:
     return {key: [knob for knob in ("resolution", "frames", "text") if key in moved.get(knob, set())] for key in b.lengths}
 
 
-def _lengths_of(m: Measurement, keys: set[Key]) -> dict[str, list[int]]:
+def _lengths_of(m: MeasuredSplits, keys: set[Key]) -> dict[str, list[int]]:
     return {k.name: sorted(m.lengths.get(k, {})) for k in keys}
 
 
@@ -300,9 +301,9 @@ def resolution_remedies(s: Search, keys: set[Key]) -> list[Remedy]:
         m = try_measure(s.meas, h, w, s.base.text_len, s.base.frames)
         if m is not None and m.all_divide(s.world, keys):
             values = {"height": h, "width": w, "lengths": _lengths_of(m, keys)}
-            found.append(Remedy(kind="resolution", text=f"{h}x{w}: {fmt_lengths(m, keys, s.world)}", measured=True, values=values))
+            found.append(Remedy(kind=RemedyKind.RESOLUTION, text=f"{h}x{w}: {fmt_lengths(m, keys, s.world)}", measured=True, values=values))
     return found or [
-        Remedy(kind="resolution", text=f"no resolution within {MAX_STEPS} steps of {s.step} px makes these divide", measured=True)
+        Remedy(kind=RemedyKind.RESOLUTION, text=f"no resolution within {MAX_STEPS} steps of {s.step} px makes these divide", measured=True)
     ]
 
 
@@ -314,7 +315,7 @@ def frame_remedies(s: Search, keys: set[Key]) -> list[Remedy]:
         m = try_measure(s.meas, s.base.height, s.base.width, s.base.text_len, f)
         if m is not None and m.all_divide(s.world, keys):
             values = {"frames": f, "lengths": _lengths_of(m, keys)}
-            found.append(Remedy(kind="frames", text=f"{f} frames: {fmt_lengths(m, keys, s.world)}", measured=True, values=values))
+            found.append(Remedy(kind=RemedyKind.FRAMES, text=f"{f} frames: {fmt_lengths(m, keys, s.world)}", measured=True, values=values))
     return found
 
 
@@ -329,8 +330,8 @@ def text_remedies(s: Search, keys: set[Key]) -> list[Remedy]:
         if m.all_divide(s.world, split):
             text = f"{padding_advice(b.text_len, t, s.mask_param, s.ring)}: {fmt_lengths(m, split, s.world)}"
             values = {"text_len": t, "pad": t - b.text_len, "mask": s.mask_param}
-            return [Remedy(kind="text_padding", text=text, measured=True, values=values)]
-    return [Remedy(kind="text_padding", text=f"no text length up to {b.text_len + MAX_TEXT_RUNS} divides", measured=True)]
+            return [Remedy(kind=RemedyKind.TEXT_PADDING, text=text, measured=True, values=values)]
+    return [Remedy(kind=RemedyKind.TEXT_PADDING, text=f"no text length up to {b.text_len + MAX_TEXT_RUNS} divides", measured=True)]
 
 
 # --------------------------------------------------------------------------------------------------------------

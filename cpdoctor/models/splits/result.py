@@ -7,25 +7,25 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
+
+from cpdoctor.models.splits.measure import SplitKind
 
 
 @dataclasses.dataclass
-class TensorRow:
+class SplitRow:
     """One tensor diffusers splits (or gathers) for CP, with its measured length."""
 
     name: str  # "hidden_states", "transformer_blocks.*:encoder_hidden_states_mask", "pos_embed:output[1]"
     module: str  # the `_cp_plan` key ("" is the model itself)
-    kind: str  # "split" (an input, or an output with split_output=True) or "gather" (ContextParallelOutput)
+    kind: SplitKind
     split_dim: int
     length: int
     per_rank: float  # length / world; an int when it divides
     divisible: bool
     calls: int  # how many module calls saw this length (wildcard entries hook every block)
     depends_on: list[str] | None = None  # of "resolution", "text", "frames"; None when not measured
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -34,9 +34,6 @@ class SkippedRow:
 
     name: str
     reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -49,19 +46,52 @@ class HeadsCheck:
     divisible: bool
     source: str  # "attention calls" (measured) or "config"
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+class RemedyKind(str, enum.Enum):
+    """What a way out of a problem changes."""
+
+    RESOLUTION = "resolution"
+    TEXT_PADDING = "text_padding"
+    FRAMES = "frames"
+    DEGREES = "degrees"
+    ULYSSES_ANYTHING = "ulysses_anything"
+    RING_ANYTHING = "ring_anything"
+
+    @property
+    def uneven_mode(self) -> bool:
+        """diffusers' "anything" modes: uneven lengths, inference only in the releases that have them."""
+        return self in (RemedyKind.ULYSSES_ANYTHING, RemedyKind.RING_ANYTHING)
 
 
 @dataclasses.dataclass
 class Remedy:
-    kind: str  # "resolution", "text_padding", "frames", "degrees", "ulysses_anything", "ring_anything"
+    kind: RemedyKind
     text: str  # one line for humans
     measured: bool  # True when re-measured with diffusers' forward (or from measured lengths), not predicted
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What was measured for it (the setting it changes, the lengths it gives), as the JSON shows them."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def __post_init__(self) -> None:
+        self.kind = RemedyKind(self.kind)
+
+    def settings(self) -> dict[str, int] | None:
+        """The `cpdoctor plan` settings this remedy changes, or None when it names none (nothing found, or an
+        uneven-length mode, which is a config flag rather than a setting)."""
+        v = self.values
+        if self.kind is RemedyKind.RESOLUTION:
+            return {"height": v["height"], "width": v["width"]} if "height" in v else None
+        if self.kind is RemedyKind.TEXT_PADDING:
+            return {"text_len": v["text_len"]} if "text_len" in v else None
+        if self.kind is RemedyKind.FRAMES:
+            return {"frames": v["frames"]} if "frames" in v else None
+        if self.kind is RemedyKind.DEGREES:
+            first = (v.get("options") or [None])[0]
+            return None if first is None else {"ring": first["ring"], "ulysses": first["ulysses"]}
+        return None
+
+    def line(self) -> str:
+        """'resolution: 1328x1344: 6972 -> 3486 per rank', a predicted one marked."""
+        return f"{self.kind.value}: {self.text}" + ("" if self.measured else " (predicted)")
 
 
 @dataclasses.dataclass
@@ -70,9 +100,6 @@ class Problem:
     tensors: list[str]
     remedies: list[Remedy]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"what": self.what, "tensors": list(self.tensors), "remedies": [r.to_dict() for r in self.remedies]}
-
 
 @dataclasses.dataclass
 class Plan:
@@ -80,7 +107,7 @@ class Plan:
 
     model: dict[str, Any]
     settings: dict[str, Any]
-    tensors: list[TensorRow]
+    tensors: list[SplitRow]
     skipped: list[SkippedRow]
     heads: list[HeadsCheck]
     problems: list[Problem]
@@ -88,14 +115,14 @@ class Plan:
     seconds: float = 0.0
 
     def extra(self) -> dict[str, Any]:
-        """The report's plan-specific keys, JSON-ready."""
+        """The report's plan-specific keys (typed; the report's serialiser writes them)."""
         return {
-            "model": dict(self.model),
-            "settings": dict(self.settings),
-            "tensors": [t.to_dict() for t in self.tensors],
-            "skipped": [s.to_dict() for s in self.skipped],
-            "heads": [h.to_dict() for h in self.heads],
-            "problems": [p.to_dict() for p in self.problems],
-            "notes": list(self.notes),
+            "model": self.model,
+            "settings": self.settings,
+            "tensors": self.tensors,
+            "skipped": self.skipped,
+            "heads": self.heads,
+            "problems": self.problems,
+            "notes": self.notes,
             "seconds": round(self.seconds, 3),
         }
