@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("copies")
     p.add_argument("--patch", action="store_true")
     p.add_argument("--families", default="flux,qwen-image")
+    p.add_argument("--fsdp", default=None, help="examples/train_cp_fsdp2.py: also its correct and divide-by-world runs")
     a = p.parse_args()
     dist.init_process_group("gloo")
     results: dict = {"variants": {}}
@@ -92,6 +93,16 @@ def main() -> None:
             finally:
                 cpdoctor.unpatch()
             results["variants"][f"{family}/{filename[:-3]}"] = summary(reports[0])
+    if a.fsdp:
+        fsdp = load(a.fsdp)
+        for name, extra in (("correct", []), ("divide_by_world", ["--divide-by-world"])):
+            if a.patch:
+                cpdoctor.patch()
+            try:
+                reports = fsdp.run(fsdp.parser().parse_args(["--dp", "2", "--cp", "2", *extra]))
+            finally:
+                cpdoctor.unpatch()
+            results["variants"][f"fsdp2/{name}"] = summary(reports[0])
     results["bad_inputs"] = bad_inputs(load(os.path.join(a.copies, "correct.py")), args)
     if dist.get_rank() == 0:
         with open(a.out, "w") as fh:

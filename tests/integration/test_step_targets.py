@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_cp_2d.py"
+FSDP2 = ROOT / "examples" / "train_cp_fsdp2.py"
 DRIVER = Path(__file__).with_name("step_driver.py")
 
 FAULTS: dict[str, list[tuple[str, str]]] = {
@@ -66,7 +67,7 @@ def _release(python: Path) -> str:
 
 
 def _stock_ring_wrong(version: str) -> bool:
-    """Whether this release's stock ring-2 backward is wrong (FACTS.md: 0.39.0 yes, 0.42.1 no): the case
+    """Whether this release's stock ring-2 backward is wrong (docs/FACTS.md: 0.39.0 yes, 0.42.1 no): the case
     decides only whether the stock copy runs; what it must show is asserted from the report."""
     return version.startswith("0.39")
 
@@ -81,7 +82,7 @@ def results(request, tmp_path_factory) -> tuple[str, dict]:
     stock = _stock_ring_wrong(version)
     copies = _copies(tmp, stock)
     out = tmp / "results.json"
-    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "4", str(DRIVER), str(out), str(copies)]
+    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "4", str(DRIVER), str(out), str(copies), "--fsdp", str(FSDP2)]
     if stock:
         cmd.append("--patch")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -123,6 +124,15 @@ def test_stock_attention_is_named_where_it_is_wrong(results, family):
     assert "inputs, loss and reduction are right" in got["diagnoses"][0]
     assert "cpdoctor check --ring 2" in got["diagnoses"][0] and got["commands"][0].startswith("cpdoctor check --ring 2")
     assert "first bad parameter" in got["diagnoses"][0]
+
+
+def test_fsdp2_sharding_over_the_cp_ranks(results):
+    """examples/train_cp_fsdp2.py (fully_shard over dp × cp, gloo): dividing by dp only PASSes; FSDP's default
+    mean over every rank is named as the factor 1/cp."""
+    version, data = results
+    assert data["variants"]["fsdp2/correct"]["verdict"] == "PASS", (version, data["variants"]["fsdp2/correct"])
+    wrong = data["variants"]["fsdp2/divide_by_world"]
+    assert wrong["verdict"] == "FAIL" and "factor 1/cp = 0.5" in wrong["diagnoses"][0], wrong
 
 
 def test_bad_inputs(results):
