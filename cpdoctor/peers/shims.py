@@ -98,15 +98,17 @@ class _Done:
 
 @contextlib.contextmanager
 def self_sends_as_copies() -> Iterator[list[int]]:
-    """Within the block, `torch.distributed.batch_isend_irecv` pairs each send to this rank with the next
-    receive from this rank and copies instead (NCCL's self-send); other ops go to torch unchanged. Yields a
-    one-element list counting the copies made."""
+    """Within the block, on a gloo group, `torch.distributed.batch_isend_irecv` pairs each send to this rank with
+    the next receive from this rank and copies instead (NCCL's self-send); other ops, and every op on another
+    backend, go to torch unchanged. Yields a one-element list counting the copies made."""
     import torch.distributed as dist
 
     original = dist.batch_isend_irecv
     count = [0]
 
     def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
+        if not p2p_op_list or dist.get_backend(p2p_op_list[0].group) != "gloo":
+            return original(p2p_op_list)  # NCCL runs self-sends itself
         me = dist.get_rank()
         sends = [op for op in p2p_op_list if op.peer == me and op.op in (dist.isend, dist.send)]
         recvs = [op for op in p2p_op_list if op.peer == me and op.op in (dist.irecv, dist.recv)]
