@@ -155,6 +155,7 @@ def test_a_missing_peer_is_unsupported_from_the_parent_in_well_under_a_second(mo
     assert time.perf_counter() - start < 1.0
     assert why.kind is UnsupportedKind.MISSING_PACKAGE
     assert "pip install --no-deps yunchang==0.6.4" in why.message
+    assert EXAMINATION.unsupported_finding(build_request(impl="yunchang"), why).remedy.startswith("install it: pip install")
 
 
 @needs_yunchang
@@ -162,7 +163,11 @@ def test_a_forward_only_kernel_is_unsupported_with_the_peers_line():
     why = EXAMINATION.unsupported_here(build_request(impl="yunchang", kernel="torch_flash"))
     assert why.kind is UnsupportedKind.NO_BACKWARD
     assert "Not implemented backward for PyTorch attention types" in why.message and "yunchang/kernels/attention.py:" in why.message
-    assert EXAMINATION.unsupported_here(build_request(impl="yunchang", variant="basic_pytorch")).kind is UnsupportedKind.NO_BACKWARD
+    req = build_request(impl="yunchang", variant="basic_pytorch")
+    why = EXAMINATION.unsupported_here(req)
+    assert why.kind is UnsupportedKind.NO_BACKWARD
+    f = EXAMINATION.unsupported_finding(req, why)
+    assert f.verdict is Verdict.UNSUPPORTED and "kernels: fa;" in f.remedy and "basic_pytorch" not in f.remedy
 
 
 def test_peer_modules_import_no_torch():
@@ -214,7 +219,9 @@ def test_dq_alone_in_fp16_names_the_bf16_cast_at_its_line():
     assert f.verdict is Verdict.FAIL
     assert "dQ cast to bf16" in f.diagnosis and "return dq.to(torch.bfloat16)" in f.diagnosis
     assert "ring_flash_attn/ring_flash_attn.py:" in f.diagnosis
-    assert "run ring-flash-attn basic in bf16" in f.remedy and "zigzag" in f.remedy
+    assert (
+        f.remedy == "run ring-flash-attn basic in bf16; or a variant whose backward keeps the dtype (llama3)"
+    )  # non-causal: not zigzag/stripe
     assert f.command.startswith("cpdoctor check --impl ring-flash-attn --variant basic")
 
 

@@ -50,6 +50,11 @@ class PeerExamination(Examination):
                 )
         return None
 
+    def unsupported_finding(self, request: PeerRequest, why: Unsupported) -> Finding:
+        """The UNSUPPORTED finding for what `unsupported_here` returned, with the peer's remedy (the install
+        command, or the kernels and variants that have a backward)."""
+        return judge.unsupported(request, why)
+
     def cases(self, request: PeerRequest) -> list[Case]:
         return [Case(request)]
 

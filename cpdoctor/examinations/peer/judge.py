@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.errors import Unsupported
+from cpdoctor.errors import Unsupported, UnsupportedKind
 from cpdoctor.examinations.judging import (
     CRASH_SIGNATURES,
     GRADS_FAR_WORSE,
@@ -45,7 +45,7 @@ class PeerSignature:
     forward_at: Located | None = None  # the variant's forward function in the installed source
     backward_at: Located | None = None  # its backward function
     dq_cast: Located | None = None  # a `return dq.to(torch.bfloat16)` in its source
-    others_without_cast: tuple[str, ...] = ()  # the implementation's variants whose source has no such cast
+    others_without_cast: tuple[str, ...] = ()  # variants of the same peer that take this request and have no such cast
 
     @property
     def world(self) -> int:
@@ -136,7 +136,11 @@ def signature(req: PeerRequest, tensors: dict[str, JudgedRow]) -> PeerSignature:
         return SourceLine(module, path, pattern).read() if path else None
 
     bad = frozenset(n for n, row in tensors.items() if row.failed)
-    others = tuple(v.name for v in spec.variants if v.source and v.name != variant.name and look(BF16_DQ, v.source) is None)
+    others = tuple(
+        v.name
+        for v in spec.variants
+        if v.name != variant.name and v.source and req.causal in v.causal and v.no_backward is None and look(BF16_DQ, v.source) is None
+    )
     return PeerSignature(
         impl=req.impl,
         variant=req.variant,
@@ -224,7 +228,15 @@ def peer_finding(req: PeerRequest, measured: Measurement) -> Finding:
 
 
 def unsupported(req: PeerRequest, why: Unsupported) -> Finding:
-    return unsupported_finding(describe(req), why, remedy=f"install it: {req.adapter.spec.install}")
+    """The UNSUPPORTED finding of a request the parent knows cannot run here, with the peer's own way out."""
+    spec = req.adapter.spec
+    if why.kind is UnsupportedKind.MISSING_PACKAGE:
+        remedy = f"install it: {spec.install}"
+    else:
+        usable = [k.name for k in spec.kernels if k.no_backward is None]
+        variants = [v.name for v in spec.variants if v.no_backward is None]
+        remedy = f"examine {spec.impl.value} with a kernel and variant that have a backward (kernels: {', '.join(usable)}; variants: {', '.join(variants)})"
+    return unsupported_finding(describe(req), why, remedy=remedy)
 
 
 PEER_CRASHES: tuple[CrashSignature, ...] = (
