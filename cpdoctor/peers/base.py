@@ -67,6 +67,8 @@ class Kernel:
     refuses_dtype: str = ""
     no_backward: SourceLine | None = None
     """Where the peer's code raises instead of running this kernel's backward (None: it has one)."""
+    package: str = ""
+    """The package that holds the real kernel when it is not torch's own (flash-attn's `flash_attn`)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ FLASH_ATTN = Kernel(
     ("bf16", "fp16"),
     "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)",
     refuses_dtype="'FlashAttention only support fp16 and bf16 data type' (flash-attn's mha_fwd, csrc/flash_attn/flash_api.cpp)",
+    package="flash_attn",
 )
 
 SPEC = PeerSpec(

@@ -59,7 +59,13 @@ SPEC = PeerSpec(
         ),
     ),
     kernels=(
-        Kernel("fa", _HALF, "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)", refuses_dtype=_FA_REFUSES),
+        Kernel(
+            "fa",
+            _HALF,
+            "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)",
+            refuses_dtype=_FA_REFUSES,
+            package="flash_attn",
+        ),
         Kernel("torch_flash", _HALF, "cpdoctor's aten flash stand-in", no_backward=_NO_TORCH_BACKWARD),
         Kernel("torch_efficient", ("fp32", "bf16", "fp16"), "cpdoctor's aten efficient stand-in", no_backward=_NO_TORCH_BACKWARD),
     ),

@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.errors import CannotExamine
 from cpdoctor.examinations.measurement import Measurement, compare, torch_dtype
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.peers.base import PeerOutputs, RunShape, Shim
 from cpdoctor.peers.layouts import cu_seqlens, token_indices, varlen_lengths
+from cpdoctor.peers.source import package_root
 from cpdoctor.report.numbers import TensorRow
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -108,6 +110,11 @@ def run_rank(case: Case, ctx: Any) -> PeerRankResult:
     emulated = ctx.device.type == "cpu"
     if emulated:
         standins.activate()
+    elif req.the_kernel.package and package_root(req.the_kernel.package) is None:
+        raise CannotExamine(
+            f"{req.impl} calls {req.the_kernel.package} on a GPU and it is not installed here: pip install flash-attn, "
+            "or emulate=True to run on CPU ranks through cpdoctor's stand-in"
+        )
     peer = req.adapter
     inputs = make_inputs(req, ctx.device)
     idx = torch.tensor(indices(req, ctx.rank), device=ctx.device)
