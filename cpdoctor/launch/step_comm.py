@@ -47,6 +47,28 @@ def gather_to_first(obj: Any, group: Any) -> list[Any] | None:
     return out
 
 
+def gather_tensor_to_first(tensor: Any, group: Any) -> list[Any] | None:
+    """Every rank's `tensor` (same shape and dtype everywhere) on the group's first rank, on the CPU, in group
+    order; None on the others. A tensor collective: no pickling of large gradients."""
+    import torch
+    import torch.distributed as dist
+
+    ranks = group_ranks(group)
+    device = _device()
+    buf = tensor.detach().to(device).contiguous()
+    out = [torch.empty_like(buf) for _ in ranks] if dist.get_rank() == ranks[0] else None
+    dist.gather(buf, out, dst=ranks[0], group=group)
+    return None if out is None else [t.cpu() for t in out]
+
+
+def _device() -> Any:
+    """Where a tensor collective's buffers live: the current CUDA device under NCCL, the CPU otherwise."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def broadcast_from_first(obj: Any, group: Any) -> Any:
     """The group's first rank's `obj` on every rank of the group."""
     import torch.distributed as dist
@@ -59,11 +81,9 @@ def broadcast_from_first(obj: Any, group: Any) -> Any:
 def sum_over_world(tensor: Any) -> Any:
     """The element-wise sum of `tensor` over every rank of the default group, returned on the CPU (NCCL gets it
     on the current CUDA device)."""
-    import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buf = tensor.detach().to(device).clone()
+    buf = tensor.detach().to(_device()).clone()
     dist.all_reduce(buf)
     return buf.cpu()
 

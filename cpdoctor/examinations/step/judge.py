@@ -5,7 +5,7 @@ gradients that differ between peers after the sync, gradients a constant factor 
 states that part, and what is left when all of that is right (the attention, or the model's CP path).
 
 Tolerance. The expected gradients come from one fp64 process; a correct fp32 CP step lands ~1e-7–1e-6 from them
-on the tiny models (FACTS.md), the defects this examination exists for at 1e-2 and beyond, or at an exact
+on the tiny models (docs/FACTS.md), the defects this examination exists for at 1e-2 and beyond, or at an exact
 factor. A no-CP baseline in the step's own dtype (what `judging.tolerance` builds on) would cost a second
 forward+backward, and the budget is one, so the tolerance is fixed per dtype (GRAD_TOLERANCE): far above
 rounding, far below every defect measured."""

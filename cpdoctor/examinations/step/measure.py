@@ -176,22 +176,27 @@ def measure(
         if e != 0:
             differ.append(r.rank)
         spread = max(spread, e)
+    expected = expected.double()  # once: every comparison below is in float64 without another copy
+    mine = [r.grads.double() for r in records]
     grads = []
-    for r in records:
-        g = r.grads
+    for r, g in zip(records, mine):
         c, resid = best_factor(g, expected)
+        diff = g - expected
         grads.append(
-            RankGrad(
-                r.rank, rel(g, expected), float((g.double() - expected.double()).abs().max()), int((~torch.isfinite(g)).sum()), c, resid
-            )
+            RankGrad(r.rank, rel(g, expected), float(diff.abs().max()) if diff.numel() else 0.0, int((~torch.isfinite(g)).sum()), c, resid)
         )
-    first = records[0].grads
-    peer_spread = max((rel(r.grads, first) for r in records[1:]), default=0.0)
-    summed = sum((r.grads.double() for r in records[1:]), records[0].grads.double())
+    first = mine[0]
+    peer_spread = max((rel(g, first) for g in mine[1:]), default=0.0)
+    summed = torch.stack(mine).sum(0)
     params, offset = [], 0
+    ref_sq = expected.square()
+    diff_sq = (first - expected).square()
     for name, n in zip(param_names, param_numels):
-        mine, ref = first[offset : offset + n].double(), expected[offset : offset + n].double()
-        params.append(ParamError(name, rel(mine, ref), n, float((mine - ref).abs().max()) if n else 0.0))
+        d, ref_n = float(diff_sq[offset : offset + n].sum()) ** 0.5, float(ref_sq[offset : offset + n].sum()) ** 0.5
+        err = d / ref_n if ref_n > 0 else d
+        params.append(
+            ParamError(name, err, n, float((first[offset : offset + n] - expected[offset : offset + n]).abs().max()) if n else 0.0)
+        )
         offset += n
     return StepNumbers(
         ranks=ranks,

@@ -52,24 +52,45 @@ def _cast(value: Any, dtype: Any, device: Any) -> Any:
     return value
 
 
+def fresh_copy(module: Any, weights: dict[str, Any]) -> Any:
+    """The model's class built from its config with `weights`: on the meta device and then given the weights
+    (no random initialisation of a model about to be overwritten), unless the model has buffers or tensors of
+    its own (Qwen-Image's rotary frequencies): those would stay unset on meta, so it is built normally."""
+    import torch
+
+    cls = model_class(module)
+    with quiet_diffusers(), torch.device("meta"):
+        ref = cls.from_config(module.config)
+    on_meta = not any(True for _ in ref.buffers()) and not _meta_attributes(ref)
+    if not on_meta:
+        with quiet_diffusers():
+            ref = cls.from_config(module.config)
+    missing = ref.load_state_dict(weights, strict=False, assign=on_meta).missing_keys
+    absent = [n for n, p in ref.named_parameters() if n in missing or p.is_meta]
+    if absent:
+        raise RuntimeError(f"the reference copy lacks weights for {', '.join(absent[:3])}")
+    return ref
+
+
+def _meta_attributes(model: Any) -> bool:
+    """Whether a module holds a plain tensor attribute (not a parameter or buffer) that was built on meta."""
+    import torch
+
+    return any(isinstance(v, torch.Tensor) and v.is_meta for m in model.modules() for v in vars(m).values())
+
+
 def reference_step(
     module: Any, weights: dict[str, Any], args: tuple, kwargs: dict, out_grad: Any, names: list[str], precision: str, device: Any
 ) -> tuple[Any, Any]:
     """(output, flat parameter gradient in `names` order) of one process running the recorded step."""
     import torch
 
-    dtype = getattr(torch, DTYPES[precision])
     from cpdoctor.compat.diffusers import preserved_active_backend
 
-    with quiet_diffusers():
-        ref = model_class(module).from_config(module.config)
+    dtype = getattr(torch, DTYPES[precision])
+    ref = fresh_copy(module, weights)
     with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
         ref.set_attention_backend(REFERENCE_BACKEND)
-    missing = ref.load_state_dict(weights, strict=False).missing_keys
-    params = dict(ref.named_parameters())
-    absent = [n for n in missing if n in params]
-    if absent:
-        raise RuntimeError(f"the reference copy lacks weights for {', '.join(absent[:3])}")
     with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
         ref = ref.to(device=device, dtype=dtype).train(module.training)
     out = output_tensor(ref(*_cast(args, dtype, device), **_cast(kwargs, dtype, device)))

@@ -151,9 +151,13 @@ class StepWatch:
             return self._report([problem])
         names, grads, missing = self._grads()
         record = PeerRecord(
-            self.rank, hooks.forwards, hooks.backwards, hooks.prints, self.rng_before, rng_after, hooks.out_grad, grads, missing
+            self.rank, hooks.forwards, hooks.backwards, hooks.prints, self.rng_before, rng_after, hooks.out_grad, None, missing
         )
         records = step_comm.gather_to_first(record, self.group)
+        all_grads = step_comm.gather_tensor_to_first(grads, self.group)  # a tensor collective: no pickling
+        if records is not None and all_grads is not None:
+            for rec, g in zip(records, all_grads):
+                rec.grads = g
         numels = [n for _, n in names]
         import torch
 
