@@ -79,7 +79,7 @@ def _report_it(s: PeerSignature) -> str:
 def _dq_cast(s: PeerSignature) -> str:
     assert s.dq_cast is not None
     return (
-        f"dQ wrong {s.where} ({s.errs(['dq'])}) while out, dK and dV are within tolerance: {s.impl} {s.variant}'s backward returns "
+        f"dQ wrong {s.where}: {s.errs(['dq'])}, while out, dK and dV are within tolerance: {s.impl} {s.variant}'s backward returns "
         f"dQ cast to bf16 whatever the input dtype ({s.dq_cast.text!r} at {s.dq_cast.location}), so a {s.dtype} run gets its dQ "
         "rounded to bf16"
     )
@@ -95,7 +95,7 @@ def _forward(s: PeerSignature) -> str:
 
 
 def _lse(s: PeerSignature) -> str:
-    return f"the LSE it returns is wrong {s.where} ({s.errs(['lse'])}) while out is right: a caller merging it (another ring, a sink) gets wrong results"
+    return f"the LSE it returns is wrong {s.where}: {s.errs(['lse'])}, while out is right: a caller merging it (another ring, a sink) gets wrong results"
 
 
 def _backward(s: PeerSignature) -> str:
