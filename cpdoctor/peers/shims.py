@@ -55,10 +55,11 @@ def _hf_adapter_stub(reason: str) -> types.ModuleType:
 
 def import_ring_flash_attn() -> tuple[Any, Shim | None]:
     """`import ring_flash_attn`, stubbing only its HF adapter submodule when that submodule fails to import."""
-    if HF_ADAPTER in sys.modules and getattr(sys.modules[HF_ADAPTER], "__doc__", "").startswith("cpdoctor's stub"):
+    doc = getattr(sys.modules.get(HF_ADAPTER), "__doc__", None) or ""  # the real module has no docstring
+    if doc.startswith("cpdoctor's stub"):
         import ring_flash_attn
 
-        return ring_flash_attn, _hf_shim(sys.modules[HF_ADAPTER].__doc__)
+        return ring_flash_attn, _hf_shim(doc)
     try:
         import ring_flash_attn
 
