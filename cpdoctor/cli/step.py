@@ -29,16 +29,12 @@ def step(
     and runs one training step inside `with watch_step(model):` (forward, loss, backward, gradient sync;
     optimizer.step() after the block). Exit 0 the step is right, 1 wrong/crash/hang, 2 bad input, 3 nothing
     examined (e.g. the step never called backward)."""
-    from cpdoctor.examinations.step import StepRequest, examine_script
-    from cpdoctor.launch import under_torchrun
-    from cpdoctor.launch.torchrun import torchrun_world_size
+    from cpdoctor import api
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
-    world = torchrun_world_size() if under_torchrun() else nproc
-    request = StepRequest(target=target, world_size=world, device=device, reference=reference).validate()
-    with waiting(f"running {target} on {world} ranks", quiet="-" in (json_path, junit_path, markdown_path)):
-        report = examine_script(request, timeout_s=timeout)
+    with waiting(f"running {target}", quiet="-" in (json_path, junit_path, markdown_path)):
+        report = api.examine_step(target, nproc=nproc, device=device, reference=reference, timeout_s=timeout)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="step")
 
 

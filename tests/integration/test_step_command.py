@@ -16,9 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_cp_2d.py"
 
-# `cpdoctor step` is registered by cpdoctor/cli/step.py; this runs the CLI with it registered whether or not
-# the app lists it yet.
-CLI = "from cpdoctor.cli import app, main; from cpdoctor.cli.step import register; register(app) if 'step' not in {c.name for c in app.registered_commands} else None; main()"
+# `cpdoctor step` is registered by cpdoctor/cli/step.py and reaches the examination through api.examine_step; this
+# runs the CLI with both in place whether or not the app and the API list them yet.
+CLI = (
+    "import cpdoctor.api as api; from cpdoctor.examinations.step import examine_step; vars(api).setdefault('examine_step', examine_step); "
+    "from cpdoctor.cli import app, main; from cpdoctor.cli.step import register; "
+    "register(app) if 'step' not in {c.name for c in app.registered_commands} else None; main()"
+)
 
 
 def cpdoctor_step(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from cpdoctor.examinations.step.request import CONTRACT, StepRequest
 from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding, Report, Verdict
 
-__all__ = ["CONTRACT", "EXAMINATION", "StepExamination", "StepRequest", "examine_script", "watch_step"]
+__all__ = ["CONTRACT", "EXAMINATION", "StepExamination", "StepRequest", "examine_script", "examine_step", "watch_step"]
 
 
 def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> Any:
@@ -100,3 +100,14 @@ def examine_script(request: StepRequest, timeout_s: float) -> Report:
     else:
         findings = EXAMINATION.failure_findings(case, outcome.failures, timeout_s)
     return Report.of(findings, env, request.to_dict(), wall_s=time.perf_counter() - t0)
+
+
+def examine_step(target: str, *, nproc: int = 2, device: str = "auto", reference: str = "fp64", timeout_s: float = 300.0) -> Report:
+    """`cpdoctor step`: run `path/to/train.py:function` (FUNCTION(watch_step), see request.CONTRACT) on `nproc`
+    spawned ranks, or on torchrun's world when there is one, and return the Report of the steps it watched.
+    BadInput (exit 2) for a wrong target or a model without CP."""
+    from cpdoctor.launch import under_torchrun
+    from cpdoctor.launch.torchrun import torchrun_world_size
+
+    world = torchrun_world_size() if under_torchrun() else nproc
+    return examine_script(StepRequest(target=target, world_size=world, device=device, reference=reference), timeout_s)
