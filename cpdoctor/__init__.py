@@ -13,6 +13,7 @@ from cpdoctor.version import __version__ as __version__
 _LAZY = {
     "check_attention": ("cpdoctor.api", "check_attention"),
     "check_model": ("cpdoctor.api", "check_model"),
+    "check_peer": ("cpdoctor.api", "check_peer"),
     "preflight": ("cpdoctor.api", "preflight"),
     "PreflightFailed": ("cpdoctor.api", "PreflightFailed"),
     "patch": ("cpdoctor.fix.patch", "apply"),

@@ -35,6 +35,7 @@ __all__ = [
     "build_request",
     "check_attention",
     "check_model",
+    "check_peer",
     "examine",
     "examine_environment",
     "plan_model",
@@ -48,10 +49,11 @@ DEFAULT_TIMEOUT_S = 300.0
 Tick = Callable[[], None] | None
 
 
-def fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
+def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = True) -> dict[str, Any]:
     """What the parent knows when no rank got far enough to report: the versions installed, where the ranks
-    ran (the device and process group they choose by the same rule, `launch.context.device_and_group`), and the
-    layout asked for (the backend as requested, e.g. "auto")."""
+    ran (`ranks_ran`: the device and process group they chose by their own rule, `launch.context.
+    device_and_group`; it costs importing torch to count the GPUs), and the layout asked for (the backend as
+    requested, e.g. "auto")."""
     from cpdoctor.launch.context import device_and_group
 
     env: dict[str, Any] = {
@@ -60,8 +62,9 @@ def fallback_environment(world_size: int, req: Any = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "world_size": world_size,
     }
-    preference = str(getattr(req, "device", "auto"))
-    env["device"], env["process_group"] = device_and_group(preference, _visible_gpus(), world_size)
+    if ranks_ran:
+        preference = str(getattr(req, "device", "auto"))
+        env["device"], env["process_group"] = device_and_group(preference, _visible_gpus(), world_size)
     for key in ("backend", "ring", "ulysses", "dtype"):
         if req is not None and hasattr(req, key):
             env[key] = getattr(req, key)
@@ -151,8 +154,9 @@ def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on
     entry = registry.get(kind)
     missing = entry.unsupported_here(request)
     if missing is not None:  # answered from the parent, before any rank starts
-        finding = unsupported_finding(entry.describe(request), missing)
-        return Report.of([finding], fallback_environment(entry.world_size(request), request), request.to_dict())
+        finding = entry.unsupported_finding(request, missing)
+        environment = fallback_environment(entry.world_size(request), request, ranks_ran=False)
+        return Report.of([finding], environment, request.to_dict())
     req = entry.prepare(request)
     result = run_cases(kind, entry.cases(req), entry.world_size(req), entry.device(req), timeout_s, on_tick)
     runs = [RunResult.of(outcome_findings(kind, o, timeout_s)) for o in result.outcomes]
@@ -168,6 +172,17 @@ def check_attention(
     """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix."""
     req = request if request is not None else registry.get("attention").build_request(**fields)
     return examine("attention", req, timeout_s=timeout_s, on_tick=on_tick)
+
+
+def check_peer(request: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
+    """A peer's CP attention (ring-flash-attn, yunchang, torch's context_parallel: `impl=`, `variant=`, `kernel=`,
+    `causal=`) examined like diffusers': every rank's out, LSE where exposed, dQ, dK, dV against the fp64 full
+    sequence, gathered by token index in the peer's own layout.
+
+        report = cpdoctor.check_peer(impl="ring-flash-attn", variant="zigzag", causal=True, ring=4)
+    """
+    req = request if request is not None else registry.get("peer").build_request(**fields)
+    return examine("peer", req, timeout_s=timeout_s, on_tick=on_tick)
 
 
 def check_model(request: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:

@@ -14,12 +14,10 @@ renders) and nothing here looks at version numbers: the verdicts come from measu
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpdoctor.compat.packages import installed_version
 from cpdoctor.errors import BadInput
 from cpdoctor.report import Report, Verdict
 from cpdoctor.suite import Suite
@@ -30,19 +28,22 @@ MASK_PAD = 3
 
 @dataclass(frozen=True)
 class PlannedCheck:
-    """One examination of the doctor: a short label for the table, the `attention` fields, why it is there."""
+    """One examination of the doctor: a short label for the table, the fields of its request, why it is there,
+    and its kind (`attention` for diffusers' CP attention, `peer` for an installed peer's)."""
 
     label: str
     fields: dict[str, Any] = field(hash=False)
     why: str = ""
+    kind: str = "attention"
 
     @property
     def world_size(self) -> int:
         return int(self.fields.get("ring", 1)) * int(self.fields.get("ulysses", 1))
 
 
-def plan(accelerators: int, torchrun_world: int | None = None) -> list[PlannedCheck]:
-    """The checks for a host with `accelerators` visible (0 on a CPU-only host), in table order.
+def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[PlannedCheck, ...] = ()) -> list[PlannedCheck]:
+    """The checks for a host with `accelerators` visible (0 on a CPU-only host), in table order, then the rows
+    of the installed peers (`peer_checks`).
 
     Under torchrun the world is given: only the checks of that world size can run in it, and the "all the
     accelerators in one ring" check uses the world size instead of the local device count."""
@@ -57,6 +58,7 @@ def plan(accelerators: int, torchrun_world: int | None = None) -> list[PlannedCh
         PlannedCheck("Ulysses 2", {"ulysses": 2}, "heads split (all-to-all)"),
         PlannedCheck("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}, "the ring inside unified CP"),
         PlannedCheck(f"ring 2, mask_pad {MASK_PAD}", {"ring": 2, "mask_pad": MASK_PAD}, "a padded prompt's key mask"),
+        *peers,
     ]
     if torchrun_world is not None:
         checks = [c for c in checks if c.world_size == torchrun_world]
@@ -68,11 +70,34 @@ def plan(accelerators: int, torchrun_world: int | None = None) -> list[PlannedCh
     return checks
 
 
-def command_for(fields: dict[str, Any], *, patch: bool = False, torchrun_world: int | None = None) -> str:
-    """The exact `cpdoctor check` line of one check (with `--patch`: before and after cpdoctor's fix)."""
-    args = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in fields.items())
-    prefix = f"torchrun --nproc-per-node {torchrun_world} -m cpdoctor" if torchrun_world else "cpdoctor"
-    return f"{prefix} check {args}" + (" --patch" if patch else "")
+def peer_checks(device: str = "auto") -> tuple[PlannedCheck, ...]:
+    """A ring 2 and a ring 3 row for each installed peer (ring-flash-attn, yunchang, torch's context_parallel)."""
+    from cpdoctor.examinations.peer.catalog import doctor_checks
+
+    rows = []
+    for row in doctor_checks(device):
+        fields: dict[str, Any] = {"impl": row.request.impl, "ring": row.request.ring}
+        if row.request.causal:
+            fields["causal"] = True
+        rows.append(PlannedCheck(row.label, fields, row.covers, kind="peer"))
+    return tuple(rows)
+
+
+def command_for(check: PlannedCheck, *, patch: bool = False, torchrun_world: int | None = None) -> str:
+    """The exact `cpdoctor check` line of one check (with `--patch`: before and after cpdoctor's fix, which
+    concerns diffusers' code only), as the examination writes it; under torchrun, the torchrun line of the same
+    world."""
+    from cpdoctor.examinations.attention.judge import check_command
+    from cpdoctor.examinations.attention.request import build_request
+
+    if check.kind == "peer":
+        flags = " --causal" if check.fields.get("causal") else ""
+        command = f"cpdoctor check --impl {check.fields['impl']} --ring {check.fields['ring']}{flags}"
+    else:
+        command = check_command(build_request(**check.fields), patch=patch)
+    if torchrun_world:
+        command = command.replace("cpdoctor check", f"torchrun --nproc-per-node {torchrun_world} -m cpdoctor check", 1)
+    return command
 
 
 def suite_for(checks: list[PlannedCheck]) -> Suite:
@@ -81,7 +106,7 @@ def suite_for(checks: list[PlannedCheck]) -> Suite:
         "doctor",
         "the CP examinations that matter on this machine and this diffusers",
         "cpdoctor (doctor)",
-        [("attention", dict(c.fields)) for c in checks],
+        [(c.kind, dict(c.fields)) for c in checks],
     )
 
 
@@ -94,17 +119,6 @@ def count_accelerators() -> int:
         return int(torch.cuda.device_count())
     except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, the ranks then use the CPU
         return 0
-
-
-def environment_summary(accelerators: int) -> dict[str, Any]:
-    """What the parent knows cheaply: versions from the package metadata and the accelerator count (the
-    device and the backend come back from the ranks)."""
-    return {
-        "torch": installed_version("torch"),
-        "diffusers": installed_version("diffusers"),
-        "python": platform.python_version(),
-        "accelerators": accelerators,
-    }
 
 
 def _torchrun_world() -> int | None:
@@ -140,6 +154,7 @@ class DoctorSummary:
     accelerators: int
     torchrun_world: int | None
     backend: str
+    """The backend the ranks chose ("auto", as asked for, when no rank got far enough to say)."""
     launches: int
     checks: list[DoctorRow]
     not_passed: list[str]
@@ -155,7 +170,7 @@ def run_doctor(
 
     torchrun_world = _torchrun_world()
     n = count_accelerators() if accelerators is None else accelerators
-    checks = plan(n, torchrun_world)
+    checks = plan(n, torchrun_world, peer_checks())
     report = run_suite(suite_for(checks), patch=patch, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, on_tick=on_tick)
 
     befores = report.before.findings if report.before is not None else [None] * len(report.findings)
@@ -165,16 +180,15 @@ def run_doctor(
         failed = any(f is not None and f.verdict != Verdict.PASS for f in (finding, before))
         for f in (finding, before):
             if f is not None:
-                f.command = command_for(check.fields, patch=failed, torchrun_world=torchrun_world)
+                f.command = command_for(check, patch=failed, torchrun_world=torchrun_world)
         rows.append(
             DoctorRow(
                 check.label, dict(check.fields), check.why, finding.verdict, finding.command, None if before is None else before.verdict
             )
         )
     backends = sorted({b for f in report.findings if (b := _backend_of(f))})
-    environment = {**environment_summary(n), **report.environment}
-    environment["accelerators"] = n
-    environment["backend"] = ", ".join(backends) if backends else "auto (asked for; no rank got far enough to say which backend it chose)"
+    environment = {**report.environment, "accelerators": n}
+    environment["backend"] = ", ".join(backends) if backends else "auto"
     report.environment = environment
     # run_suite's request (every check as its full, validated request), marked as the doctor's.
     report.request = {**report.request, "doctor": True, "accelerators": n, "torchrun_world": torchrun_world}
@@ -182,7 +196,7 @@ def run_doctor(
         n,
         torchrun_world,
         environment["backend"],
-        len({c.world_size for c in checks}),
+        len({(c.kind, c.world_size) for c in checks}),
         rows,
         [r.label for r in rows if r.verdict != Verdict.PASS],
     )

@@ -14,6 +14,7 @@ into its request, so a malformed suite is one line of bad input before any proce
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,8 +88,9 @@ def build_requests(suite: Suite, patch: bool) -> list[tuple[str, Any]]:
     """Each check as its validated, prepared request (a model check is resolved: the parent imports diffusers)."""
     requests = []
     for i, (kind, fields) in enumerate(suite.checks, 1):
-        fields = dict(fields, patch=bool(fields.get("patch", patch)))
         entry = registry.get(kind)
+        if "patch" in {f.name for f in dataclasses.fields(entry.request_type)}:  # the fix concerns diffusers' code only
+            fields = dict(fields, patch=bool(fields.get("patch", patch)))
         try:
             requests.append((kind, entry.prepare(entry.build_request(**fields))))
         except BadInput as exc:

@@ -6,23 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cpdoctor.cli.options import (
-    DEFAULT_TIMEOUT_S,
-    Backend,
-    Batch,
-    Device,
-    Dtype,
-    Emulate,
-    JsonPath,
-    JunitPath,
-    MarkdownPath,
-    MaskPad,
-    Patch,
-    Ring,
-    Seed,
-    Timeout,
-    Ulysses,
-)
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, Device, Emulate, JsonPath, JunitPath, MarkdownPath, Patch, Ring, Timeout, Ulysses
 from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.errors import BadInput
 
@@ -30,19 +14,41 @@ from cpdoctor.errors import BadInput
 def check(
     ring: Ring = None,
     ulysses: Ulysses = None,
-    backend: Backend = "auto",
-    dtype: Dtype = "fp32",
-    batch: Batch = 2,
-    seq: Annotated[
-        Optional[int], typer.Option("--seq", help="Full sequence length (default 512, rounded up to divide ring × ulysses).")
+    backend: Annotated[
+        Optional[str],
+        typer.Option("--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here; the default)."),
     ] = None,
-    heads: Annotated[int, typer.Option("--heads", help="Attention heads.")] = 8,
-    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension.")] = 64,
-    seed: Seed = 0,
-    mask_pad: MaskPad = 0,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="fp32, bf16 or fp16 (default fp32; a peer's: bf16).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="Batch size (default 2; a peer's: 1).")] = None,
+    seq: Annotated[
+        Optional[int],
+        typer.Option("--seq", help="Full sequence length (default 512, a peer's 240, rounded up to divide the layout)."),
+    ] = None,
+    heads: Annotated[Optional[int], typer.Option("--heads", help="Attention heads (default 8; a peer's: 4).")] = None,
+    head_dim: Annotated[Optional[int], typer.Option("--head-dim", help="Head dimension (default 64; a peer's: 32).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the random inputs (default 0).")] = None,
+    mask_pad: Annotated[Optional[int], typer.Option("--mask-pad", help="Mask out the last N keys of the sequence as padding.")] = None,
     device: Device = "auto",
     patch: Patch = False,
     emulate: Emulate = False,
+    impl: Annotated[
+        str,
+        typer.Option(
+            "--impl",
+            help="Whose CP attention: diffusers (default), or a peer: ring-flash-attn, yunchang, torch (context_parallel).",
+        ),
+    ] = "diffusers",
+    variant: Annotated[
+        Optional[str],
+        typer.Option(
+            "--variant",
+            help="A peer's variant: ring-flash-attn basic|zigzag|stripe|llama3, yunchang basic|zigzag|strip, torch allgather|alltoall.",
+        ),
+    ] = None,
+    kernel: Annotated[
+        Optional[str], typer.Option("--kernel", help="A peer's attention kernel: fa (flash-attn); torch: flash, cudnn, efficient.")
+    ] = None,
+    causal: Annotated[Optional[bool], typer.Option("--causal/--no-causal", help="A peer's causal attention (default: not causal).")] = None,
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
@@ -56,32 +62,36 @@ def check(
     ] = None,
 ) -> None:
     """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
-    a full-sequence reference. Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."""
+    a full-sequence reference; with --impl, a peer's CP attention the same way. Exit 0 nothing wrong, 1
+    corruption/crash/hang, 2 bad input, 3 cannot examine."""
     from cpdoctor import api
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
-    request = api.request_for(
-        "attention",
-        ring=ring,
-        ulysses=ulysses,
-        backend=backend,
-        dtype=dtype,
-        batch=batch,
-        seq=seq,
-        heads=heads,
-        head_dim=head_dim,
-        seed=seed,
-        mask_pad=mask_pad,
-        device=device,
-        patch=patch,
-        emulate=emulate,
-    )
-    with waiting(f"examining CP attention on {request.world_size} ranks", quiet="-" in (json_path, junit_path, markdown_path)):
+    layout = dict(ring=ring, ulysses=ulysses, dtype=dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=seed, device=device)
+    quiet = "-" in (json_path, junit_path, markdown_path)
+    if impl != "diffusers":
+        _refuse_diffusers_options(impl, backend=backend, patch=patch, mask_pad=mask_pad, repro=repro_dir)
+        request = api.request_for("peer", impl=impl, variant=variant, kernel=kernel, causal=causal, emulate=emulate, **layout)
+        with waiting(f"examining {impl}'s CP attention on {request.world_size} ranks", quiet=quiet):
+            report = api.check_peer(request, timeout_s=timeout)
+        emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
+    given = [name for name, value in (("--variant", variant), ("--kernel", kernel), ("--causal", causal)) if value is not None]
+    if given:
+        raise BadInput(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a peer (--impl ring-flash-attn|yunchang|torch)")
+    request = api.request_for("attention", backend=backend, mask_pad=mask_pad, patch=patch, emulate=emulate, **layout)
+    with waiting(f"examining CP attention on {request.world_size} ranks", quiet=quiet):
         report = api.check_attention(request, timeout_s=timeout)
     if repro_dir:
         write_repro_files(report, repro_dir)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
+
+
+def _refuse_diffusers_options(impl: str, **given: object) -> None:
+    """--backend, --patch, --mask-pad and --repro examine diffusers' code: with a peer they are bad input."""
+    named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value not in (None, False)]
+    if named:
+        raise BadInput(f"{', '.join(named)} appl{'ies' if len(named) == 1 else 'y'} to --impl diffusers only, not to {impl}")
 
 
 def write_repro_files(report: object, directory: str) -> None:

@@ -22,12 +22,17 @@ DOCTOR_HELP = (
 
 def render_doctor(report: Any, out: Any) -> None:
     """A few lines of environment, one row per check, then diagnosis, remedy and command of each that failed."""
+    summary = report.extra["doctor"]
+    befores = report.before.findings if report.before is not None else None
+    _header(report.environment, summary, out)
+    out.print(_table(summary, report.findings, befores))
+    _details(summary, report.findings, befores, out)
+    _verdict(report, summary, befores, out)
+
+
+def _header(env: dict[str, Any], summary: Any, out: Any) -> None:
     from rich.markup import escape
-    from rich.table import Table
 
-    from cpdoctor.report import Verdict, styled, worst_tensor
-
-    env, summary = report.environment, report.extra["doctor"]
     n = summary.accelerators
     out.print("[bold]cpdoctor[/] — the context-parallel examinations that matter on this machine")
     out.print(f"  torch {env.get('torch')} · diffusers {env.get('diffusers')} · python {env.get('python')}")
@@ -35,9 +40,17 @@ def render_doctor(report: Any, out: Any) -> None:
     if summary.torchrun_world:
         seen += f" · torchrun world {summary.torchrun_world}"
     out.print(f"  device {escape(str(env.get('device', '?')))} · process group {env.get('process_group', '?')} · {seen}")
-    out.print(f"  CP backend here: [bold]{escape(summary.backend)}[/] (auto: the best CP-capable backend that runs here)")
+    if summary.backend == "auto":
+        out.print("  CP backend here: [bold]auto[/] (asked for; no rank got far enough to say which backend it chose)")
+    else:
+        out.print(f"  CP backend here: [bold]{escape(summary.backend)}[/] (auto: the best CP-capable backend that runs here)")
 
-    befores = report.before.findings if report.before is not None else None
+
+def _table(summary: Any, findings: list[Any], befores: list[Any] | None) -> Any:
+    from rich.table import Table
+
+    from cpdoctor.report import styled, worst_tensor
+
     table = Table(title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("check")
@@ -47,16 +60,21 @@ def render_doctor(report: Any, out: Any) -> None:
         table.add_column("before: worst", justify="right")
     table.add_column("after the fix" if befores is not None else "verdict", justify="center")
     table.add_column("worst rel err", justify="right")
-    for i, (row, finding) in enumerate(zip(summary.checks, report.findings, strict=True), 1):
+    for i, (row, finding) in enumerate(zip(summary.checks, findings, strict=True), 1):
         cells = [str(i), row.label, row.why]
         if befores is not None:
-            before = befores[i - 1]
-            cells += [styled(before.verdict), worst_tensor(before)]
-        cells += [styled(finding.verdict), worst_tensor(finding)]
-        table.add_row(*cells)
-    out.print(table)
+            cells += [styled(befores[i - 1].verdict), worst_tensor(befores[i - 1])]
+        table.add_row(*cells, styled(finding.verdict), worst_tensor(finding))
+    return table
 
-    for i, (row, finding) in enumerate(zip(summary.checks, report.findings, strict=True), 1):
+
+def _details(summary: Any, findings: list[Any], befores: list[Any] | None, out: Any) -> None:
+    """Diagnosis, remedy, the result after the fix and the closer-look command of every check that did not pass."""
+    from rich.markup import escape
+
+    from cpdoctor.report import Verdict, styled
+
+    for i, (row, finding) in enumerate(zip(summary.checks, findings, strict=True), 1):
         before = befores[i - 1] if befores is not None else None
         shown = before if before is not None and before.verdict != Verdict.PASS else finding
         if shown.verdict == Verdict.PASS and finding.verdict == Verdict.PASS:
@@ -68,6 +86,10 @@ def render_doctor(report: Any, out: Any) -> None:
             after = f"{styled(finding.verdict)}" + ("" if finding.verdict == Verdict.PASS else f" — {escape(finding.diagnosis)}")
             out.print(f"   after cpdoctor's fix: {after}")
         out.print(f"   look closer: [bold]{escape(finding.command or '')}[/]")
+
+
+def _verdict(report: Any, summary: Any, befores: list[Any] | None, out: Any) -> None:
+    from cpdoctor.report import Verdict, styled
 
     label = "after the fix: " if befores is not None else ""
     launches = summary.launches

@@ -130,6 +130,32 @@ def _render_backends(report: Any, console: Any) -> None:
         console.print(f"  [dim]✗ {escape(', '.join(names))}: {escape(note)}[/]")
 
 
+def _peer_line(peer: Any, env: dict) -> str:
+    """One peer: installed version (and the version CI tests), what it offers, and how it runs on this device."""
+    if not peer.installed:
+        return f"{peer.impl}: not installed ({peer.install})"
+    tested = (
+        "" if peer.installed_version == peer.tested_version or peer.tested_version.startswith("(") else f", CI tests {peer.tested_version}"
+    )
+    where = "CPU ranks through cpdoctor's kernel stand-ins" if str(env.get("probe_device", "cpu")).startswith("cpu") else "this GPU"
+    ulysses = " × Ulysses" if peer.ulysses else ""
+    lse = f"; LSE from {', '.join(peer.lse)}" if peer.lse else ""
+    return (
+        f"{peer.impl} {peer.installed_version}{tested}: ring{ulysses}, variants {', '.join(peer.variants)}, "
+        f"kernels {', '.join(peer.kernels)}{lse}; runs here on {where} (`cpdoctor check --impl {peer.impl}`)"
+    )
+
+
+def _render_peers(peers: list[Any], env: dict, console: Any) -> None:
+    from rich.markup import escape
+
+    if peers:
+        console.print("[bold]peers' CP attention[/]")
+        for peer in peers:
+            console.print(f"  {escape(_peer_line(peer, env))}")
+        console.print()
+
+
 def _render_findings(findings: list[Any], console: Any) -> None:
     from rich.markup import escape
 
@@ -152,6 +178,7 @@ def render(report: Any, console: Any) -> None:
         "every backend: they are among the findings below. * measured on the meta device (no kernel here): shapes "
         "and kernel arguments only.[/]\n"
     )
+    _render_peers(report.extra.get("peers") or [], report.environment, console)
     _render_findings(report.findings, console)
     console.print(f"\nverdict [{report.verdict.style}]{report.verdict}[/]  (exit {int(report.exit_code)}, {report.wall_s:.1f} s)")
 
@@ -169,6 +196,7 @@ def markdown(report: Any) -> str:
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in report.extra["backends"]:
         out.append("| " + " | ".join([f"`{row.name}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")
+    out += ["", "Peers' CP attention:", ""] + [f"- {_md(_peer_line(p, env))}" for p in report.extra.get("peers") or []]
     out += ["", "Findings:", ""]
     for f in report.findings:
         line = f"- **{f.verdict}** {_md(f.subject)}: {_md(f.diagnosis).rstrip('.')}."

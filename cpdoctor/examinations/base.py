@@ -44,6 +44,11 @@ class Examination:
 
         return missing_requirement(backend)
 
+    def unsupported_finding(self, request: Any, why: Unsupported) -> Finding:
+        """Receives a request and what `unsupported_here` returned; returns its UNSUPPORTED finding (the remedy
+        of its kind; an examination with better advice, such as a peer's install command, overrides it)."""
+        return judging.unsupported_finding(self.describe(request), why)
+
     def cases(self, request: Any) -> list[Case]:
         """Receives a prepared request; returns the cases to launch: the stock code first, then, with
         `patch`, the same with cpdoctor's fix patched in."""

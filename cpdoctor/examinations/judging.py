@@ -158,7 +158,8 @@ CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
         (r"returned an incorrect number of gradients",),
         "an autograd Function of diffusers' CP templates returns another number of gradients than its forward has "
         "inputs (its signature changed and its backward did not follow)",
-        "cpdoctor.patch() for the ring; otherwise use a release whose templates match (report it with `cpdoctor env --markdown`)",
+        "cpdoctor.patch() (it replaces the ring and the Ulysses templates and implements their backwards itself); otherwise "
+        "use a release whose templates match (report it with `cpdoctor env --markdown`)",
     ),
     CrashSignature(
         "LSE rank",
@@ -193,6 +194,49 @@ CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class ReleaseRefusal:
+    """A layout the installed diffusers refuses with its own clear message (raised in its own code): nothing is
+    silently wrong, the release just does not do it. UNSUPPORTED with that message, not a CRASH."""
+
+    name: str
+    pattern: str
+    remedy: str
+
+    def matches(self, failure: RankFailure) -> bool:
+        return re.search(self.pattern, failure.message) is not None and "diffusers" in failure.traceback
+
+
+RELEASE_REFUSALS: tuple[ReleaseRefusal, ...] = (
+    ReleaseRefusal(
+        "unified ring × Ulysses",
+        r"Unified Ulysses-Ring attention is not yet supported",
+        "ring × Ulysses in one job arrived with diffusers 0.37.0 (_templated_unified_attention): upgrade diffusers, or use "
+        "ring-only or Ulysses-only CP here (cpdoctor.patch() cannot add it: this release's ContextParallelConfig refuses the layout)",
+    ),
+    ReleaseRefusal(
+        "attention mask",
+        r"Attention mask is not yet supported for templated attention",
+        "masks under CP attention arrived with diffusers 0.37.0 (whose ring then needs cpdoctor.patch() to rotate them with the "
+        "keys): upgrade diffusers, or feed the model unpadded text of a length that divides (`cpdoctor plan` finds one)",
+    ),
+    ReleaseRefusal(
+        "not supported by this release",
+        r"is not yet supported|not supported yet",
+        "use a layout this diffusers supports, or a release that supports this one (its message above names what it refuses)",
+    ),
+)
+"""In table order: the first whose pattern every crashed rank's message matches names the refusal."""
+
+
+def release_refusal(failures: Iterable[RankFailure]) -> ReleaseRefusal | None:
+    """The refusal every rank that raised on its own shows (None when they raised anything else)."""
+    crashed = [f for f in failures if f.kind is FailureKind.CRASH and not f.waiting]
+    if not crashed:
+        return None
+    return next((r for r in RELEASE_REFUSALS if all(r.matches(f) for f in crashed)), None)
+
+
 def crash_signature(failures: Iterable[RankFailure]) -> CrashSignature | None:
     """The first known signature found in the messages and tracebacks of the ranks that crashed."""
     text = "\n".join(f"{f.message}\n{f.traceback}" for f in failures if not f.waiting)
@@ -205,11 +249,18 @@ def _ranks(failures: list[RankFailure]) -> str:
 
 def failure_findings(subject: str, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
     """CRASH / HANG findings from the ranks that failed, each with that rank's traceback; a CRASH names a
-    known signature of diffusers' CP code when its traceback shows one."""
+    known signature of diffusers' CP code when its traceback shows one. Ranks that all raised the installed
+    diffusers' own refusal of the layout ("... is not yet supported") are one UNSUPPORTED finding instead."""
     crashed = [f for f in failures if f.kind is FailureKind.CRASH and not f.waiting]
     hung = [f for f in failures if f.kind is FailureKind.HANG and not f.waiting]
     waiting = [f for f in failures if f.waiting]
     findings = []
+    refusal = release_refusal(failures)
+    if refusal is not None:
+        first = crashed[0]
+        message = f"this diffusers refuses the layout ({refusal.name}): {first.message}"
+        evidence = FailureEvidence(tracebacks={f.rank: f.traceback for f in crashed}, where={f.rank: f.where for f in failures if f.where})
+        return [Finding(subject, Verdict.UNSUPPORTED, message, refusal.remedy, failure=evidence)]
     if crashed:
         first, later = crashed[0], crashed[1:]
         tail = f"; then rank {_ranks(later)} failed too" if later else ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from cpdoctor.report.serialize import json_field
 from cpdoctor.report.verdict import Verdict
 
 
@@ -35,8 +36,8 @@ class TensorRow:
     per_rank_rel_err: tuple[float, ...] = ()
     baseline_rel_err: float | None = None
     """The same backend's (or model's) error without CP, same dtype, same run: the tolerance is built on it."""
-    name: str | None = None
-    """What the row is about when the key does not say it (the worst parameter's name)."""
+    name: str | None = json_field("param", default=None)
+    """What the row is about when the key does not say it (the worst parameter's name; JSON key "param")."""
     numel: int | None = None
 
     @classmethod

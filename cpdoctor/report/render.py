@@ -76,7 +76,7 @@ def render_finding(finding: Finding, before: Finding | None, console: Any, label
         console.print(f"[bold]remedy:[/] {finding.remedy}")
     if finding.emulated:
         console.print(f"[dim]emulated: {finding.emulated}[/]")
-    for rank, tb in finding.tracebacks.items():
+    for rank, tb in finding.tracebacks.items() if finding.verdict is Verdict.CRASH else ():
         console.print(f"[dim]--- rank {rank} traceback ---[/]")
         console.print(tb.rstrip(), markup=False, highlight=False)
 

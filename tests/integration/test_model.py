@@ -65,17 +65,17 @@ def world4():
 
 def assert_pass(f):
     assert f.verdict == "PASS", f.diagnosis
-    assert f.tensors["out"]["rel_err"] < 1e-6 and f.tensors["grads"]["rel_err"] < 1e-6
+    assert f.tensors["out"].rel_err < 1e-6 and f.tensors["grads"].rel_err < 1e-6
     assert "match the single-process fp64 model" in f.diagnosis
 
 
 def assert_backward_only(f):
     """Forward exact, parameter gradients wrong, and the op level at the same layout says the same."""
     assert f.verdict == "FAIL"
-    assert f.tensors["out"]["verdict"] == "PASS" and f.tensors["out"]["rel_err"] < 1e-6
-    assert f.tensors["grads"]["verdict"] == "FAIL" and f.tensors["grads"]["rel_err"] > 1e-3
-    assert f.tensors["worst_param"]["verdict"] == "FAIL" and f.tensors["worst_param"]["rel_err"] > 0.1
-    assert f.tensors["worst_param"]["param"] in f.diagnosis
+    assert f.tensors["out"].verdict == "PASS" and f.tensors["out"].rel_err < 1e-6
+    assert f.tensors["grads"].verdict == "FAIL" and f.tensors["grads"].rel_err > 1e-3
+    assert f.tensors["worst_param"].verdict == "FAIL" and f.tensors["worst_param"].rel_err > 0.1
+    assert f.tensors["worst_param"].name in f.diagnosis
     assert "forward exact" in f.diagnosis and "backward wrong" in f.diagnosis
     assert "the attention op alone fails at this layout" in f.diagnosis
     assert "cpdoctor.patch()" in f.remedy
@@ -95,8 +95,8 @@ def test_ring2(world2, has_stale_kv_backward):
 def test_text_padding_mask_under_ring(world2):
     f = world2["qwen_mask"]
     assert f.verdict == "FAIL"
-    assert f.tensors["out"]["verdict"] == "FAIL" and 1e-3 < f.tensors["out"]["rel_err"] < 0.1
-    assert f.tensors["grads"]["verdict"] == "FAIL"
+    assert f.tensors["out"].verdict == "FAIL" and 1e-3 < f.tensors["out"].rel_err < 0.1
+    assert f.tensors["grads"].verdict == "FAIL"
     assert "forward wrong" in f.diagnosis and "padding mask is involved" in f.diagnosis
     assert "`cpdoctor check --ring 2 --mask-pad 3`" in f.diagnosis
     assert [o.command for o in f.evidence.op_level] == ["cpdoctor check --ring 2", "cpdoctor check --ring 2 --mask-pad 3"]
@@ -108,7 +108,7 @@ def test_ring4(world4, has_stale_kv_backward):
         assert "`cpdoctor check --ring 4`" in f.diagnosis
         if not has_stale_kv_backward:  # 0.42.1: dQ exact, dK/dV accumulator sent the wrong way
             assert "wrong way" in f.diagnosis
-            assert 1e-3 < f.tensors["grads"]["rel_err"] < 0.2
+            assert 1e-3 < f.tensors["grads"].rel_err < 0.2
 
 
 @needs_patch

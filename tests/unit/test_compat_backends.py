@@ -18,7 +18,9 @@ def test_unsupported_reason_says_when_a_backend_is_not_cp_registered_either():
     assert "context parallelism" not in flash.unsupported(2).message
     runs = BackendFacts("cpdoctor_cpu", registered=True, cp_registered=True, runs_here=True, returns_lse=True, has_backward=True)
     assert runs.unsupported(2) is None
-    no_lse = BackendFacts("native", registered=True, cp_registered=True, routes_cp=True, runs_here=True, returns_lse=False, has_backward=True)
+    no_lse = BackendFacts(
+        "native", registered=True, cp_registered=True, routes_cp=True, runs_here=True, returns_lse=False, has_backward=True
+    )
     assert no_lse.unsupported(2).kind is UnsupportedKind.NO_LSE and no_lse.unsupported(1) is None
     local = BackendFacts("_native_math", registered=True, runs_here=True, has_backward=True)
     assert local.unsupported(2) is None and local.unsupported(2, model_level=True).kind is UnsupportedKind.NOT_CP_CAPABLE

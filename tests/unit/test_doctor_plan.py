@@ -59,7 +59,7 @@ def test_suite_is_attention_checks_on_the_best_backend_in_plan_order():
     ],
 )
 def test_command_for_each_check(fields, patch, expected):
-    assert doctor.command_for(fields, patch=patch) == expected
+    assert doctor.command_for(doctor.PlannedCheck("x", fields), patch=patch) == expected
 
 
 def test_every_planned_command_parses_as_the_same_request():
@@ -67,7 +67,7 @@ def test_every_planned_command_parses_as_the_same_request():
     from cpdoctor.api import build_request
 
     for check in doctor.plan(8):
-        words = doctor.command_for(check.fields, patch=True).split()
+        words = doctor.command_for(check, patch=True).split()
         assert words[:2] == ["cpdoctor", "check"] and words[-1] == "--patch"
         opts = dict(zip(words[2:-1:2], words[3:-1:2], strict=True))
         fields = {k[2:].replace("-", "_"): int(v) for k, v in opts.items()}
@@ -79,7 +79,16 @@ def test_under_torchrun_only_the_checks_of_its_world_size():
     assert _plan(8, torchrun_world=3) == [BASE[1]]
     assert _plan(0, torchrun_world=4) == [("ring 4", {"ring": 4}), BASE[3]]
     assert _plan(8, torchrun_world=8) == [("ring 8", {"ring": 8})]
-    assert doctor.command_for({"ring": 4}, patch=True, torchrun_world=4) == "torchrun --nproc-per-node 4 -m cpdoctor check --ring 4 --patch"
+    ring4 = doctor.PlannedCheck("ring 4", {"ring": 4})
+    assert doctor.command_for(ring4, patch=True, torchrun_world=4) == "torchrun --nproc-per-node 4 -m cpdoctor check --ring 4 --patch"
+
+
+def test_installed_peers_add_their_rows_after_diffusers_checks():
+    peer = doctor.PlannedCheck("torch ring 2", {"impl": "torch", "ring": 2, "causal": True}, "where most jobs start", kind="peer")
+    checks = doctor.plan(0, peers=(peer,))
+    assert checks[-1] is peer and [c.kind for c in checks[:-1]] == ["attention"] * 5
+    assert doctor.command_for(peer, patch=True) == "cpdoctor check --impl torch --ring 2 --causal"  # the fix is diffusers'
+    assert doctor.suite_for(checks).checks[-1] == ("peer", {"impl": "torch", "ring": 2, "causal": True})
 
 
 def test_torchrun_world_of_one_is_bad_input():
@@ -87,7 +96,19 @@ def test_torchrun_world_of_one_is_bad_input():
         doctor.plan(8, torchrun_world=1)
 
 
-def test_environment_summary_is_cheap_metadata():
-    env = doctor.environment_summary(0)
-    assert set(env) == {"torch", "diffusers", "python", "accelerators"}
-    assert env["accelerators"] == 0
+def test_fallback_environment_names_where_the_ranks_ran(monkeypatch):
+    """When no rank reports, the parent still says the device and process group the ranks chose (by the rule
+    they use) and the backend asked for, not '?'."""
+    from cpdoctor import api
+    from cpdoctor.examinations.attention.request import build_request
+
+    monkeypatch.setattr(api, "_visible_gpus", lambda: 0)
+    env = api.fallback_environment(2, build_request(ring=2))
+    assert (env["device"], env["process_group"], env["backend"]) == ("cpu", "gloo", "auto")
+    assert {"torch", "diffusers", "python"} <= set(env)
+    monkeypatch.setattr(api, "_visible_gpus", lambda: 1)
+    shared = api.fallback_environment(2, build_request(ring=2))
+    assert (shared["device"], shared["process_group"]) == ("cuda", "gloo")  # two ranks share one GPU
+    monkeypatch.setattr(api, "_visible_gpus", lambda: 8)
+    own = api.fallback_environment(2, build_request(ring=2))
+    assert (own["device"], own["process_group"]) == ("cuda", "nccl")

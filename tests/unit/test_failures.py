@@ -74,3 +74,20 @@ def test_hang_finding_names_rank_and_step():
 
 def test_step_round_trip():
     assert Step.parse("3 reporting") == Step(3, 3) and Step.parse("garbage") is None
+
+
+def test_a_release_that_refuses_the_layout_is_unsupported_not_a_crash():
+    """0.36.0 refuses ring × Ulysses and masks under CP with its own messages: that is UNSUPPORTED, with the
+    release's words and the first release that has it, not a crash to read a traceback for."""
+    tb = 'File ".../site-packages/diffusers/models/_modeling_parallel.py", line 94, in __post_init__'
+    unified = "ValueError: Unified Ulysses-Ring attention is not yet supported. Please set either `ring_degree` or `ulysses_degree` to 1."
+    (f,) = failure_findings("p", [crash(r, unified, tb) for r in range(4)], 30)
+    assert f.verdict is Verdict.UNSUPPORTED and "refuses the layout (unified ring × Ulysses)" in f.diagnosis
+    assert "0.37.0" in f.remedy and f.failure.tracebacks[0] == tb
+    mask = "ValueError: Attention mask is not yet supported for templated attention."
+    (f,) = failure_findings("p", [crash(0, mask, tb), crash(1, mask, tb)], 30)
+    assert f.verdict is Verdict.UNSUPPORTED and "attention mask" in f.diagnosis and "0.37.0" in f.remedy
+    (f,) = failure_findings("p", [crash(0, mask, tb), crash(1, "RuntimeError: boom", tb)], 30)
+    assert f.verdict is Verdict.CRASH  # one rank raised something else: a crash
+    (f,) = failure_findings("p", [crash(0, mask, 'File "mine.py"')], 30)
+    assert f.verdict is Verdict.CRASH  # not raised by diffusers

@@ -193,46 +193,58 @@ def write_repro(report: Report, directory: str, command: str) -> list[str]:
     if finding is None or "seq" not in req:
         return []
     backend = report.environment.get("backend") or req["backend"]
-    world = req["ring"] * req["ulysses"]
-    ops = _ops_source() if backend == CPU_BACKEND else "forward_op = backward_op = None  # the backend's own ops are used"
     layout = " × ".join(
         p for p in (f"ring {req['ring']}" if req["ring"] > 1 else "", f"Ulysses {req['ulysses']}" if req["ulysses"] > 1 else "") if p
     )
     title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if t.failed)} wrong under {layout}"
-    tolerance = {n: t.tolerance for n, t in finding.tensors.items()}
-    fields = dict(
-        req,
-        backend=backend,
-        dtype=DTYPES[req["dtype"]],
-        world=world,
-        title=title,
-        tolerance=tolerance,
-        ops=ops,
-        cpu_backend=CPU_BACKEND,
-        filename="repro.py",
-    )
     os.makedirs(directory, exist_ok=True)
     script = os.path.join(directory, "repro.py")
     with open(script, "w") as fh:
-        fh.write(SCRIPT.format(**fields))
+        fh.write(_script(req, finding, backend, title))
+    issue_path = os.path.join(directory, "ISSUE.md")
+    with open(issue_path, "w") as fh:
+        fh.write(_issue(report, finding, backend, title, layout, command))
+    return [script, issue_path]
+
+
+def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:
+    """The repro script: the same inputs, diffusers' own CP attention, the same errors printed."""
+    ops = _ops_source() if backend == CPU_BACKEND else "forward_op = backward_op = None  # the backend's own ops are used"
+    return SCRIPT.format(
+        **dict(
+            req,
+            backend=backend,
+            dtype=DTYPES[req["dtype"]],
+            world=req["ring"] * req["ulysses"],
+            title=title,
+            tolerance={n: t.tolerance for n, t in finding.tensors.items()},
+            ops=ops,
+            cpu_backend=CPU_BACKEND,
+            filename="repro.py",
+        )
+    )
+
+
+def _issue(report: Report, finding: Any, backend: str, title: str, layout: str, command: str) -> str:
+    """The bug report in diffusers' shape: what is wrong, how to reproduce it, the figures, the system."""
+    req, env = report.request, report.environment
     rows = "\n".join(
         f"| {TENSOR_LABELS.get(n, n)} | {t.rel_err:.3e} | {t.tolerance:.2e} | {t.verdict.value} |" for n, t in finding.tensors.items()
     )
     baseline = ", ".join(
         f"{TENSOR_LABELS.get(n, n)} {t.baseline_rel_err:.1e}" for n, t in finding.tensors.items() if t.baseline_rel_err is not None
     )
-    env = report.environment
     system = "\n".join(
         f"- {k}: {env[k]}" for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend") if k in env
     )
-    issue = ISSUE.format(
+    return ISSUE.format(
         title=title,
         layout=layout,
         backend=backend,
         dtype=req["dtype"],
         diagnosis=finding.diagnosis,
         filename="repro.py",
-        world=world,
+        world=req["ring"] * req["ulysses"],
         batch=req["batch"],
         seq=req["seq"],
         heads=req["heads"],
@@ -251,7 +263,3 @@ def write_repro(report: Report, directory: str, command: str) -> list[str]:
             else ""
         ),
     )
-    issue_path = os.path.join(directory, "ISSUE.md")
-    with open(issue_path, "w") as fh:
-        fh.write(issue)
-    return [script, issue_path]

@@ -71,7 +71,7 @@ def dispatch_trial(rows: list[BackendRow], device: Any, dtype_name: str, config:
 
     from cpdoctor.compat import diffusers as compat
 
-    local_only = [r for r in rows if r.facts.get("runs_here") and not r.facts.get("cp_registered")]
+    local_only = [r for r in rows if r.runs_here and not r.cp_capable]
     trial = DispatchTrial(
         ignoring=[r.name for r in local_only if r.accepts_parallel_config],
         dropping=[r.name for r in local_only if not r.accepts_parallel_config],

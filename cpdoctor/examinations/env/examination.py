@@ -65,5 +65,7 @@ def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool
         rows = [examine_row(name, dev, dtype_name, config) for name in compat.registered_backend_names()]
         code = gather(rows, dev, dtype_name, config)
     findings = rules.judge(code, rows, dtype_name)
-    extra = {"backends": rows}
+    from cpdoctor.examinations.peer.catalog import installed_peers
+
+    extra = {"backends": rows, "peers": installed_peers()}
     return Report.of(findings, environment, request.to_dict(), wall_s=time.perf_counter() - t0, extra=extra)
