@@ -65,6 +65,20 @@ def bad_inputs(example, args) -> dict:
     with watch_step(model, step=dist.get_rank() % 2) as w:
         model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)[0].sum().backward()
     out["step_count"] = summary(w.report)
+    model.zero_grad(set_to_none=True)
+    from cpdoctor.examinations.step.first import watch_first_step
+
+    seen = []
+    first = watch_first_step(model, seen.append)  # what preflight(model=...) arms: closed by the optimizer step
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)[0].square().mean().backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=mesh["ring"].get_group())  # sum over CP
+            dist.all_reduce(p.grad, group=mesh["dp"].get_group())  # mean over data parallel
+            p.grad /= args.dp
+    opt.step()
+    out["first_step"] = {**summary(first.report), "callback": len(seen)}
     return out
 
 
@@ -103,6 +117,8 @@ def main() -> None:
             finally:
                 cpdoctor.unpatch()
             results["variants"][f"fsdp2/{name}"] = summary(reports[0])
+    if a.patch:
+        cpdoctor.patch()  # the first-step case checks the armed watch PASSes a correct step
     results["bad_inputs"] = bad_inputs(load(os.path.join(a.copies, "correct.py")), args)
     if dist.get_rank() == 0:
         with open(a.out, "w") as fh:

@@ -27,6 +27,13 @@ FAULTS: dict[str, list[tuple[str, str]]] = {
     "ddp_world": [("process_group=dp_group, ", ""), ("dist.all_reduce(p.grad, group=cp_group)", "pass")],
     "no_cp_reduce": [("dist.all_reduce(p.grad, group=cp_group)", "pass")],
     "shard_loss": [("F.mse_loss(out, target)", "F.mse_loss(out.chunk(args.cp, dim=1)[cp_rank], target.chunk(args.cp, dim=1)[cp_rank])")],
+    "no_dp_average": [("ddp = DDP(model, process_group=dp_group, find_unused_parameters=True)", "ddp = model")],
+    "rng_extra": [
+        (
+            "            loss.backward()  # DDP averages over the data-parallel group\n",
+            "            loss.backward()  # DDP averages over the data-parallel group\n            if cp_rank == 1:\n                torch.rand(1)  # a rank-only draw\n",
+        )
+    ],
 }
 """A fault = text replacements in a copy of the example (each must be found: the example changed otherwise)."""
 
@@ -36,6 +43,8 @@ EXPECT: dict[str, tuple[str, ...]] = {
     "ddp_world": ("exactly 0.5×", "factor 1/cp", "averaged over the CP ranks"),
     "no_cp_reduce": ("differ between CP peers after the sync", "reduction over the CP group (ranks 0, 1) is missing", "summed over the CP group they are the expected"),
     "shard_loss": ("covers only its own shard", "= cp = 2", "normalised by the local shard"),
+    "no_dp_average": ("own data only", "averaging over the data-parallel ranks is missing"),
+    "rng_extra": ("RNG states differ between CP peers after the step", "rank 1 consumed random numbers", "rank 3 consumed random numbers"),
 }  # fmt: skip
 
 
@@ -142,6 +151,7 @@ def test_bad_inputs(results):
     assert bad["no_backward"]["verdict"] == "UNSUPPORTED" and "never called backward" in bad["no_backward"]["diagnoses"][0]
     assert bad["raises"]["verdict"] == "CRASH" and "the user's step failed" in bad["raises"]["diagnoses"][0]
     assert bad["step_count"]["verdict"] == "FAIL" and "disagree on the step count" in bad["step_count"]["diagnoses"][0]
+    assert bad["first_step"]["verdict"] == "PASS" and bad["first_step"]["callback"] == 1  # armed, closed by optimizer.step()
 
 
 if __name__ == "__main__":  # pragma: no cover

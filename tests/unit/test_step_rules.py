@@ -94,6 +94,13 @@ def test_peers_differ_after_sync_is_the_missing_cp_reduction():
     assert "all_reduce" in f.remedy
 
 
+def test_each_group_with_its_own_gradients_is_the_missing_dp_averaging():
+    n = numbers(dp=2, grads=grads((0.3, 0.9, 0.25), (0.3, 0.9, 0.25)), own_rel_err=1e-7)
+    f = step_finding(n)
+    assert "averaging over the data-parallel ranks is missing" in f.diagnosis and "data-parallel" in f.remedy
+    assert "first bad parameter" not in f.diagnosis
+
+
 def test_output_gradients_differ_is_the_loss():
     n = numbers(out_grad_differ=(1,), out_grad_spread=0.4, grads=grads((0.2, 0.9, 0.1), (0.2, 0.9, 0.1)))
     f = step_finding(n)

@@ -35,6 +35,7 @@ CP_SUM_REMEDY = (
     "sum the parameter gradients over the CP group after backward (dist.all_reduce(p.grad, op=SUM, group=cp_group), "
     "the group of the model's CP mesh), then average over the data-parallel ranks only"
 )
+DP_REMEDY = "average the gradients over the data-parallel ranks (DDP over the data-parallel group, or all_reduce then divide by dp)"
 ATTENTION_REMEDY = "cpdoctor.patch() before the first step (cpdoctor.preflight(...) does it when the fix is exact)"
 RNG_REMEDY = (
     "make every CP rank draw the same random numbers in the same order (same generator seeded by the data-parallel "
@@ -136,7 +137,8 @@ class StepSignature:
     def only_gradients_wrong(self) -> bool:
         """Inputs, loss and reduction right: the peers agree on everything and no constant factor explains the error
         (where naming the first bad parameter and block says something)."""
-        return not (self.n.inputs_differ or self.n.out_grad_differ or self.peers_differ or self.factor is not None)
+        dp_missing = self.n.own_rel_err is not None and self.n.own_rel_err <= self.tol
+        return not (self.n.inputs_differ or self.n.out_grad_differ or self.peers_differ or self.factor is not None or dp_missing)
 
     @property
     def rng_consumers(self) -> tuple[int, ...]:
@@ -199,6 +201,14 @@ def _peers_text(s: StepSignature) -> str:
     else:
         text += f"; even summed over the CP group they are off (rel err {s.n.sum_rel_err:.2g})"
     return text
+
+
+def _dp_text(s: StepSignature) -> str:
+    return (
+        f"each CP group ends with the gradients of its own data only (rank {s.n.ranks[0]}: {s.n.own_rel_err:.2g} from its group's "
+        f"reference, {s.worst.rel_err:.2g} from the mean over the {s.n.dp} data-parallel groups): the averaging over the "
+        "data-parallel ranks is missing"
+    )
 
 
 def _factor_text(s: StepSignature) -> str:
@@ -270,6 +280,7 @@ RULES: tuple[Rule[StepSignature], ...] = (
     Rule("cause", "per-shard loss", lambda s: bool(s.n.out_grad_differ) and s.n.out_grad_own_shard, _out_grad_text, (SHARD_LOSS_REMEDY,)),
     Rule("cause", "loss differs per rank", lambda s: bool(s.n.out_grad_differ), _out_grad_text, (LOSS_REMEDY,)),
     Rule("cause", "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
+    Rule("cause", "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
     Rule("cause", "constant factor", lambda s: s.factor is not None, _factor_text),
     Rule("cause", "gradients wrong", lambda s: s.grads_bad, _attention_text, (ATTENTION_REMEDY,)),
     Rule("rng", "RNG consumed unevenly", lambda s: bool(s.rng_consumers) and len(s.n.rng_before_groups) == 1, _rng_text, (RNG_REMEDY,)),

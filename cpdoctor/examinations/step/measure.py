@@ -82,6 +82,9 @@ class StepNumbers:
     """Relative error of the peers' gradients summed over the CP group against the expected ones."""
     params: tuple[ParamError, ...]
     missing_grads: tuple[str, ...] = ()
+    own_rel_err: float | None = None
+    """The first rank's gradients against its own CP group's reference alone (None at dp 1): ~0 when the
+    data-parallel averaging is what is missing."""
 
     @property
     def cp(self) -> int:
@@ -161,11 +164,13 @@ def measure(
     out: Any,
     ref_out: Any,
     expected: Any,
+    own: Any = None,
     param_names: list[str],
     param_numels: list[int],
 ) -> StepNumbers:
     """The numbers of one CP group: `records` in group order (the first rank's first), `out`/`ref_out` the first
-    rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with."""
+    rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with (the mean
+    of every CP group's reference), `own` this group's reference alone."""
     import torch
 
     ranks = tuple(r.rank for r in records)
@@ -219,4 +224,5 @@ def measure(
         sum_rel_err=rel(summed, expected),
         params=tuple(params),
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
+        own_rel_err=rel(first, own.double()) if own is not None and dp > 1 else None,
     )

@@ -177,7 +177,7 @@ class StepWatch:
             assert records is not None
             numbers = measure(
                 records, ring=self.ring, ulysses=self.ulysses, dp=n_groups, dtype=self._dtype(), gather_dim=compat.output_gather_dim(self.module),
-                out=out, ref_out=ref_out, expected=expected, param_names=[n for n, _ in names], param_numels=numels,
+                out=out, ref_out=ref_out, expected=expected, own=ref_flat, param_names=[n for n, _ in names], param_numels=numels,
             )  # fmt: skip
             finding = step_finding(numbers)
             finding.evidence = _evidence(numbers, finding, self.reference)

@@ -1,0 +1,43 @@
+"""The step examination armed once, at the top of a training script (what `cpdoctor.preflight(..., model=model)`
+uses): the watcher is entered now, records the model's next forward and backward, and is closed by the first
+`optimizer.step()` of any optimizer (torch's global optimizer step pre-hook), which is where the user's
+gradient sync has happened and the weights have not moved yet. `on_report` receives the Report on every rank
+before that optimizer step runs, so it can stop the job before it learns from a wrong gradient."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cpdoctor.examinations.step.watch import StepWatch
+from cpdoctor.report import Report
+
+
+class FirstStep:
+    """An armed watch of the next training step; `report` once the first optimizer step has begun."""
+
+    def __init__(self, model: Any, on_report: Callable[[Report], None] | None = None, reference: str = "fp64") -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.watch = StepWatch(model, reference=reference).__enter__()
+        self.on_report = on_report
+        self.report: Report | None = None
+        self._handle = register_optimizer_step_pre_hook(self._close)
+
+    def _close(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.cancel()
+        self.watch.__exit__(None, None, None)
+        self.report = self.watch.report
+        if self.on_report is not None and self.report is not None:
+            self.on_report(self.report)
+
+    def cancel(self) -> None:
+        """Stop waiting for an optimizer step (the watcher's own hooks go at its exit)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def watch_first_step(model: Any, on_report: Callable[[Report], None] | None = None, *, reference: str = "fp64") -> FirstStep:
+    """Arm the step examination on `model`'s next training step, closed by the first optimizer.step()."""
+    return FirstStep(model, on_report, reference)
