@@ -20,15 +20,13 @@ def step(
     junit_path: Optional[str] = junit_option(),
     markdown_path: Optional[str] = markdown_option(),
 ) -> None:
-    """Run FUNCTION(watch_step) from the script on every rank and examine the step it watches against one fp64
-    process: inputs and RNG on every CP peer, the loss's output gradient, the gradient reduction (a constant
-    factor: cp, 1/cp, dp...), the gradients themselves (the attention), the first bad parameter.
+    """Run FUNCTION(watch_step) from the script on every rank and examine the step it watches against one fp64 process.
 
-    The contract: FUNCTION(watch_step) runs on every rank inside the job's process group (cpdoctor starts it, or
-    joins torchrun's; do not initialise or destroy it). It builds its model (with enable_parallelism) and data
-    and runs one training step inside `with watch_step(model):` (forward, loss, backward, gradient sync;
-    optimizer.step() after the block). Exit 0 the step is right, 1 wrong/crash/hang, 2 bad input, 3 nothing
-    examined (e.g. the step never called backward)."""
+    Examined: the inputs and RNG states of every CP peer, the gradient of the loss at the model's output, the gradient reduction (a constant factor: cp, 1/cp, dp), the gradients themselves (the attention), the first bad parameter.
+
+    The contract: FUNCTION(watch_step) runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's: do not initialise or destroy it). It builds its model (with enable_parallelism) and its data, and runs one training step inside `with watch_step(model):` (forward, loss, backward, gradient sync; optimizer.step() after the block).
+
+    Exit 0 the step is right, 1 wrong / crash / hang, 2 bad input, 3 nothing examined (e.g. the step never called backward)."""
     from cpdoctor import api
     from cpdoctor.report import render
 
