@@ -15,6 +15,7 @@ _LAZY = {
     "check_model": ("cpdoctor.api", "check_model"),
     "check_peer": ("cpdoctor.api", "check_peer"),
     "preflight": ("cpdoctor.api", "preflight"),
+    "watch_step": ("cpdoctor.api", "watch_step"),
     "PreflightFailed": ("cpdoctor.api", "PreflightFailed"),
     "patch": ("cpdoctor.fix.patch", "apply"),
     "unpatch": ("cpdoctor.fix.patch", "revert"),

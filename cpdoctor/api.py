@@ -38,6 +38,8 @@ __all__ = [
     "check_peer",
     "examine",
     "examine_environment",
+    "examine_step",
+    "watch_step",
     "plan_model",
     "preflight",
     "request_for",
@@ -285,6 +287,29 @@ def preflight(
         return report
     fix_patch.set_patched(was_patched)
     raise PreflightFailed(report)
+
+
+def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> Any:
+    """Examine one step of the user's own CP training loop against one process:
+
+        with cpdoctor.watch_step(model) as step:
+            ...  # the user's noise, forward, loss, backward and gradient sync
+        step.report  # a Report: inputs, output gradients, reduction, RNG and gradients against one process
+
+    (cpdoctor.examinations.step.watch)."""
+    from cpdoctor.examinations.step import watch_step as watch
+
+    return watch(model, step=step, reference=reference)
+
+
+def examine_step(
+    target: str, *, nproc: int = 2, device: str = "auto", reference: str = "fp64", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Report:
+    """`cpdoctor step path/to/train.py:function`: the user's step function on `nproc` spawned ranks (or torchrun's
+    world), watched; the Report of the steps it watched (cpdoctor.examinations.step)."""
+    from cpdoctor.examinations.step import examine_step as run
+
+    return run(target, nproc=nproc, device=device, reference=reference, timeout_s=timeout_s)
 
 
 def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:

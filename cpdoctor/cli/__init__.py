@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from cpdoctor.cli import check, doctor, env, model, plan, run
+from cpdoctor.cli import check, doctor, env, model, plan, run, step
 from cpdoctor.cli.options import JsonPath
 from cpdoctor.errors import BadInput, CannotExamine
 
@@ -73,6 +73,7 @@ def register_commands(app: typer.Typer) -> None:
     app.command("model", help=model.MODEL_HELP)(model.model)
     app.command("plan", help=plan.PLAN_HELP)(plan.plan)
     app.command("run")(run.run)
+    app.command("step")(step.step)
 
 
 register_commands(app)

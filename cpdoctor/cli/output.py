@@ -12,37 +12,6 @@ import typer
 from cpdoctor.errors import BadInput
 
 
-def json_option() -> Any:
-    return typer.Option(None, "--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table).")
-
-
-def timeout_option(per_launch: bool = False) -> Any:
-    what = (
-        "Seconds per launch before a rank is reported as HANG."
-        if per_launch
-        else "Seconds before a rank that has not finished is reported as HANG."
-    )
-    return typer.Option(300.0, "--timeout", help=what)
-
-
-def emulate_option() -> Any:
-    return typer.Option(
-        False,
-        "--emulate",
-        help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
-    )
-
-
-def junit_option() -> Any:
-    return typer.Option(None, "--junit", help="Write a JUnit XML report to FILE for CI (one testcase per examination; '-' for stdout).")
-
-
-def markdown_option() -> Any:
-    return typer.Option(
-        None, "--markdown", help="Write the table and verdict as Markdown to FILE, to paste into a pull request or issue ('-' for stdout)."
-    )
-
-
 def console(stderr: bool = False) -> Any:
     from rich.console import Console
 

@@ -3,22 +3,23 @@ one process (the command face of `cpdoctor.watch_step`)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated
 
 import typer
 
-from cpdoctor.cli.output import check_run_options, emit, json_option, junit_option, markdown_option, timeout_option, waiting
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, Device, JsonPath, JunitPath, MarkdownPath, Timeout
+from cpdoctor.cli.output import check_run_options, emit, waiting
 
 
 def step(
-    target: str = typer.Argument(..., metavar="path/to/train.py:function", help="The script and its step function (see below)."),
-    nproc: int = typer.Option(2, "--nproc", help="Ranks to start (ignored under torchrun, which decides)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    reference: str = typer.Option("fp64", "--reference", help="Precision of the one-process recomputation: fp64 or fp32."),
-    timeout: float = timeout_option(),
-    json_path: Optional[str] = json_option(),
-    junit_path: Optional[str] = junit_option(),
-    markdown_path: Optional[str] = markdown_option(),
+    target: Annotated[str, typer.Argument(metavar="path/to/train.py:function", help="The script and its step function (see below).")],
+    nproc: Annotated[int, typer.Option("--nproc", help="Ranks to start (ignored under torchrun, which decides).")] = 2,
+    device: Device = "auto",
+    reference: Annotated[str, typer.Option("--reference", help="Precision of the one-process recomputation: fp64 or fp32.")] = "fp64",
+    timeout: Timeout = DEFAULT_TIMEOUT_S,
+    json_path: JsonPath = None,
+    junit_path: JunitPath = None,
+    markdown_path: MarkdownPath = None,
 ) -> None:
     """Run FUNCTION(watch_step) from the script on every rank and examine the step it watches against one fp64 process.
 
@@ -34,7 +35,3 @@ def step(
     with waiting(f"running {target}", quiet="-" in (json_path, junit_path, markdown_path)):
         report = api.examine_step(target, nproc=nproc, device=device, reference=reference, timeout_s=timeout)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="step")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("step")(step)

@@ -56,7 +56,7 @@ class Part:
     def total(self) -> int:
         return self.weights + self.grads + self.activations + self.other
 
-    def to_dict(self) -> dict[str, int]:
+    def to_jsonable(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "total": self.total}
 
 
@@ -76,7 +76,7 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.available is None or self.device_peak <= HEADROOM * self.available
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_jsonable(self) -> dict[str, Any]:
         return {
             "device": self.sizes.device,
             "dtype": self.sizes.dtype,
@@ -85,9 +85,9 @@ class MemoryPlan:
             "blocks": dict(self.blocks_by_stack),
             "tokens": self.sizes.tokens,
             "world": self.sizes.world,
-            "per_rank": self.per_rank.to_dict(),
-            "rank0_baseline": self.baseline.to_dict(),
-            "rank0_reference": self.reference.to_dict(),
+            "per_rank": self.per_rank.to_jsonable(),
+            "rank0_baseline": self.baseline.to_jsonable(),
+            "rank0_reference": self.reference.to_jsonable(),
             "rank0_peak": self.rank0_peak,
             "device_peak": self.device_peak,
             "available": self.available,

@@ -194,8 +194,6 @@ class ReadStats:
     files_opened: int = 0
     tensors_in_checkpoint: int = 0
 
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 def read_tensors(names: Iterable[str], where: Mapping[str, str], stats: ReadStats | None = None, dtype: Any = None) -> dict[str, Any]:

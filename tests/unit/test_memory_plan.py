@@ -68,7 +68,7 @@ def test_plan_lines_and_dict():
     lines = p.lines()
     assert lines[0].startswith("memory plan: 545.5M parameters (transformer_blocks 1, single_transformer_blocks 1)")
     assert "reference (fp64)" in lines[2] and "available" in lines[3]
-    d = p.to_dict()
+    d = p.to_jsonable()
     assert d["fits"] is True and d["per_rank"]["total"] == p.per_rank.total and d["blocks"]["transformer_blocks"] == 1
 
 
