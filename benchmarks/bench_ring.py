@@ -180,7 +180,7 @@ def worker(spec: dict) -> None:
             dispatch.TemplatedRingAttention = gathered
 
     results: dict = {"ring_flash_attn_error": rfa_error}
-    for seq in [WARMUP_SEQ, *spec["seqs"]]:
+    for step, seq in enumerate([WARMUP_SEQ, *spec["seqs"]]):
         local = seq // world
         gen = torch.Generator().manual_seed(ctx.rank)
         q, k, v, g = (torch.randn(B, local, H, D, generator=gen).to(dtype) for _ in range(4))
@@ -226,7 +226,7 @@ def worker(spec: dict) -> None:
                 record.setdefault("bwd", []).append(t2 - t1)
 
         timed = [*impls, "ideal"] if spec["mode"] == "time" else impls
-        if seq == WARMUP_SEQ:
+        if step == 0:
             for impl in timed:
                 fwd_bwd(impl)
             continue
