@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from train_cp_2d import enable_cp  # noqa: E402
 
-from cpdoctor.examinations.step import watch_step  # noqa: E402
+import cpdoctor  # noqa: E402
 
 
 def flux(args):
@@ -92,7 +92,7 @@ def main() -> None:
 
     def watched(reference: str):
         def run() -> None:
-            with watch_step(model, reference=reference):
+            with cpdoctor.watch_step(model, reference=reference):
                 out = model(**inputs)[0]
                 F.mse_loss(out, target).backward()
                 for p in model.parameters():

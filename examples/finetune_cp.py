@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cpdoctor
-from cpdoctor.examinations.step import watch_step  # cpdoctor.watch_step once exported
 from cpdoctor.fix.patch import is_patched
 
 TINY_FLUX = dict(
@@ -81,7 +80,7 @@ def train(model, batches, cp_group=None, lr: float = 1e-2, watch: bool = False) 
     curves: dict[str, list[float]] = {"loss": [], "grad_norm": []}
     report = None
     for i, (inputs, target) in enumerate(batches):
-        with watch_step(model) if watch and i == 0 else contextlib.nullcontext() as watched:
+        with cpdoctor.watch_step(model) if watch and i == 0 else contextlib.nullcontext() as watched:
             out = model(**inputs, return_dict=False)[0]  # the _cp_plan gathers the full output on every rank
             loss = F.mse_loss(out.float(), target)
             opt.zero_grad()

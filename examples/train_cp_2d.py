@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpdoctor.examinations.step import watch_step  # cpdoctor.watch_step once exported
+import cpdoctor
 
 TINY = {
     "flux": dict(
@@ -78,8 +78,10 @@ def conditioning(model, dp_rank: int, step: int) -> dict:
     return kw
 
 
-def run(args, watch=watch_step) -> list:
-    """Train `args.steps` watched steps; return each step's cpdoctor Report."""
+def run(args, watch=None) -> list:
+    """Train `args.steps` watched steps; return each step's cpdoctor Report. `watch` is `cpdoctor.watch_step`
+    unless `cpdoctor step` hands its own."""
+    watch = watch or cpdoctor.watch_step
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -7,10 +7,11 @@ watched by `cpdoctor.watch_step` against one process.
 FSDP2 reduce-scatters the gradients over the mesh it shards on and divides by that mesh's size. When the mesh
 includes the CP ranks, that mean divides the CP group's contributions, which must be summed, by cp as well:
 gradients exactly cp× too small (NVIDIA NeMo Automodel's CP guide lists it). `set_gradient_divide_factor(dp)`
-divides by the data-parallel size only (NCCL; gloo has no PREMUL_SUM, so on CPU the script multiplies by cp after); `--divide-by-world` leaves FSDP's default, and watch_step names the
+divides by the data-parallel size only (NCCL; gloo has no PREMUL_SUM, so on CPU the script multiplies by cp
+after); `--divide-by-world` leaves FSDP's default, and watch_step names the
 factor. Parameters and gradients are DTensors; the watcher gathers them whole (`full_tensor`).
 
-On CPU (gloo, torch 2.13) this runs; one of three runs of diffusers' own FSDP tests aborted at teardown
+On CPU (gloo, torch 2.13) this runs; one of three tiny FSDP2 runs measured here aborted at teardown
 (SIGABRT in gloo), so this script leaves without destroying its process group.
 """
 
@@ -28,10 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from train_cp_2d import GRID, build_model, conditioning, enable_cp  # noqa: E402  (the same tiny model and inputs)
 
-from cpdoctor.examinations.step import watch_step  # noqa: E402  (cpdoctor.watch_step once exported)
+import cpdoctor  # noqa: E402
 
 
-def run(args, watch=watch_step) -> list:
+def run(args, watch=None) -> list:
+    watch = watch or cpdoctor.watch_step
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

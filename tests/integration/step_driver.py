@@ -36,8 +36,8 @@ def summary(report) -> dict:
 
 def bad_inputs(example, args) -> dict:
     """The watcher's bad inputs, in process: no CP, no backward, a raising step, ranks at different steps."""
+    from cpdoctor import watch_step
     from cpdoctor.errors import BadInput
-    from cpdoctor.examinations.step import watch_step
 
     out = {}
     try:

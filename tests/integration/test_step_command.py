@@ -16,18 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_cp_2d.py"
 
-# `cpdoctor step` is registered by cpdoctor/cli/step.py and reaches the examination through api.examine_step; this
-# runs the CLI with both in place whether or not the app and the API list them yet.
-CLI = (
-    "import cpdoctor.api as api; from cpdoctor.examinations.step import examine_step; vars(api).setdefault('examine_step', examine_step); "
-    "from cpdoctor.cli import app, main; from cpdoctor.cli.step import register; "
-    "register(app) if 'step' not in {c.name for c in app.registered_commands} else None; main()"
-)
-
-
 def cpdoctor_step(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", CLI, "step", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "cpdoctor", "step", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 BAD_STEPS = textwrap.dedent(
