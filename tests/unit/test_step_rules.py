@@ -178,3 +178,11 @@ def test_input_diffs_and_groups():
 
 def _rec(rank: int, out_grad, inputs=()) -> PeerRecord:
     return PeerRecord(rank, 1, 1, inputs, "r", "r", out_grad, torch.zeros(1))
+
+
+def test_a_model_without_cp_is_bad_input():
+    from cpdoctor.errors import BadInput
+    from cpdoctor.examinations.step import model_degrees
+
+    with pytest.raises(BadInput, match="no context parallelism enabled"):
+        model_degrees(torch.nn.Linear(2, 2))

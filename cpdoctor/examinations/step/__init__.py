@@ -14,7 +14,17 @@ from cpdoctor.examinations.step.request import CONTRACT, StepRequest
 from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding, Report, Verdict
 
-__all__ = ["CONTRACT", "EXAMINATION", "StepExamination", "StepRequest", "examine_script", "examine_step", "watch_step"]
+__all__ = [
+    "CONTRACT",
+    "EXAMINATION",
+    "StepExamination",
+    "StepRequest",
+    "arm_first_step",
+    "examine_script",
+    "examine_step",
+    "model_degrees",
+    "watch_step",
+]
 
 
 def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> Any:
@@ -22,6 +32,28 @@ def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") 
     from cpdoctor.examinations.step.watch import watch_step as _watch
 
     return _watch(model, step=step, reference=reference)
+
+
+def model_degrees(model: Any) -> tuple[int, int]:
+    """(ring, ulysses) of a diffusers transformer with enable_parallelism (bare, in DDP or under FSDP2); BadInput
+    when CP is not enabled on it (what `preflight(model=...)` reads the job's degrees from)."""
+    from cpdoctor.compat import step as compat
+    from cpdoctor.errors import BadInput
+    from cpdoctor.examinations.step.watch import unwrap
+
+    inner = unwrap(model)
+    config = compat.parallel_config_of(inner)
+    if config is None:
+        raise BadInput(f"{type(inner).__name__} has no context parallelism enabled: call model.enable_parallelism(config=...) first")
+    return compat.cp_degrees(config)
+
+
+def arm_first_step(model: Any, on_report: Any = None, *, reference: str = "fp64") -> Any:
+    """Arm the step examination on `model`'s next training step, closed by the first optimizer.step() of any
+    optimizer; `on_report(report)` runs on every rank before that step (first.py)."""
+    from cpdoctor.examinations.step.first import watch_first_step
+
+    return watch_first_step(model, on_report, reference=reference)
 
 
 class StepExamination(Examination):
