@@ -241,12 +241,13 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
 
 
 class PreflightFailed(RuntimeError):
-    """Raised by `preflight` when CP attention is wrong here and the fix does not (or may not) repair it."""
+    """Raised by `preflight` when CP attention is wrong here and the fix does not (or may not) repair it, or
+    when the first training step it watched does not match one process."""
 
-    def __init__(self, report: Report):
-        finding = report.findings[0] if report.findings else None
+    def __init__(self, report: Report, what: str = "context-parallel attention is not safe to train with here"):
+        finding = next((f for f in report.findings if f.verdict is not Verdict.PASS), report.findings[0] if report.findings else None)
         detail = f"{finding.verdict}: {finding.diagnosis}" if finding else report.verdict
-        super().__init__(f"cpdoctor preflight: context-parallel attention is not safe to train with here — {detail}")
+        super().__init__(f"cpdoctor preflight: {what} — {detail}")
         self.report = report
 
 
@@ -260,33 +261,61 @@ def preflight(
     ulysses: int | None = None,
     *,
     parallel_config: Any = None,
+    model: Any = None,
+    watch_first_step: bool = True,
     fix: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     **fields: Any,
 ) -> Report:
     """Call once at the top of a training script (on every rank under torchrun) before any CP training step.
 
-    Examines diffusers' CP attention with this job's degrees (from `parallel_config` when given), backend,
-    dtype and head shape (`heads=`, `head_dim=`, `seq=`, `mask_pad=`, `backend=`, `dtype=`), forward and
-    backward. If it is exact, nothing changes. If it is wrong and `fix` is true, cpdoctor's fixed CP
-    attention (ring and Ulysses) is examined too and, when it is exact, left patched into this process (every rank takes the
-    same decision: under torchrun all ranks see rank 0's report). Otherwise raises PreflightFailed with the
-    diagnosis, so the job stops before it learns from corrupted gradients. Returns the report."""
+    Examines diffusers' CP attention with this job's degrees (from `model`'s enable_parallelism or
+    `parallel_config` when given), backend, dtype and head shape (`heads=`, `head_dim=`, `seq=`, `mask_pad=`,
+    `backend=`, `dtype=`), forward and backward. If it is exact, nothing changes. If it is wrong and `fix` is
+    true, cpdoctor's fixed CP attention (ring and Ulysses) is examined too and, when it is exact, left patched into
+    this process (every rank takes the same decision: under torchrun all ranks see rank 0's report). Otherwise
+    raises PreflightFailed with the diagnosis, so the job stops before it learns from corrupted gradients.
+
+    With `model` (and `watch_first_step`), the user's first training step is examined too, against one process
+    (`watch_step`): armed now, judged before the first optimizer.step(), which a wrong step never reaches
+    (PreflightFailed on every rank). Returns the attention report."""
     from cpdoctor.fix import patch as fix_patch
 
-    if parallel_config is not None:
+    if model is not None:
+        from cpdoctor.examinations.step import model_degrees
+
+        ring, ulysses = model_degrees(model)
+    elif parallel_config is not None:
         ring, ulysses = _degrees_from(parallel_config)
     was_patched = fix_patch.is_patched()
     report = check_attention(timeout_s=timeout_s, ring=ring, ulysses=ulysses, patch=fix, **fields)
     unpatched = report.before if report.before is not None else RunResult(report.verdict, report.findings)
     if unpatched.verdict == Verdict.PASS:
         fix_patch.set_patched(was_patched)
-        return report
-    if fix and report.verdict == Verdict.PASS:
+    elif fix and report.verdict == Verdict.PASS:
         fix_patch.apply()
-        return report
-    fix_patch.set_patched(was_patched)
-    raise PreflightFailed(report)
+    else:
+        fix_patch.set_patched(was_patched)
+        raise PreflightFailed(report)
+    if model is not None and watch_first_step:
+        _arm_first_step(model)
+    return report
+
+
+def _arm_first_step(model: Any) -> None:
+    """The step examination on the model's first training step: a wrong step raises PreflightFailed before the
+    first optimizer.step(); a step it could not examine is a warning, not a stop."""
+    import warnings
+
+    from cpdoctor.examinations.step import arm_first_step
+
+    def judge(step: Report) -> None:
+        if step.verdict in (Verdict.FAIL, Verdict.CRASH, Verdict.HANG):
+            raise PreflightFailed(step, what="the first CP training step does not match one process")
+        if step.verdict is not Verdict.PASS:
+            warnings.warn(f"cpdoctor: the first training step was not examined: {step.findings[0].diagnosis}", stacklevel=2)
+
+    arm_first_step(model, judge)
 
 
 def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> Any:
@@ -320,12 +349,20 @@ def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool
     return run(device=device, dtype=dtype, emulate=emulate)
 
 
-def plan_model(model: str, **settings: Any) -> Report:
-    """`cpdoctor plan`: the measured length of every CP split of `model` at these settings (height, width,
-    text_len, frames, ring, ulysses) and the ways out of each problem (see cpdoctor.examinations.plan)."""
+def plan_model(
+    model: str,
+    height: int | None = None,
+    width: int | None = None,
+    text_len: int | None = None,
+    ring: int = 1,
+    ulysses: int = 1,
+    frames: int | None = None,
+) -> Report:
+    """`cpdoctor plan`: the measured length of every CP split of `model` at these settings (None: the pipeline's
+    default) and the ways out of each problem (see cpdoctor.examinations.plan)."""
     from cpdoctor.examinations.plan.planner import plan_model as run
 
-    return run(model, **settings)
+    return run(model, height, width, text_len, ring, ulysses, frames)
 
 
 def list_models() -> list[Any]:

@@ -16,6 +16,7 @@ ENTRIES: dict[str, str] = {
     "model": "cpdoctor.examinations.model",
     "train_step": "cpdoctor.examinations.train_step",
     "peer": "cpdoctor.examinations.peer",
+    "step": "cpdoctor.examinations.step",
 }
 """kind -> the package whose `EXAMINATION` is the entry."""
 
