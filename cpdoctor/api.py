@@ -76,13 +76,24 @@ def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = Tru
 
 
 def _visible_gpus() -> int:
-    """CUDA devices torch sees (0 when torch has none or cannot tell)."""
-    try:
-        import torch
+    """The CUDA devices the ranks would see, without importing torch in the parent (a report of ranks that hung
+    should not wait for it): torch's own count when this process already imported torch, else
+    CUDA_VISIBLE_DEVICES when set, else the NVIDIA device nodes of this host."""
+    import glob
+    import os
+    import re
+    import sys
 
-        return int(torch.cuda.device_count())
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, as the ranks would find
-        return 0
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            return int(torch.cuda.device_count())
+        except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, as the ranks would find
+            return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
 
 
 def request_for(kind: str, **fields: Any) -> Any:

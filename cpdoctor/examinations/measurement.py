@@ -73,7 +73,7 @@ def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = No
     if ctx.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(ctx.device)})"
     env: dict[str, Any] = {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
         "diffusers": compat.diffusers_version(),
         "python": platform.python_version(),
         "device": device,

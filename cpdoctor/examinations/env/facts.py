@@ -59,7 +59,7 @@ def cpdoctor_version() -> str:
 def torch_version() -> str:
     import torch
 
-    return torch.__version__
+    return str(torch.__version__)
 
 
 def torch_cuda_build() -> str:

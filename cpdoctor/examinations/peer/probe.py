@@ -217,7 +217,7 @@ def environment(ctx: Any, req: PeerRequest, facts: PeerFacts) -> dict[str, Any]:
     import torch
 
     env: dict[str, Any] = {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
         "python": platform.python_version(),
         "device": str(ctx.device),
         "process_group": ctx.pg_backend,

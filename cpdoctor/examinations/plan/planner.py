@@ -53,4 +53,4 @@ def _environment() -> dict[str, Any]:
     """What the measurement ran on: no weights, no compute, the meta device."""
     import torch
 
-    return {"torch": torch.__version__, "diffusers": installed_version("diffusers"), "device": "meta"}
+    return {"torch": str(torch.__version__), "diffusers": installed_version("diffusers"), "device": "meta"}
