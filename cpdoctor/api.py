@@ -66,7 +66,7 @@ def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = Tru
     }
     if ranks_ran:
         preference = str(getattr(req, "device", "auto"))
-        env["device"], env["process_group"] = device_and_group(preference, _visible_gpus(), world_size)
+        env["device"], env["process_group"] = device_and_group(preference, visible_gpus(), world_size)
     for key in ("backend", "ring", "ulysses", "dtype"):
         if req is not None and hasattr(req, key):
             env[key] = getattr(req, key)
@@ -75,7 +75,7 @@ def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = Tru
     return env
 
 
-def _visible_gpus() -> int:
+def visible_gpus() -> int:
     """The CUDA devices the ranks would see, without importing torch in the parent (a report of ranks that hung
     should not wait for it): torch's own count when this process already imported torch, else
     CUDA_VISIBLE_DEVICES when set, else the NVIDIA device nodes of this host."""

@@ -111,14 +111,10 @@ def suite_for(checks: list[PlannedCheck]) -> Suite:
 
 
 def count_accelerators() -> int:
-    """CUDA devices torch sees (what the ranks would use); 0 when torch has none. device_count() reads the
-    driver (or NVML) without creating a CUDA context in this process."""
-    try:
-        import torch
+    """The CUDA devices the ranks would use (`api.visible_gpus`: without importing torch in this process)."""
+    from cpdoctor.api import visible_gpus
 
-        return int(torch.cuda.device_count())
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, the ranks then use the CPU
-        return 0
+    return visible_gpus()
 
 
 def _torchrun_world() -> int | None:
