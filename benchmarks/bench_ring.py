@@ -307,9 +307,24 @@ def spawn(world: int, spec: dict, extra_env: dict | None = None) -> list[dict]:
             return json.load(fh)
 
 
+def per_rep(timing: list, key: str, impl: str, part: str) -> list[float]:
+    """Per repetition, the slowest rank's time of `part` ("fwd", "bwd" or "total")."""
+    per_rank = [r[key][impl] for r in timing]
+    if part == "total":
+        return [max(f + b for f, b in ranks) for ranks in zip(*(zip(p["fwd"], p["bwd"]) for p in per_rank))]
+    return [max(vals) for vals in zip(*(p[part] for p in per_rank))]
+
+
+def paired(timing: list, key: str, impl: str, other: str, part: str) -> float:
+    """Median over repetitions of impl / other, each pair measured back to back: robust to a load that drifts
+    over the run (other engineers share these cores), which a ratio of medians is not."""
+    return statistics.median(a / b for a, b in zip(per_rep(timing, key, impl, part), per_rep(timing, key, other, part)))
+
+
 def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
     """One row per sequence length: per impl its times (slowest rank, median over repetitions), pieces (rank 0)
-    and peak memory (largest rank); every impl's ratios to the built-in ring; the ideal."""
+    and peak memory (largest rank); every impl's ratios to the built-in ring (`*_x`: paired per repetition) and
+    its backward over the ideal's (paired too); the ideal."""
     rows = []
     for seq in run.seqs:
         key = str(seq)
@@ -319,29 +334,25 @@ def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
         for impl in impls:
             cell: dict = {}
             if timing:
-                per_rank = [r[key][impl] for r in timing]
-                for part in ("fwd", "bwd"):
-                    cell[f"{part}_s"] = statistics.median(max(vals) for vals in zip(*(p[part] for p in per_rank)))
-                cell["total_s"] = cell["fwd_s"] + cell["bwd_s"]
-                cell["pieces_rank0_s"] = per_rank[0]["pieces"]
+                for part in ("fwd", "bwd", "total"):
+                    cell[f"{part}_s"] = statistics.median(per_rep(timing, key, impl, part))
+                cell["pieces_rank0_s"] = timing[0][key][impl]["pieces"]
             if memory:
                 cell["peak_mib"] = max(r[key][impl]["peak_bytes"] for r in memory) / 2**20
             row[impl] = cell
         if timing:
-            per_rank = [r[key]["ideal"] for r in timing]
-            row["ideal"] = {f"{part}_s": statistics.median(max(v) for v in zip(*(p[part] for p in per_rank))) for part in ("fwd", "bwd")}
+            row["ideal"] = {f"{part}_s": statistics.median(per_rep(timing, key, "ideal", part)) for part in ("fwd", "bwd")}
         for impl in impls:
+            if timing:
+                row[f"{impl}_bwd_over_ideal"] = paired(timing, key, impl, "ideal", "bwd")
             if impl == "builtin":
                 continue
             if timing:
-                row[f"{impl}_time_x"] = row[impl]["total_s"] / row["builtin"]["total_s"]
+                row[f"{impl}_time_x"] = paired(timing, key, impl, "builtin", "total")
                 for part in ("fwd", "bwd"):
-                    row[f"{impl}_{part}_x"] = row[impl][f"{part}_s"] / row["builtin"][f"{part}_s"]
+                    row[f"{impl}_{part}_x"] = paired(timing, key, impl, "builtin", part)
             if memory:
                 row[f"{impl}_memory_x"] = row[impl]["peak_mib"] / row["builtin"]["peak_mib"]
-        if timing:
-            for impl in impls:
-                row[f"{impl}_bwd_over_ideal"] = row[impl]["bwd_s"] / row["ideal"]["bwd_s"]
         rows.append(row)
     return rows
 
