@@ -20,10 +20,16 @@ backward  stream K/V (and mask) round again; for every chunk j compute the block
           op's saved context); sum dQ locally. dK_j/dV_j belong to rank j: an fp32 accumulator per chunk
           travels with its keys, to rank r−1 after every step (at step i rank r holds chunk r+i, which rank
           r−1 holds at step i+1), and one final hop brings each chunk's sum home; each hop overlaps the next
-          block's backward. The other exact way, reduce-scattering a (W, |K|+|V|) buffer of every chunk's
-          dK/dV, needs W chunks of memory and measured no faster (benchmarks/README.md): it was dropped, and so
-          was the all-gathered K/V this ring used before (W chunks per rank; measured slower or equal at every
-          point the benchmark covers).
+          block's backward.
+
+Memory per rank, whatever W is: two K/V buffers, two dK/dV accumulators, dQ and one block's outputs (about
+13 local chunks at the backward's peak; kernels get views, not layout copies, and no block's results are
+held through the next kernel). Measured (benchmarks/README.md, S 16384): 0.54 / 0.42 / 0.28× the built-in
+ring's peak at ring 2 / 4 / 8. Two variants were measured and dropped: the all-gathered K/V this ring used
+before (W chunks per rank: 0.75 / 0.82 / 0.88× the built-in ring's memory at S 4096; its one collective saved the
+streamed forward's hop latency only at tiny chunks, ~2 ms at ring 4, S 512), and reduce-scattering every
+chunk's dK/dV from a (W, |K|+|V|) buffer (W chunks of fp32; 1.11× the built-in ring's memory at ring 4 and no
+faster).
 
 Every rank makes every hop, also when it skips a chunk's compute: chunks whose keys are all masked for every
 row of this rank are skipped; rows with no allowed key in a chunk get lse = −inf for that block (the fused
