@@ -8,23 +8,30 @@ LABELS = ["ring 2", "ring 3", "Ulysses 2", "ring 2 × Ulysses 2", "ring 2, mask_
 
 
 def test_doctor_alone_names_the_defects_of_this_diffusers(has_stale_kv_backward):
+    from cpdoctor.doctor import peer_checks
+
     run = run_cli("--json", "-", timeout=400)
     data = run.json
     summary = data["doctor"]
     assert run.code == data["exit_code"] == 1, run.stderr
     assert data["verdict"] == "FAIL"
 
-    # The plan for this CPU host: no accelerators, so no ring over all of them; three launches (world 2, 3, 4).
+    # The plan for this CPU host: no accelerators, so no ring over all of them; three launches (world 2, 3, 4) for
+    # diffusers, then ring 2 and ring 3 of every installed peer (two launches more when there is one).
+    peers = [c.label for c in peer_checks()]
     assert summary["accelerators"] == 0
-    assert [c["label"] for c in summary["checks"]] == LABELS
-    assert summary["launches"] == 3
+    assert [c["label"] for c in summary["checks"]] == LABELS + peers
+    assert summary["launches"] == 3 + (2 if peers else 0)
     env = data["environment"]
-    assert env["backend"] == summary["backend"] == "cpdoctor_cpu"
+    assert env["backend"] == summary["backend"] == "cpdoctor_cpu" or (peers and "cpdoctor_cpu" in summary["backend"])
     assert {"torch", "diffusers", "device", "accelerators"} <= set(env)
+    peer_findings = data["findings"][len(LABELS) :]
+    assert all(f["verdict"] == "PASS" for f in peer_findings), [f["diagnosis"] for f in peer_findings]
+    assert all(f["command"].startswith("cpdoctor check --impl ") for f in peer_findings)
 
-    findings = data["findings"]
+    findings = data["findings"][: len(LABELS)]
     verdicts = [f["verdict"] for f in findings]
-    assert [c["verdict"] for c in summary["checks"]] == verdicts
+    assert [c["verdict"] for c in summary["checks"]][: len(LABELS)] == verdicts
     diagnoses = dict(zip(LABELS, (f["diagnosis"] for f in findings), strict=True))
     if has_stale_kv_backward:  # 0.39.0: every ring layout, the unified one included, recomputes on stale K/V
         assert verdicts == ["FAIL", "FAIL", "PASS", "FAIL", "FAIL"]

@@ -1,7 +1,7 @@
 """The step examination's targets: examples/train_cp_2d.py (data-parallel 2 × CP 2, DDP, 4 gloo ranks) PASSes on
 tiny Flux and tiny Qwen-Image, and each fault injected into a copy of it FAILs with its own diagnosis naming
 the ranks or the factor; the watcher's bad inputs give one clear finding or BadInput. One torchrun launch per
-diffusers release runs every copy (tests/integration/step_driver.py), so diffusers is imported once per rank.
+environment (each CI environment has its own diffusers release) runs every copy (tests/integration/step_driver.py), so diffusers is imported once per rank.
 
 On a release whose stock ring attention is wrong (0.39.0), the correct script passes with cpdoctor.patch(), and
 the stock run FAILs naming the attention and the op-level `cpdoctor check` command."""
@@ -64,29 +64,18 @@ def _copies(tmp: Path, stock: bool) -> Path:
     return out
 
 
-def _python(venv: str) -> Path | None:
-    path = ROOT / venv / "bin" / "python"
-    return path if path.exists() else None
-
-
-def _release(python: Path) -> str:
-    return subprocess.run(
-        [str(python), "-c", "import diffusers; print(diffusers.__version__)"], capture_output=True, text=True
-    ).stdout.strip()
-
-
 def _stock_ring_wrong(version: str) -> bool:
     """Whether this release's stock ring-2 backward is wrong (docs/FACTS.md: 0.39.0 yes, 0.42.1 no): the case
     decides only whether the stock copy runs; what it must show is asserted from the report."""
     return version.startswith("0.39")
 
 
-@pytest.fixture(scope="module", params=[".venv", ".venv39"])
-def results(request, tmp_path_factory) -> tuple[str, dict]:
-    python = _python(request.param)
-    if python is None:
-        pytest.skip(f"{request.param} is not installed")
-    version = _release(python)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[str, dict]:
+    """One torchrun launch of every copy with this environment's diffusers (CI runs each release in its own)."""
+    import diffusers
+
+    python, version = sys.executable, diffusers.__version__
     tmp = tmp_path_factory.mktemp("step")
     stock = _stock_ring_wrong(version)
     copies = _copies(tmp, stock)
