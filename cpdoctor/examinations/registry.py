@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 ENTRIES: dict[str, str] = {
     "attention": "cpdoctor.examinations.attention",
     "model": "cpdoctor.examinations.model",
-    "train_step": "cpdoctor.examinations.train_step",
+    "fix_training": "cpdoctor.examinations.fix_training",
     "peer": "cpdoctor.examinations.peer",
     "step": "cpdoctor.examinations.step",
 }

@@ -18,14 +18,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Case:
-    """One examination run on every rank: the examination's request (its own dataclass), patched or not.
-
-    `dkv` chooses the fixed ring's dK/dV strategy in a patched case (tests and benchmarks compare them; None is
-    the fix's default); `label` names the case in fault injection and logs ("unpatched" / "patched")."""
+    """One examination run on every rank: the examination's request (its own dataclass), patched or not;
+    `label` names the case in fault injection and logs ("unpatched" / "patched")."""
 
     request: Any
     patched: bool = False
-    dkv: str | None = None
 
     @property
     def label(self) -> str:

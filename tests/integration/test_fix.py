@@ -1,7 +1,7 @@
 """The fix: cpdoctor's ring attention patched into the installed diffusers, measured with real gloo ranks.
 
 Every multi-process check goes through `cpdoctor.launch.run_spawned` and the probes (attention: op-level
-parity against an fp64 reference; train_step: a tiny two-layer model's training step against one process).
+parity against an fp64 reference; fix_training: a tiny two-layer model's training step against one process).
 Cases are batched so each world size launches once. Expectations never read the diffusers version: what
 the unpatched ring gets wrong is taken from the patch report, which reads the replaced code.
 """
@@ -19,7 +19,7 @@ import torch
 from cpdoctor.errors import CannotExamine
 from cpdoctor.examinations import registry
 from cpdoctor.examinations.attention.request import AttentionRequest
-from cpdoctor.examinations.train_step import TrainStepRequest
+from cpdoctor.examinations.fix_training import FixTrainingRequest
 from cpdoctor.launch import Case, Job
 from cpdoctor.launch.spawn import run_spawned
 
@@ -40,7 +40,7 @@ def _typed(kind: str, case: dict) -> Case:
     patched = bool(fields.pop("patched", False))
     if kind == "attention":
         return Case(AttentionRequest.from_dict(fields.pop("request")).validate(), patched)
-    return Case(TrainStepRequest(**fields), patched)
+    return Case(FixTrainingRequest(**fields), patched)
 
 
 def launch(kind: str, cases: list[dict], world: int) -> list[dict]:
@@ -137,12 +137,12 @@ def att4() -> dict:
 
 @pytest.fixture(scope="module")
 def train2() -> dict:
-    return _run_named("train_step", TRAIN2, 2)
+    return _run_named("fix_training", TRAIN2, 2)
 
 
 @pytest.fixture(scope="module")
 def train4() -> dict:
-    return _run_named("train_step", TRAIN4, 4)
+    return _run_named("fix_training", TRAIN4, 4)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ TRAIN_TOL = 2e-6
 
 
 @pytest.mark.parametrize("name", ["plain", "bool2d", "additive_whole_chunk", "ulysses2_bool2d"])
-def test_train_step_ring2_patched_matches_single_process(train2, name):
+def test_fix_training_ring2_patched_matches_single_process(train2, name):
     ev = train2[name]
     assert ev["out_rel_err"] < TRAIN_TOL and ev["x_grad_rel_err"] < TRAIN_TOL
     assert ev["worst_param_rel_err"] < TRAIN_TOL, (ev["worst_param"], ev["worst_param_rel_err"])
@@ -234,13 +234,13 @@ def test_patched_forward_equals_original_forward(train2):
 
 
 @pytest.mark.parametrize("name", ["ring4", "ring2_ulysses2_mask"])
-def test_train_step_world4_patched(train4, name):
+def test_fix_training_world4_patched(train4, name):
     ev = train4[name]
     assert ev["worst_param_rel_err"] < TRAIN_TOL, (ev["worst_param"], ev["worst_param_rel_err"])
     assert ev["out_rel_err"] < TRAIN_TOL and ev["x_grad_rel_err"] < TRAIN_TOL
 
 
-def test_train_step_unpatched_fails(train2, train4, original_traits):
+def test_fix_training_unpatched_fails(train2, train4, original_traits):
     assert train2["unpatched_mask"]["worst_param_rel_err"] > FAIL_AT
     assert train4["unpatched_ring4"]["worst_param_rel_err"] > FAIL_AT
     stale = original_traits["original_backward_passes_tensors"] is False

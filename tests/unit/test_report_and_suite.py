@@ -80,7 +80,7 @@ def _suite(tmp_path, text: str) -> str:
         ("name: x\n", "non-empty list under 'checks'"),
         ("checks:\n  - attention: {ring: 2}\nextra: 1\n", "unknown top-level keys extra"),
         ("checks:\n  - atention: {ring: 2}\n", "unknown kind 'atention'"),
-        ("checks:\n  - train_step: {ring: 2}\n", "unknown kind 'train_step'"),
+        ("checks:\n  - fix_training: {ring: 2}\n", "unknown kind 'fix_training'"),
         ("checks:\n  - attention: 2\n", "must be a mapping"),
         ("checks:\n  - {attention: {ring: 2}, model: {}}\n", "must be one mapping"),
     ],

@@ -126,7 +126,7 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
     req: AttentionRequest = case.request.validate()
     prepare_emulation(req)
     dispatch = compat.dispatch_module()
-    fix_patch.set_patched(case.patched, dkv=case.dkv)
+    fix_patch.set_patched(case.patched)
     name, facts = select_backend(req, ctx.device)
     unsupported = no_backend_here(facts, req.ring)
     if unsupported is not None:

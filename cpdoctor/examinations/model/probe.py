@@ -138,7 +138,7 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
 
     req: ModelRequest = case.request.validate()
     attention.prepare_emulation(req)  # the kernel stand-ins, before diffusers is imported (with --emulate)
-    fix_patch.set_patched(case.patched, dkv=case.dkv)
+    fix_patch.set_patched(case.patched)
     cpu_backend.register()
     with compat.quiet(FutureWarning), compat.preserved_active_backend():
         spec = request_spec(req, local_only=True)
@@ -188,7 +188,7 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
 
 def _op_shard(op_request: AttentionRequest, case: Case, ctx: Any) -> OpShard:
     try:
-        return OpShard(attention.run_rank(Case(op_request, case.patched, case.dkv), ctx))
+        return OpShard(attention.run_rank(Case(op_request, case.patched), ctx))
     except Exception as exc:  # noqa: BLE001 - the op-level cross-check is evidence, not the examination
         return OpShard(error=first_line(exc))
 

@@ -12,7 +12,7 @@ from cpdoctor.report import Finding, Verdict
 
 
 @dataclass(frozen=True)
-class TrainStepRequest:
+class FixTrainingRequest:
     """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive")."""
 
     ring: int = 2
@@ -35,7 +35,7 @@ class TrainStepRequest:
     def world_size(self) -> int:
         return self.ring * self.ulysses
 
-    def validate(self) -> TrainStepRequest:
+    def validate(self) -> FixTrainingRequest:
         return self
 
     def to_dict(self) -> dict:
@@ -44,18 +44,18 @@ class TrainStepRequest:
         return asdict(self)
 
 
-class TrainStepExamination(Examination):
-    kind = "train_step"
-    request_type = TrainStepRequest
+class FixTrainingExamination(Examination):
+    kind = "fix_training"
+    request_type = FixTrainingRequest
     in_suites = False
 
     def run_rank(self, case: Case, ctx: Any) -> RankResult:
-        from cpdoctor.examinations.train_step import probe
+        from cpdoctor.examinations.fix_training import probe
 
         return probe.run_rank(case, ctx)
 
     def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
-        from cpdoctor.examinations.train_step import probe
+        from cpdoctor.examinations.fix_training import probe
 
         return probe.evaluate(case, results, ctx)
 
@@ -64,8 +64,8 @@ class TrainStepExamination(Examination):
         verdict = Verdict.PASS if worst < 1e-5 else Verdict.FAIL
         return Finding(self.describe(case.request), verdict, f"worst relative error {worst:.2g} against one process", evidence=evaluated)
 
-    def describe(self, request: TrainStepRequest) -> str:
+    def describe(self, request: FixTrainingRequest) -> str:
         return f"train step ring={request.ring} ulysses={request.ulysses} mask={request.mask}"
 
 
-EXAMINATION = TrainStepExamination()
+EXAMINATION = FixTrainingExamination()

@@ -68,7 +68,7 @@ DEFAULTS = {
 
 
 def _case(case: Any) -> dict:
-    """The step's settings from a launch Case (its request: TrainStepRequest) or a plain dict."""
+    """The step's settings from a launch Case (its request: FixTrainingRequest) or a plain dict."""
     from dataclasses import asdict
 
     from cpdoctor.errors import BadInput
