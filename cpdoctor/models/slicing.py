@@ -195,7 +195,6 @@ class ReadStats:
     tensors_in_checkpoint: int = 0
 
 
-
 def read_tensors(names: Iterable[str], where: Mapping[str, str], stats: ReadStats | None = None, dtype: Any = None) -> dict[str, Any]:
     """Exactly `names`, each with one get_tensor call on the file that holds it (cast to `dtype` one at a time)."""
     from safetensors import safe_open
