@@ -31,7 +31,6 @@ from cpdoctor.examinations.model.prepare import indivisible
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import REFERENCE_BACKEND, ModelSpec, model_survey, request_spec
 from cpdoctor.launch.jobs import Case, RankResult
-from cpdoctor.models.tiny import TINY_CONFIGS  # noqa: F401 - where examinations/step and older scripts import it from
 from cpdoctor.report import BlockRow, ParamRow, TensorRow
 
 
