@@ -145,6 +145,15 @@ class PeerOutputs:
     lse: Any = None
     shims: list[Shim] = field(default_factory=list)
 
+    def cpu(self) -> PeerOutputs:
+        """The same results detached on the CPU (what a rank sends to rank 0)."""
+        move = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
+        return PeerOutputs(move(self.out), move(self.dq), move(self.dk), move(self.dv), move(self.lse), list(self.shims))
+
+    def tensor(self, name: str) -> Any:
+        """out, lse, dq, dk or dv by the name the measured rows use."""
+        return getattr(self, name)
+
 
 class Adapter(ABC):
     """One peer implementation. The parent uses `spec`, `refusal` and `installed`; ranks use `run` and rank 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.report.findings import Finding, Report
-from cpdoctor.report.render import TENSOR_LABELS, environment_line, fmt
+from cpdoctor.report.render import TENSOR_LABELS, environment_line, fmt, row_numbers
 from cpdoctor.report.verdict import Verdict
 
 
@@ -26,15 +26,7 @@ def _tensor_rows(finding: Finding, before: Finding | None) -> list[str]:
         if before is not None and before.tensors:
             b = before.tensors.get(name)
             row.append(f"{fmt(b.rel_err)} {b.verdict.value}" if b else "–")
-        row += [
-            fmt(t.rel_err),
-            fmt(t.max_abs),
-            fmt(t.tolerance),
-            fmt(t.baseline_rel_err),
-            fmt(t.worst_rank),
-            str(t.nonfinite),
-            f"**{t.verdict.value}**",
-        ]
+        row += [*row_numbers(t), f"**{t.verdict.value}**"]
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return lines
 

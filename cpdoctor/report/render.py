@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.report.findings import Finding, Report
+from cpdoctor.report.numbers import JudgedRow
 from cpdoctor.report.verdict import Verdict
 
 TENSOR_LABELS = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV", "lse": "LSE"}
@@ -29,6 +30,12 @@ def environment_line(env: dict[str, Any]) -> str:
     return " · ".join(f"{names.get(k, k)} {env[k]}" for k in keys if k in env)
 
 
+def row_numbers(t: JudgedRow) -> list[str]:
+    """A judged row's numbers as every table shows them: rel L2 err, max abs err, tolerance, no-CP err, worst
+    rank, NaN/Inf (the verdict is styled by each format)."""
+    return [fmt(t.rel_err), fmt(t.max_abs), fmt(t.tolerance), fmt(t.baseline_rel_err), fmt(t.worst_rank), str(t.nonfinite)]
+
+
 def tensor_table(finding: Finding, before: Finding | None = None, labels: dict[str, str] | None = None) -> Any:
     """One row per tensor; with `before`, the unpatched numbers side by side with the patched ones."""
     from rich.table import Table
@@ -47,15 +54,7 @@ def tensor_table(finding: Finding, before: Finding | None = None, labels: dict[s
         if before is not None:
             b = before.tensors.get(name)
             row += [fmt(b.rel_err) if b else "–", styled(b.verdict) if b else styled(before.verdict)]
-        row += [
-            fmt(t.rel_err),
-            fmt(t.max_abs),
-            fmt(t.tolerance),
-            fmt(t.baseline_rel_err),
-            fmt(t.worst_rank),
-            str(t.nonfinite),
-            styled(t.verdict),
-        ]
+        row += [*row_numbers(t), styled(t.verdict)]
         table.add_row(*row)
     return table
 

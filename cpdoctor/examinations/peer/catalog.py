@@ -4,9 +4,9 @@ Pure functions of the installed metadata; no torch, no peer import."""
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 
+from cpdoctor.compat.packages import NOT_INSTALLED, installed_version
 from cpdoctor.examinations.peer.request import PeerRequest, build_request
 from cpdoctor.peers import Impl, adapter
 
@@ -31,10 +31,8 @@ class PeerInfo:
 
 
 def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    found = installed_version(distribution)
+    return None if found == NOT_INSTALLED else found
 
 
 def installed_peers() -> list[PeerInfo]:

@@ -10,10 +10,11 @@ measures them. On a CPU the CUDA kernels are cpdoctor's stand-ins (kernels/stand
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.errors import CannotExamine
+from cpdoctor.compat.packages import installed_version
+from cpdoctor.errors import CannotExamine, first_line
 from cpdoctor.examinations.measurement import Measurement, compare, torch_dtype
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.launch.jobs import Case, RankResult
@@ -47,12 +48,7 @@ class PeerRankResult(RankResult):
     """One rank's results in its own token order (CPU tensors)."""
 
     rank: int
-    out: Any
-    dq: Any
-    dk: Any
-    dv: Any
-    lse: Any = None
-    shims: list[Shim] = field(default_factory=list)
+    outputs: PeerOutputs
     emulated: bool = False
 
 
@@ -90,16 +86,6 @@ def indices(req: PeerRequest, rank: int) -> list[int]:
     return token_indices(req.layout, seq, req.ring, req.ulysses, rank)
 
 
-def _installed_version(req: PeerRequest) -> str:
-    import importlib.metadata
-
-    spec = req.adapter.spec
-    try:
-        return importlib.metadata.version(spec.distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def run_rank(case: Case, ctx: Any) -> PeerRankResult:
     """This rank's out/LSE/dQ/dK/dV through the peer's CP attention."""
     import torch
@@ -125,8 +111,7 @@ def run_rank(case: Case, ctx: Any) -> PeerRankResult:
     else:
         q, k, v, dout = (x.index_select(1, idx).contiguous() for x in (inputs.q, inputs.k, inputs.v, inputs.dout))
         got = peer.run(shape, q, k, v, dout, extra=inputs.cu_seqlens)
-    cpu = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
-    return PeerRankResult(ctx.rank, cpu(got.out), cpu(got.dq), cpu(got.dk), cpu(got.dv), cpu(got.lse), got.shims, emulated)
+    return PeerRankResult(ctx.rank, got.cpu(), emulated)
 
 
 def reference(inputs: Inputs, causal: bool, scale: float | None = None) -> dict[str, Any]:
@@ -156,10 +141,6 @@ def reference(inputs: Inputs, causal: bool, scale: float | None = None) -> dict[
     return {"out": t(out), "lse": lse.detach(), "dq": t(q.grad), "dk": t(k.grad), "dv": t(v.grad)}
 
 
-def _as_rows(outputs: PeerOutputs) -> dict[str, Any]:
-    return {"out": outputs.out, "lse": outputs.lse, "dq": outputs.dq, "dk": outputs.dk, "dv": outputs.dv}
-
-
 def gathered_row(shards: list[Any], idx: list[Any], ref: Any, dim: int, baseline: float | None) -> TensorRow:
     """One tensor's row: every rank's shard against the reference at its own token indices, and the whole put
     back together by token index."""
@@ -182,30 +163,30 @@ def evaluate(case: Case, results: list[PeerRankResult], ctx: Any) -> Measurement
     req: PeerRequest = case.request
     inputs = make_inputs(req, ctx.device)
     ref = reference(inputs, req.causal)
-    exposes = req.the_variant.exposes_lse and all(r.lse is not None for r in results)
+    exposes = req.the_variant.exposes_lse and all(r.outputs.lse is not None for r in results)
     facts = PeerFacts(
         impl=req.impl,
-        version=_installed_version(req),
+        version=installed_version(req.adapter.spec.distribution),
         variant=req.variant,
         kernel=req.kernel,
         layout=req.layout.value,
         exposes_lse=exposes,
         emulated=any(r.emulated for r in results),
-        shims=tuple({s.name: s for r in results for s in r.shims}.values()),
+        shims=tuple({s.name: s for r in results for s in r.outputs.shims}.values()),
         cu_seqlens=tuple(int(x) for x in inputs.cu_seqlens.tolist()) if inputs.cu_seqlens is not None else (),
     )
     result = Measurement(req.impl, facts, environment(ctx, req, facts))
     baseline: dict[str, float | None] = dict.fromkeys(TENSORS)
     try:
-        base = _as_rows(req.adapter.single_process(run_shape(req, 0), inputs.q, inputs.k, inputs.v, inputs.dout, extra=inputs.cu_seqlens))
-        baseline = {n: None if base[n] is None else compare(base[n].cpu(), ref[n]).rel_err for n in TENSORS}
+        base = req.adapter.single_process(run_shape(req, 0), inputs.q, inputs.k, inputs.v, inputs.dout, extra=inputs.cu_seqlens).cpu()
+        baseline = {n: None if base.tensor(n) is None else compare(base.tensor(n), ref[n]).rel_err for n in TENSORS}
     except Exception as exc:  # noqa: BLE001 - without a baseline the tolerance is the dtype's alone
-        result.baseline_error = f"{type(exc).__name__}: {exc}"
+        result.baseline_error = first_line(exc)
     idx = [torch.tensor(indices(req, r.rank)) for r in results]
     names = [n for n in TENSORS if n != "lse" or exposes]
     for name in names:
         dim = -1 if name == "lse" else 1
-        shards = [getattr(r, name) for r in results]
+        shards = [r.outputs.tensor(name) for r in results]
         result.tensors[name] = gathered_row(shards, idx, ref[name], dim, baseline[name])
     return result
 
