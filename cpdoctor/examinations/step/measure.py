@@ -153,6 +153,42 @@ def reference_out_grad(records: list[PeerRecord]) -> Any:
     return sum(grads[1:], grads[0].double()) / len(grads)
 
 
+def output_grad_spread(records: list[PeerRecord]) -> tuple[float, list[int]]:
+    """How far each peer's output gradient is from the first rank's (the largest), and the peers that differ."""
+    first_g = records[0].out_grad
+    spread, differ = 0.0, []
+    for r in records[1:]:
+        e = rel(r.out_grad, first_g) if r.out_grad is not None and first_g is not None else float("inf")
+        if e != 0:
+            differ.append(r.rank)
+        spread = max(spread, e)
+    return spread, differ
+
+
+def rank_grad(rank: int, g: Any, expected: Any) -> RankGrad:
+    """One rank's flat gradient against the expected one: error, max abs, non-finite, best factor and residual."""
+    import torch
+
+    c, resid = best_factor(g, expected)
+    diff = g - expected
+    return RankGrad(rank, rel(g, expected), float(diff.abs().max()) if diff.numel() else 0.0, int((~torch.isfinite(g)).sum()), c, resid)
+
+
+def param_errors(first: Any, expected: Any, names: list[str], numels: list[int]) -> list[ParamError]:
+    """Each parameter's error in the first rank's flat gradient (the slices of `names` / `numels`, in order)."""
+    params, offset = [], 0
+    ref_sq = expected.square()
+    diff_sq = (first - expected).square()
+    for name, n in zip(names, numels):
+        d, ref_n = float(diff_sq[offset : offset + n].sum()) ** 0.5, float(ref_sq[offset : offset + n].sum()) ** 0.5
+        err = d / ref_n if ref_n > 0 else d
+        params.append(
+            ParamError(name, err, n, float((first[offset : offset + n] - expected[offset : offset + n]).abs().max()) if n else 0.0)
+        )
+        offset += n
+    return params
+
+
 def measure(
     records: list[PeerRecord],
     *,
@@ -174,35 +210,14 @@ def measure(
     import torch
 
     ranks = tuple(r.rank for r in records)
-    first_g = records[0].out_grad
-    spread, differ = 0.0, []
-    for r in records[1:]:
-        e = rel(r.out_grad, first_g) if r.out_grad is not None and first_g is not None else float("inf")
-        if e != 0:
-            differ.append(r.rank)
-        spread = max(spread, e)
+    spread, differ = output_grad_spread(records)
     expected = expected.double()  # once: every comparison below is in float64 without another copy
     mine = [r.grads.double() for r in records]
-    grads = []
-    for r, g in zip(records, mine):
-        c, resid = best_factor(g, expected)
-        diff = g - expected
-        grads.append(
-            RankGrad(r.rank, rel(g, expected), float(diff.abs().max()) if diff.numel() else 0.0, int((~torch.isfinite(g)).sum()), c, resid)
-        )
+    grads = [rank_grad(r.rank, g, expected) for r, g in zip(records, mine)]
     first = mine[0]
     peer_spread = max((rel(g, first) for g in mine[1:]), default=0.0)
     summed = torch.stack(mine).sum(0)
-    params, offset = [], 0
-    ref_sq = expected.square()
-    diff_sq = (first - expected).square()
-    for name, n in zip(param_names, param_numels):
-        d, ref_n = float(diff_sq[offset : offset + n].sum()) ** 0.5, float(ref_sq[offset : offset + n].sum()) ** 0.5
-        err = d / ref_n if ref_n > 0 else d
-        params.append(
-            ParamError(name, err, n, float((first[offset : offset + n] - expected[offset : offset + n]).abs().max()) if n else 0.0)
-        )
-        offset += n
+    params = param_errors(first, expected, param_names, param_numels)
     return StepNumbers(
         ranks=ranks,
         ring=ring,
