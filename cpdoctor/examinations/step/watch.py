@@ -129,13 +129,9 @@ class StepWatch:
     def _report(self, findings: list[Finding]) -> Report:
         import torch
 
-        try:
-            import diffusers
+        from cpdoctor.compat.diffusers import diffusers_version
 
-            version = diffusers.__version__
-        except ImportError:  # pragma: no cover - the model is a diffusers model
-            version = "?"
-        env = {"torch": str(torch.__version__), "diffusers": version, "world_size": self.world, "device": str(self._device())}
+        env = {"torch": str(torch.__version__), "diffusers": diffusers_version(), "world_size": self.world, "device": str(self._device())}
         request = {"ring": self.ring, "ulysses": self.ulysses, "world_size": self.world, "step": self.index, "reference": self.reference}
         return Report.of(findings, env, request, wall_s=time.perf_counter() - self._t0)
 
