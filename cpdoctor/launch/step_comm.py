@@ -93,3 +93,31 @@ def full_tensor(t: Any) -> Any:
     tensor as it is."""
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
+
+
+def exchange(key: str, obj: Any, ranks: tuple[int, ...], timeout_s: float) -> list[Any]:
+    """Every rank of `ranks` posts `obj` under `key` in the process group's store and reads the others', waiting
+    at most `timeout_s` in all: the entries of ranks that never posted are None. Not a collective: a rank that
+    raised, or is stuck in a collective of the user's step, cannot leave its peers blocked here, so the watcher
+    agrees on "everyone is here and well" through this before it makes any collective of its own."""
+    import pickle
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    store.set(f"{key}/{dist.get_rank()}", pickle.dumps(obj))
+    deadline = time.monotonic() + timeout_s
+    out: list[Any] = []
+    for r in ranks:
+        name = f"{key}/{r}"
+        left = deadline - time.monotonic()
+        try:
+            store.wait([name], timedelta(seconds=max(left, 0.01)))
+        except (RuntimeError, dist.DistStoreError):  # noqa: PERF203 - a rank that never posted: its entry stays None
+            out.append(None)
+            continue
+        out.append(pickle.loads(store.get(name)))
+    return out

@@ -37,12 +37,15 @@ FAULTS: dict[str, list[tuple[str, str]]] = {
 }
 """A fault = text replacements in a copy of the example (each must be found: the example changed otherwise)."""
 
+VERDICT = {"rng_extra": "WARN"}
+"""An RNG state that parts while the gradients are exact is a WARN: harmless until something draws from it."""
+
 EXPECT: dict[str, tuple[str, ...]] = {
     "noise_seed": ("inputs differ between CP peers", "hidden_states on rank 1", "hidden_states on rank 3"),
     "timestep": ("inputs differ between CP peers", "timestep on rank 1", "timestep on rank 3"),
     "ddp_world": ("exactly 0.5×", "factor 1/cp", "averaged over the CP ranks"),
     "no_cp_reduce": ("differ between CP peers after the sync", "reduction over the CP group (ranks 0, 1) is missing", "summed over the CP group they are the expected"),
-    "shard_loss": ("covers only its own shard", "= cp = 2", "normalised by the local shard"),
+    "shard_loss": ("covers only its own shard", "factor cp = 2", "normalised by the local shard"),
     "no_dp_average": ("own data only", "averaging over the data-parallel ranks is missing"),
     "rng_extra": ("RNG states differ between CP peers after the step", "rank 1 consumed random numbers", "rank 3 consumed random numbers"),
 }  # fmt: skip
@@ -102,7 +105,7 @@ def test_correct_script_passes(results, family):
 def test_each_fault_has_its_own_diagnosis(results, family, fault):
     version, data = results
     got = data["variants"][f"{family}/{fault}"]
-    assert got["verdict"] == "FAIL", (version, fault, got)
+    assert got["verdict"] == VERDICT.get(fault, "FAIL"), (version, fault, got)
     text = " | ".join(got["diagnoses"])
     for words in EXPECT[fault]:
         assert words in text, (version, fault, words, text)

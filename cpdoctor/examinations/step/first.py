@@ -16,10 +16,12 @@ from cpdoctor.report import Report
 class FirstStep:
     """An armed watch of the next training step; `report` once the first optimizer step has begun."""
 
-    def __init__(self, model: Any, on_report: Callable[[Report], None] | None = None, reference: str = "fp64") -> None:
+    def __init__(
+        self, model: Any, on_report: Callable[[Report], None] | None = None, reference: str = "fp64", loss_scale: float | None = None
+    ) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self.watch = StepWatch(model, reference=reference).__enter__()
+        self.watch = StepWatch(model, reference=reference, loss_scale=loss_scale).__enter__()
         self.on_report = on_report
         self.report: Report | None = None
         self._handle = register_optimizer_step_pre_hook(self._close)
@@ -38,6 +40,8 @@ class FirstStep:
             self._handle = None
 
 
-def watch_first_step(model: Any, on_report: Callable[[Report], None] | None = None, *, reference: str = "fp64") -> FirstStep:
+def watch_first_step(
+    model: Any, on_report: Callable[[Report], None] | None = None, *, reference: str = "fp64", loss_scale: float | None = None
+) -> FirstStep:
     """Arm the step examination on `model`'s next training step, closed by the first optimizer.step()."""
-    return FirstStep(model, on_report, reference)
+    return FirstStep(model, on_report, reference, loss_scale)

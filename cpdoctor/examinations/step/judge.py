@@ -4,23 +4,37 @@ differ between CP peers, output gradients that differ (and whether each is confi
 gradients that differ between peers after the sync, gradients a constant factor off the expected ones, RNG
 states that part, and what is left when all of that is right (the attention, or the model's CP path).
 
-Tolerance. The expected gradients come from one fp64 process; a correct fp32 CP step lands ~1e-7–1e-6 from them
+Tolerance. The expected gradients come from one process; a correct fp32 CP step lands ~1e-7–1e-6 from them
 on the tiny models (docs/FACTS.md), the defects this examination exists for at 1e-2 and beyond, or at an exact
 factor. A no-CP baseline in the step's own dtype (what `judging.tolerance` builds on) would cost a second
-forward+backward, and the budget is one, so the tolerance is fixed per dtype (GRAD_TOLERANCE): far above
-rounding, far below every defect measured."""
+forward+backward, so the tolerance is fixed per dtype the step computed in (GRAD_TOLERANCE; under autocast that
+is the autocast dtype, not the weights'): far above rounding, far below every defect measured. A parameter whose
+own error is PARAM_SLACK× the tolerance fails the step even when the total is within it (a defect confined to
+the attention's K/V projections hides in the total of a large model).
+
+Which uniform factor a healthy step shows is readings.py's: a loss scaled by cp, GradScaler, clipping. Where
+the numbers fit a convention and a bug alike, the verdict is WARN with both readings, never a FAIL that stops a
+healthy job; RNG states that part while the gradients are right are a WARN (harmless until something draws)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
 
-from cpdoctor.examinations.judging import Rule, diagnose, join_remedies
+from cpdoctor.examinations.judging import join_remedies
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
+from cpdoctor.examinations.step.readings import Harmless, LossScale, harmless_factors, loss_scale, round_norm
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
 
 GRAD_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2, "fp64": 1e-10}
-"""Relative L2 error of a rank's parameter gradients (and of the output) against the fp64 reference."""
+"""Relative L2 error of a rank's parameter gradients (and of the output) against the reference, by the dtype the
+step computed in."""
+
+PARAM_SLACK = 10.0
+"""A single parameter fails the step when its own relative error is this many tolerances (the model
+examination's rule for its worst parameter)."""
 
 SEED_REMEDY = (
     "give every rank of a CP group the same inputs: seed noise and timesteps by the data-parallel rank "
@@ -103,14 +117,6 @@ class StepSignature:
         return GRAD_TOLERANCE.get(self.n.dtype, 1e-4)
 
     @property
-    def bad_ranks(self) -> tuple[int, ...]:
-        return tuple(g.rank for g in self.n.grads if not g.rel_err <= self.tol or g.nonfinite)
-
-    @property
-    def grads_bad(self) -> bool:
-        return bool(self.bad_ranks)
-
-    @property
     def nonfinite(self) -> int:
         return sum(g.nonfinite for g in self.n.grads)
 
@@ -123,22 +129,106 @@ class StepSignature:
         return max(self.n.grads, key=lambda g: g.rel_err)
 
     @property
-    def factor(self) -> Factor | None:
-        """The candidate factor the gradients sit at, when every rank's are that exact multiple of the expected."""
-        g = self.worst
-        if self.peers_differ or not g.residual <= self.tol:
+    def scale(self) -> LossScale:
+        return loss_scale(self.n)
+
+    @property
+    def uniform(self) -> bool:
+        """Every rank's gradients are one constant multiple of the reference's (peers agree, nothing left)."""
+        return not self.peers_differ and self.worst.residual <= self.tol and self.worst.factor > 0
+
+    @property
+    def clip_norm(self) -> float | None:
+        """The max_norm the gradients' total norm sits at, when it is a round number (a clip's signature)."""
+        return round_norm(self.n.grad_norm) if self.n.recomputed else None
+
+    def _candidate(self, scale: LossScale) -> Factor | None:
+        c1 = self.worst.factor * scale.value
+        return next((f for f in factor_candidates(self.n.cp, self.n.dp) if abs(c1 - f.value) <= 10 * self.tol * f.value), None)
+
+    def explained_by(self, scale: LossScale) -> Harmless | None:
+        """The healthy factor the uniform factor is, under `scale`: 1/s_cp, a GradScaler's unscaling, a clip (a
+        clip only where no misplaced reduction fits the same factor: that is the `clip_or_reduction` case)."""
+        if not self.uniform:
             return None
-        for f in factor_candidates(self.n.cp, self.n.dp):
-            if abs(g.factor - f.value) <= 10 * self.tol * f.value:
-                return f
+        c = self.worst.factor
+        healthy = harmless_factors(self.n, scale.value)
+        for h in healthy:
+            if abs(c - h.factor) <= 10 * self.tol * h.factor:
+                return h
+        if self.clip_norm is not None and c < max(h.factor for h in healthy) and self._candidate(scale) is None:
+            return Harmless(c, f"clipped: their total norm is {self.clip_norm:g}, clip_grad_norm_'s max_norm")
         return None
+
+    def bug_factor(self, scale: LossScale) -> Factor | None:
+        """The misplaced reduction the uniform factor is, under `scale` (None when it is healthy or no candidate)."""
+        if not self.uniform or self.explained_by(scale) is not None:
+            return None
+        return self._candidate(scale)
+
+    @property
+    def clip_or_reduction(self) -> bool:
+        """The factor of a misplaced reduction, on gradients whose norm is a round number: a clip to that max_norm
+        gives the same numbers (and hides the reduction in this step)."""
+        return self.factor is not None and self.clip_norm is not None
+
+    @property
+    def harmless(self) -> Harmless | None:
+        return self.explained_by(self.scale)
+
+    @property
+    def factor(self) -> Factor | None:
+        """The candidate factor the gradients sit at (relative to one process), when it is not a healthy one."""
+        return self.bug_factor(self.scale)
+
+    @property
+    def readings_disagree(self) -> LossScale | None:
+        """The other reading, when the step's own readings split: one says healthy, the other a bug."""
+        other = self.scale.other
+        if other is None or not self.uniform:
+            return None
+        first, second = self.harmless is not None, self.explained_by(other) is not None
+        if first and not second:
+            return None if self.scale.confident else other
+        return other if second and not first else None
+
+    @property
+    def unexplained_uniform(self) -> bool:
+        """A uniform factor that is neither healthy nor a known misplaced reduction."""
+        return self.uniform and self.harmless is None and self.factor is None and not self.loss_differs
+
+    def rank_error(self, g: RankGrad) -> float:
+        """A rank's error against what one process computes: after the healthy factor when one explains the
+        uniform part, else against R/s_cp."""
+        if self.harmless is not None:
+            return g.residual
+        c1 = g.factor * self.scale.value
+        return math.sqrt((c1 - 1) ** 2 + (c1 * g.residual) ** 2) if math.isfinite(g.residual) else g.rel_err
+
+    @property
+    def bad_ranks(self) -> tuple[int, ...]:
+        return tuple(g.rank for g in self.n.grads if not self.rank_error(g) <= self.tol or g.nonfinite)
+
+    @property
+    def bad_params(self) -> tuple[ParamError, ...]:
+        """Parameters far outside the tolerance on their own (after the uniform factor)."""
+        return tuple(p for p in self.n.params_scaled if not p.rel_err <= PARAM_SLACK * self.tol)
+
+    @property
+    def grads_bad(self) -> bool:
+        return bool(self.bad_ranks) or bool(self.bad_params)
 
     @property
     def only_gradients_wrong(self) -> bool:
         """Inputs, loss and reduction right: the peers agree on everything and no constant factor explains the error
         (where naming the first bad parameter and block says something)."""
         dp_missing = self.n.own_rel_err is not None and self.n.own_rel_err <= self.tol
-        return not (self.n.inputs_differ or self.n.out_grad_differ or self.peers_differ or self.factor is not None or dp_missing)
+        return not (self.n.inputs_differ or self.loss_differs or self.peers_differ or self.factor is not None or dp_missing)
+
+    @property
+    def loss_differs(self) -> bool:
+        """The peers' output gradients differ and not as the disjoint pieces of a per-shard loss."""
+        return bool(self.n.out_grad_differ) and not self.n.out_grad_own_shard
 
     @property
     def rng_consumers(self) -> tuple[int, ...]:
@@ -149,6 +239,10 @@ class StepSignature:
             return ()
         norm = max(groups, key=len)
         return tuple(r for g in groups if g is not norm for r in g)
+
+    @property
+    def rng_parted(self) -> bool:
+        return bool(self.rng_consumers) and len(self.n.rng_before_groups) == 1
 
     @property
     def layout(self) -> str:
@@ -171,19 +265,14 @@ def _inputs_text(s: StepSignature) -> str:
     return text
 
 
+def _shard_text(s: StepSignature) -> str:
+    return (
+        f"each CP rank's loss covers only its own shard of the gathered output (the output gradient of rank "
+        f"{_ranks(s.n.ranks)} is zero outside its own chunk); {s.scale.why}"
+    )
+
+
 def _out_grad_text(s: StepSignature) -> str:
-    if s.n.out_grad_own_shard:
-        text = (
-            f"each CP rank's loss covers only its own shard of the gathered output (the output gradient of rank "
-            f"{_ranks(s.n.ranks)} is zero outside its own chunk)"
-        )
-        g = s.worst
-        if not s.peers_differ and g.residual <= s.tol:
-            text += f"; the summed gradients are {g.factor:.4g}× the gradients of the mean of those losses"
-            f = s.factor
-            if f is not None and f.value == s.n.cp:
-                text += f" (= cp = {s.n.cp}: a loss normalised by the local shard, then summed over the CP group)"
-        return text
     return (
         f"the gradient flowing into the model's output differs between CP peers (rank {_ranks(s.n.out_grad_differ)} against "
         f"rank {s.n.ranks[0]}, relative difference up to {s.n.out_grad_spread:.2g}): the loss is computed differently on "
@@ -214,14 +303,50 @@ def _dp_text(s: StepSignature) -> str:
 def _factor_text(s: StepSignature) -> str:
     f = s.factor
     assert f is not None
+    c1 = s.worst.factor * s.scale.value
+    said = f" ({s.scale.why})" if s.scale.why else ""
     return (
-        f"every rank's gradients are exactly {s.worst.factor:.4g}× the expected ones (factor {f.text} = {f.value:g} at "
-        f"{s.layout}; residual {s.worst.residual:.2g}): {f.cause}"
+        f"every rank's gradients are exactly {c1:.4g}× what one process computes (factor {f.text} = {f.value:g} at "
+        f"{s.layout}; residual {s.worst.residual:.2g}){said}: {f.cause}"
     )
 
 
-def _factor_remedy(s: StepSignature) -> str:
-    return s.factor.remedy if s.factor is not None else ""
+def _readings_text(s: StepSignature) -> str:
+    other = s.readings_disagree
+    assert other is not None
+    mine_ok = s.harmless is not None
+    c = s.worst.factor
+    first = f"if {s.scale.why}, the step is {'right' if mine_ok else 'wrong'}"
+    second = f"if {other.why}, it is {'right' if not mine_ok else 'wrong'}"
+    return (
+        f"every rank's gradients are exactly {c:.4g}× the recomputed reference's, and the step alone cannot tell which reading "
+        f"holds: {first}; {second}"
+    )
+
+
+READINGS_REMEDY = (
+    "tell the watcher what your CP step scales its loss by (watch_step(model, loss_scale=...)), or run "
+    "`cpdoctor step path/to/train.py:function --ring R` with a function that takes its degrees: it compares with the same code "
+    "run without CP"
+)
+
+
+def _clip_text(s: StepSignature) -> str:
+    f = s.factor
+    assert f is not None
+    return (
+        f"every rank's gradients are exactly {s.worst.factor * s.scale.value:.4g}× what one process computes and their total "
+        f"norm is {s.clip_norm:g}: either clip_grad_norm_(max_norm={s.clip_norm:g}) clipped them (right), or {f.cause} "
+        f"(factor {f.text}); a clip hides the difference in this step"
+    )
+
+
+def _uniform_text(s: StepSignature) -> str:
+    return (
+        f"every rank's gradients are exactly {s.worst.factor * s.scale.value:.4g}× what one process computes (residual "
+        f"{s.worst.residual:.2g}), a factor that is not a misplaced reduction over this job's ranks ({s.layout}): a scale "
+        "applied after the backward (clipping, unscaling, a factor on the loss) or a reduction this watcher cannot see"
+    )
 
 
 def attention_command(s: StepSignature) -> str:
@@ -235,16 +360,23 @@ def attention_command(s: StepSignature) -> str:
 
 def _attention_text(s: StepSignature) -> str:
     fwd = "forward wrong too" if not s.n.out_rel_err <= s.tol else "forward exact"
-    return (
+    worst = max(s.n.grads, key=s.rank_error)
+    text = (
         f"inputs, loss and reduction are right (peers agree, no constant factor) but the gradients are wrong: "
-        f"worst rank {s.worst.rank} rel err {s.worst.rel_err:.2g} (tolerance {s.tol:.2g}; {fwd}: out {s.n.out_rel_err:.2g}): "
-        f"the model's CP path, most often the attention; the op-level check at this job's degrees: `{attention_command(s)}`"
+        f"worst rank {worst.rank} rel err {s.rank_error(worst):.2g} (tolerance {s.tol:.2g}, {s.n.dtype}"
+    )
+    if s.bad_params and not s.bad_ranks:
+        p = max(s.bad_params, key=lambda q: q.rel_err)
+        text += f"; within it in total, but parameter {p.name} is {p.rel_err:.2g}, over {PARAM_SLACK:g}× the tolerance"
+    return (
+        text + f"; {fwd}: out {s.n.out_rel_err:.2g}): the model's CP path, most often the attention; the op-level check at "
+        f"this job's degrees: `{attention_command(s)}`"
     )
 
 
 def first_bad_param(s: StepSignature) -> ParamError | None:
-    """The first parameter, in the model's order, whose gradient leaves the tolerance."""
-    return next((p for p in s.n.params if not p.rel_err <= s.tol), None)
+    """The first parameter, in the model's order, whose gradient leaves the tolerance (after the uniform factor)."""
+    return next((p for p in s.n.params_scaled or s.n.params if not p.rel_err <= s.tol), None)
 
 
 def block_of(name: str) -> str:
@@ -259,7 +391,7 @@ def block_of(name: str) -> str:
 
 def _where_text(s: StepSignature) -> str:
     first = first_bad_param(s)
-    worst = max(s.n.params, key=lambda p: p.rel_err, default=None)
+    worst = max(s.n.params_scaled or s.n.params, key=lambda p: p.rel_err, default=None)
     if first is None or worst is None:
         return ""
     return f"first bad parameter {first.name} ({first.rel_err:.2g}) in block {block_of(first.name)}; worst parameter {worst.name} ({worst.rel_err:.2g})"
@@ -268,29 +400,63 @@ def _where_text(s: StepSignature) -> str:
 def _rng_text(s: StepSignature) -> str:
     return (
         f"the RNG states differ between CP peers after the step although they agreed before it: rank "
-        f"{_ranks(s.rng_consumers)} consumed random numbers its peers did not, so every later draw (the next step's noise "
-        "and timesteps) differs between them"
+        f"{_ranks(s.rng_consumers)} consumed random numbers its peers did not; harmless while the gradients are right, but "
+        "every later draw from that generator (the next step's noise and timesteps, dropout) will differ between them"
     )
 
 
-RULES: tuple[Rule[StepSignature], ...] = (
-    Rule("cause", "non-finite gradients", lambda s: s.nonfinite > 0,
-         lambda s: f"{s.nonfinite} non-finite gradient values (NaN/Inf) after the sync", ("check the loss scale and the dtype",)),
-    Rule("cause", "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
-    Rule("cause", "per-shard loss", lambda s: bool(s.n.out_grad_differ) and s.n.out_grad_own_shard, _out_grad_text, (SHARD_LOSS_REMEDY,)),
-    Rule("cause", "loss differs per rank", lambda s: bool(s.n.out_grad_differ), _out_grad_text, (LOSS_REMEDY,)),
-    Rule("cause", "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
-    Rule("cause", "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
-    Rule("cause", "constant factor", lambda s: s.factor is not None, _factor_text),
-    Rule("cause", "gradients wrong", lambda s: s.grads_bad, _attention_text, (ATTENTION_REMEDY,)),
-    Rule("rng", "RNG consumed unevenly", lambda s: bool(s.rng_consumers) and len(s.n.rng_before_groups) == 1, _rng_text, (RNG_REMEDY,)),
-    Rule("where", "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text),
+@dataclass(frozen=True)
+class StepRule:
+    """One line of the step's diagnosis: when `applies`, say `says`, offer `remedies` (and `remedy_of`'s), with
+    `verdict`. Rules of one aspect exclude each other (the first that applies speaks); `names_attention` makes
+    the finding carry the op-level `cpdoctor check` command."""
+
+    aspect: str
+    name: str
+    applies: Callable[[StepSignature], bool]
+    says: Callable[[StepSignature], str]
+    remedies: tuple[str, ...] = ()
+    verdict: Verdict = Verdict.FAIL
+    remedy_of: Callable[[StepSignature], str] | None = None
+    names_attention: bool = False
+    decides: bool = True
+    """False for a line that only adds where or why (the first bad block, the per-shard loss): it never sets the
+    verdict alone."""
+
+
+RULES: tuple[StepRule, ...] = (
+    StepRule("cause", "non-finite gradients", lambda s: s.nonfinite > 0,
+             lambda s: f"{s.nonfinite} non-finite gradient values (NaN/Inf) after the sync", ("check the loss scale and the dtype",)),
+    StepRule("cause", "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
+    StepRule("cause", "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
+    StepRule("cause", "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
+    StepRule("cause", "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
+    StepRule("cause", "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), Verdict.WARN),
+    StepRule("cause", "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), Verdict.WARN),
+    StepRule("cause", "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
+    StepRule("cause", "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), Verdict.WARN),
+    StepRule("cause", "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
+    StepRule("shard", "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
+    StepRule("rng", "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), Verdict.WARN),
+    StepRule("where", "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
 )  # fmt: skip
 
 
-def verdict_of(s: StepSignature) -> Verdict:
-    bad = s.grads_bad or s.n.inputs_differ or s.n.out_grad_differ or (s.rng_consumers and len(s.n.rng_before_groups) == 1)
-    return Verdict.FAIL if bad else Verdict.PASS
+def spoken(s: StepSignature) -> list[StepRule]:
+    """The first applying rule of each aspect, in table order."""
+    out: dict[str, StepRule] = {}
+    for rule in RULES:
+        if rule.aspect not in out and rule.applies(s):
+            out[rule.aspect] = rule
+    return list(out.values())
+
+
+def verdict_of(rules: list[StepRule]) -> Verdict:
+    """FAIL when a rule that fails spoke, WARN when only warnings did (lines that do not decide aside)."""
+    verdicts = {r.verdict for r in rules if r.decides}
+    if Verdict.FAIL in verdicts:
+        return Verdict.FAIL
+    return Verdict.WARN if verdicts else Verdict.PASS
 
 
 def rows(s: StepSignature) -> dict[str, JudgedRow]:
@@ -298,17 +464,19 @@ def rows(s: StepSignature) -> dict[str, JudgedRow]:
     tol = s.tol
     out = TensorRow(s.n.out_rel_err, s.n.out_max_abs, 0, worst_rank=s.n.ranks[0])
     worst = s.worst
+    worst = max(s.n.grads, key=s.rank_error)
     grads = TensorRow(
-        worst.rel_err, worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(g.rel_err for g in s.n.grads)
+        s.rank_error(worst), worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads)
     )
     table = {
         "out": JudgedRow.judged(out, tol, (), Verdict.PASS if s.n.out_rel_err <= tol else Verdict.FAIL),
         "grads": JudgedRow.judged(grads, tol, s.bad_ranks, Verdict.FAIL if s.grads_bad else Verdict.PASS),
     }
-    worst_param = max(s.n.params, key=lambda p: p.rel_err, default=None)
+    worst_param = max(s.n.params_scaled or s.n.params, key=lambda p: p.rel_err, default=None)
     if worst_param is not None:
         row = TensorRow(worst_param.rel_err, worst_param.max_abs, 0, name=worst_param.name, numel=worst_param.numel)
-        table["worst_param"] = JudgedRow.judged(row, tol, (), Verdict.PASS if worst_param.rel_err <= tol else Verdict.FAIL)
+        ok = worst_param.rel_err <= PARAM_SLACK * tol
+        table["worst_param"] = JudgedRow.judged(row, PARAM_SLACK * tol, (), Verdict.PASS if ok else Verdict.FAIL)
     return table
 
 
@@ -316,19 +484,25 @@ def describe(n: StepNumbers) -> str:
     return f"training step, CP group ranks {_ranks(n.ranks)} (ring {n.ring} × Ulysses {n.ulysses}, dp {n.dp}, {n.dtype})"
 
 
+def _pass_text(s: StepSignature) -> str:
+    worst = max(s.n.grads, key=s.rank_error)
+    healthy = s.harmless
+    notes = [x for x in (s.scale.why, healthy.why if healthy is not None else "") if x]
+    said = f" ({'; '.join(notes)})" if notes else ""
+    return (
+        f"the step matches {s.n.reference}: same inputs and loss on every CP peer, gradients reduced right{said} "
+        f"(worst rank rel err {s.rank_error(worst):.2g}, tolerance {s.tol:.2g} for {s.n.dtype}; out {s.n.out_rel_err:.2g}), RNG states in step"
+    )
+
+
 def step_finding(n: StepNumbers, evidence: object = None) -> Finding:
     """The finding of one CP group's step."""
     s = StepSignature(n)
-    verdict = verdict_of(s)
+    rules = spoken(s)
+    verdict = verdict_of(rules)
     if verdict is Verdict.PASS:
-        diagnosis = (
-            f"the step matches one fp64 process: same inputs and loss on every CP peer, gradients reduced right "
-            f"(worst rank rel err {s.worst.rel_err:.2g}, out {n.out_rel_err:.2g}), RNG states in step"
-        )
-        remedy = ""
-    else:
-        diagnosis, remedy, spoken = diagnose(RULES, s)
-        if "constant factor" in spoken:
-            remedy = join_remedies([remedy, _factor_remedy(s)])
-    command = attention_command(s) if verdict is Verdict.FAIL and "gradients wrong" in diagnose(RULES, s)[2] else None
+        return Finding(describe(n), verdict, _pass_text(s), "", rows(s), evidence=evidence)
+    diagnosis = "; ".join(t for t in (r.says(s) for r in rules) if t)
+    remedy = join_remedies([*(rem for r in rules for rem in r.remedies), *(r.remedy_of(s) for r in rules if r.remedy_of)])
+    command = attention_command(s) if verdict is Verdict.FAIL and any(r.names_attention for r in rules) else None
     return Finding(describe(n), verdict, diagnosis, remedy, rows(s), evidence=evidence, command=command)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cpdoctor.examinations.step.loss_graph import LossReading
 from cpdoctor.examinations.step.record import PeerRecord
 
 
@@ -85,6 +86,19 @@ class StepNumbers:
     own_rel_err: float | None = None
     """The first rank's gradients against its own CP group's reference alone (None at dp 1): ~0 when the
     data-parallel averaging is what is missing."""
+    loss: tuple[LossReading, ...] = ()
+    """The first rank's backward roots, read from the autograd graph (one per backward() call)."""
+    loss_scale: float | None = None
+    """The factor the user said their CP step scales its loss by (watch_step(loss_scale=...))."""
+    reference: str = "one fp64 process recomputing the recorded step"
+    recomputed: bool = True
+    """Whether the expected gradients were recomputed from the recorded output gradient (one run), or are the
+    final gradients of the same code run without CP (two runs: nothing to interpret)."""
+    out_numel: int = 0
+    grad_norm: float = 0.0
+    """The first rank's total gradient 2-norm (what clip_grad_norm_ clips to max_norm)."""
+    params_scaled: tuple[ParamError, ...] = ()
+    """Each parameter's error against the expected gradients times the worst rank's best factor."""
 
     @property
     def cp(self) -> int:
@@ -146,11 +160,19 @@ def own_shard_only(grads: list[Any], dim: int) -> bool:
     return True
 
 
-def reference_out_grad(records: list[PeerRecord]) -> Any:
-    """The output gradient the reference back-propagates: the mean of the peers' (their own when they agree;
-    for per-shard losses, the gradient of the mean of those losses, as data parallelism averages replicas)."""
-    grads = [r.out_grad for r in records if r.out_grad is not None]
-    return sum(grads[1:], grads[0].double()) / len(grads)
+def reference_out_grads(records: list[PeerRecord], dim: int) -> list[Any]:
+    """The output gradient the reference back-propagates for each forward: the peers' common one (their mean,
+    which is it when they agree); when each peer's is confined to its own shard (a per-shard loss), their sum:
+    the gradient of the sum of the shards' losses, which is what summing the peers' gradients computes."""
+    out = []
+    for k in range(len(records[0].out_grads)):
+        grads = [r.out_grads[k] for r in records if k < len(r.out_grads) and r.out_grads[k] is not None]
+        if not grads:
+            out.append(None)
+            continue
+        total = sum(grads[1:], grads[0].double())
+        out.append(total if own_shard_only(grads, dim) else total / len(grads))
+    return out
 
 
 def output_grad_spread(records: list[PeerRecord]) -> tuple[float, list[int]]:
@@ -203,6 +225,11 @@ def measure(
     own: Any = None,
     param_names: list[str],
     param_numels: list[int],
+    loss: tuple[LossReading, ...] = (),
+    loss_scale: float | None = None,
+    reference: str = "one fp64 process recomputing the recorded step",
+    recomputed: bool = True,
+    out_numel: int = 0,
 ) -> StepNumbers:
     """The numbers of one CP group: `records` in group order (the first rank's first), `out`/`ref_out` the first
     rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with (the mean
@@ -218,6 +245,8 @@ def measure(
     peer_spread = max((rel(g, first) for g in mine[1:]), default=0.0)
     summed = torch.stack(mine).sum(0)
     params = param_errors(first, expected, param_names, param_numels)
+    worst = max(grads, key=lambda g: g.rel_err)
+    scaled = param_errors(first, worst.factor * expected, param_names, param_numels) if worst.factor else params
     return StepNumbers(
         ranks=ranks,
         ring=ring,
@@ -231,7 +260,7 @@ def measure(
         rng_after_groups=groups_of([r.rng_after for r in records], ranks),
         out_grad_spread=spread,
         out_grad_differ=tuple(differ),
-        out_grad_own_shard=bool(differ) and own_shard_only([r.out_grad for r in records], gather_dim),
+        out_grad_own_shard=bool(differ) and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
         out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
         out_max_abs=float((out.double() - ref_out.double()).abs().max()) if out is not None and ref_out is not None else float("nan"),
         grads=tuple(grads),
@@ -239,5 +268,12 @@ def measure(
         sum_rel_err=rel(summed, expected),
         params=tuple(params),
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
-        own_rel_err=rel(first, own.double()) if own is not None and dp > 1 else None,
+        own_rel_err=rel(first, own.double()) if own is not None and dp > 1 and recomputed else None,
+        loss=loss,
+        loss_scale=loss_scale,
+        reference=reference,
+        recomputed=recomputed,
+        out_numel=out_numel,
+        grad_norm=float(first.norm()),
+        params_scaled=tuple(scaled),
     )

@@ -56,9 +56,18 @@ class PeerRecord:
     inputs: tuple[InputPrint, ...]
     rng_before: str
     rng_after: str
-    out_grad: Any  # the gradient that flowed into the model's (gathered) output, CPU float32; None without backward
+    out_grads: tuple[Any, ...]
+    """The gradient that flowed into the model's (gathered) output, per forward, CPU float32 (None: no backward)."""
     grads: Any  # every parameter gradient after the user's sync, flattened in `param_names` order, CPU float32
     missing_grads: tuple[str, ...] = ()
+
+    @property
+    def out_grad(self) -> Any:
+        """Every forward's output gradient, flattened into one vector (what peers are compared on)."""
+        import torch
+
+        got = [g.reshape(-1) for g in self.out_grads if g is not None]
+        return torch.cat(got) if got else None
 
 
 def output_tensor(result: Any) -> Any:
@@ -89,22 +98,46 @@ def _detached(value: Any) -> Any:
 
 
 @dataclass
+class Forward:
+    """One forward of the model inside the watched block (a micro-batch): its input fingerprints, and on the CP
+    group's first rank the inputs and the output themselves; the gradient that flowed into its output."""
+
+    prints: tuple[InputPrint, ...]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+    out_dtype: str = ""
+    """The dtype the model's output was computed in (bf16 under autocast even with fp32 weights)."""
+    out_numel: int = 0
+    out_grad: Any = None
+    backwards: int = 0
+
+
+@dataclass
 class Hooks:
     """The hooks on one diffusers transformer. `keep_full` (the CP group's first rank) keeps the inputs and the
-    output themselves for the reference; the others keep fingerprints only."""
+    output themselves for the reference; the others keep fingerprints only. Every forward inside the block is
+    one `Forward` (gradient accumulation runs several)."""
 
     module: Any
     keep_full: bool
     snapshot_weights: Any  # () -> {name: tensor}: the weights the forward uses (FSDP2: a collective on every rank)
-    forwards: int = 0
-    backwards: int = 0
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    prints: tuple[InputPrint, ...] = ()
-    output: Any = None
-    out_grad: Any = None
+    calls: list[Forward] = field(default_factory=list)
     weights: dict | None = None
     _handles: list = field(default_factory=list)
+
+    @property
+    def forwards(self) -> int:
+        return len(self.calls)
+
+    @property
+    def backwards(self) -> int:
+        return sum(1 for f in self.calls if f.backwards)
+
+    @property
+    def prints(self) -> tuple[InputPrint, ...]:
+        """Every forward's input fingerprints; a later micro-batch's inputs are named `name@k`."""
+        return tuple(InputPrint(p.name if k == 0 else f"{p.name}@{k + 1}", p.digest, p.norm) for k, f in enumerate(self.calls) for p in f.prints)
 
     def install(self) -> Hooks:
         self._handles.append(self.module.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -117,31 +150,35 @@ class Hooks:
         self._handles.clear()
 
     def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
-        self.forwards += 1
-        if self.forwards > 1:
-            return
         import torch
 
         named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-        self.prints = tuple(
+        prints = tuple(
             InputPrint(n, digest(v), float(v.detach().double().norm()) if isinstance(v, torch.Tensor) and v.is_floating_point() else None)
             for n, v in named
         )
-        weights = self.snapshot_weights()
+        call = Forward(prints)
+        if not self.calls:
+            weights = self.snapshot_weights()
+            if self.keep_full:
+                self.weights = weights
         if self.keep_full:
-            self.args, self.kwargs, self.weights = _detached(args), _detached(kwargs), weights
+            call.args, call.kwargs = _detached(args), _detached(kwargs)
+        self.calls.append(call)
 
     def _post(self, module: Any, args: tuple, result: Any) -> None:
-        if self.forwards > 1:
-            return
         out = output_tensor(result)
-        if out is None:
+        if out is None or not self.calls:
             return
+        call = self.calls[-1]
+        call.out_dtype, call.out_numel = str(out.dtype).replace("torch.", ""), out.numel()
         if self.keep_full:
-            self.output = out.detach().cpu().float().clone()
+            call.output = out.detach().cpu().float().clone()
         if out.requires_grad:
-            out.register_hook(self._grad)
 
-    def _grad(self, grad: Any) -> None:
-        self.backwards += 1
-        self.out_grad = grad.detach().cpu().float().clone()
+            def grad(g: Any, call: Forward = call) -> None:
+                call.backwards += 1
+                g = g.detach().cpu().float()
+                call.out_grad = g.clone() if call.out_grad is None else call.out_grad + g
+
+            out.register_hook(grad)

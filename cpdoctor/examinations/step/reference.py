@@ -1,7 +1,11 @@
 """The same step without CP, on the CP group's first rank: a fresh copy of the model (its class and config, so
-none of diffusers' CP hooks come along; FSDP2's sharded weights gathered whole), in fp64, fed the recorded full
-inputs and back-propagating the recorded output gradient. One forward and one backward: the examination's
-whole extra cost."""
+none of diffusers' CP hooks come along; FSDP2's sharded weights gathered whole; the user's peft adapters added
+again by their own configs), in fp64, fed the recorded full inputs and back-propagating the recorded output
+gradient of every forward of the block (one per micro-batch). It runs outside any autocast the user opened, and
+inside `torch.random.fork_rng`, so it draws nothing from the job's generators.
+
+Parameter names are compared without the segments wrappers insert (`_checkpoint_wrapped_module.` of torch's
+checkpoint_wrapper, `_orig_mod.` of torch.compile, `_fsdp_wrapped_module.`): the copy has none of them."""
 
 from __future__ import annotations
 
@@ -15,6 +19,16 @@ REFERENCE_BACKEND = "native"
 """diffusers' default backend (torch SDPA): it runs in fp64 on every device."""
 
 DTYPES = {"fp64": "float64", "fp32": "float32"}
+
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+"""What torch's wrappers insert into a parameter's name (checkpoint_wrapper, torch.compile, FSDP1)."""
+
+
+def canonical(name: str) -> str:
+    """A parameter's name as the bare diffusers model (and the fresh copy) spells it."""
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
 
 
 @contextlib.contextmanager
@@ -65,11 +79,29 @@ def fresh_copy(module: Any, weights: dict[str, Any]) -> Any:
     if not on_meta:
         with quiet_diffusers():
             ref = cls.from_config(module.config)
+    _add_adapters(ref, module)
     missing = ref.load_state_dict(weights, strict=False, assign=on_meta).missing_keys
     absent = [n for n, p in ref.named_parameters() if n in missing or p.is_meta]
     if absent:
         raise RuntimeError(f"the reference copy lacks weights for {', '.join(absent[:3])}")
     return ref
+
+
+def _add_adapters(ref: Any, module: Any) -> None:
+    """The user's peft adapters (diffusers' `add_adapter(LoraConfig(...))` keeps their configs in `peft_config`),
+    added to the copy under the same names, so the copy's parameters are named as the user's
+    (`...to_q.base_layer.weight`, `...to_q.lora_A.default.weight`); their weights come with the snapshot."""
+    import copy
+
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or not configs or not hasattr(ref, "add_adapter"):
+        return
+    for name, config in configs.items():
+        ref.add_adapter(copy.deepcopy(config), adapter_name=name)
+    active = getattr(module, "active_adapters", None)
+    names = active() if callable(active) else None
+    if names and hasattr(ref, "set_adapter"):
+        ref.set_adapter(list(names) if len(names) > 1 else names[0])
 
 
 def _meta_attributes(model: Any) -> bool:
@@ -80,26 +112,34 @@ def _meta_attributes(model: Any) -> bool:
 
 
 def reference_step(
-    module: Any, weights: dict[str, Any], args: tuple, kwargs: dict, out_grad: Any, names: list[str], precision: str, device: Any
-) -> tuple[Any, Any]:
-    """(output, flat parameter gradient in `names` order) of one process running the recorded step."""
+    module: Any, weights: dict[str, Any], calls: list[tuple[tuple, dict, Any]], names: list[str], precision: str, device: Any
+) -> tuple[list[Any], Any]:
+    """(the output of every forward, flat parameter gradient in `names` order, canonical names) of one process
+    running the recorded step: each (args, kwargs, output gradient) in `calls` forward and backward, the
+    gradients accumulating as the user's micro-batches did."""
     import torch
 
     from cpdoctor.compat.diffusers import preserved_active_backend
 
     dtype = getattr(torch, DTYPES[precision])
-    ref = fresh_copy(module, weights)
-    with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
-        ref.set_attention_backend(REFERENCE_BACKEND)
-    with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
-        ref = ref.to(device=device, dtype=dtype).train(module.training)
-    out = output_tensor(ref(*_cast(args, dtype, device), **_cast(kwargs, dtype, device)))
-    out.backward(out_grad.to(device=device, dtype=dtype))
-    params = dict(ref.named_parameters())
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.autocast(torch.device(device).type, enabled=False):
+        ref = fresh_copy(module, weights)
+        with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
+            ref.set_attention_backend(REFERENCE_BACKEND)
+        with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
+            ref = ref.to(device=device, dtype=dtype).train(module.training)
+        outputs = []
+        for args, kwargs, out_grad in calls:
+            out = output_tensor(ref(*_cast(args, dtype, device), **_cast(kwargs, dtype, device)))
+            if out_grad is not None:
+                out.backward(out_grad.to(device=device, dtype=dtype))
+            outputs.append(out.detach().float().cpu())
+    params = {canonical(n): p for n, p in ref.named_parameters()}
     flat = torch.cat(
         [
             params[n].grad.reshape(-1).double().cpu() if params[n].grad is not None else torch.zeros(params[n].numel(), dtype=torch.float64)
             for n in names
         ]
     )
-    return out.detach().float().cpu(), flat
+    return outputs, flat

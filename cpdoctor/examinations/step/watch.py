@@ -1,37 +1,57 @@
 """`cpdoctor.watch_step(model)`: one step of the user's own CP training loop, examined against one process.
 
     with cpdoctor.watch_step(model) as step:
-        out = model(**inputs)            # their noise, timesteps, forward
-        loss = ...; loss.backward()      # their loss
-        <their gradient sync>            # all_reduce over the CP group, DDP, FSDP2, ...
+        out = model(**inputs)            # their noise, timesteps, forward (several: accumulation)
+        loss = ...; loss.backward()      # their loss, scaled as they like
+        <their gradient sync>            # all_reduce over the CP group, DDP, FSDP2, clipping, ...
     optimizer.step()                     # after the block: the watcher reads the gradients at its exit
     print(step.report.verdict)           # the same Report on every rank
 
-On entry every rank hooks the diffusers transformer (unwrapped from DDP; FSDP2's fully_shard keeps it in
-place); at exit every rank sends what it saw to its CP group's first rank, which recomputes the step in one
-fp64 process (reference.py) and measures (measure.py); the CP groups' findings are shared with every rank.
-Collectives are launch/step_comm.py's, in the user's own process group; private diffusers names are
-compat/step.py's."""
+On entry every rank hooks the diffusers transformer (unwrapped from DDP, accelerate and torch.compile; FSDP2's
+fully_shard keeps it in place) and the backward roots (loss_graph.py). At exit the ranks first agree, through the
+process group's store and never a collective, that every rank is here and well (a rank that raised, or is stuck
+in a collective of the step, is a CRASH / HANG finding on every rank within the timeout); then every rank sends
+what it saw to its CP group's first rank, which compares the final gradients with what one process computes
+(baseline.py: the reference) and measures (measure.py); the CP groups' findings are shared with every rank. An
+exception in cpdoctor's own code is a CRASH finding too; the watcher never raises out of the block, and the
+user's own exception goes on. Collectives are launch/step_comm.py's, in the user's own process group; private
+diffusers names are compat/step.py's."""
 
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.compat import step as compat
 from cpdoctor.errors import BadInput
+from cpdoctor.examinations.step.baseline import Baseline, OneProcessReference
 from cpdoctor.examinations.step.judge import step_finding
-from cpdoctor.examinations.step.measure import measure, reference_out_grad
+from cpdoctor.examinations.step.loss_graph import BackwardRoots
+from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest
-from cpdoctor.examinations.step.reference import reference_step
+from cpdoctor.examinations.step.reference import canonical
 from cpdoctor.launch import step_comm
-from cpdoctor.report import Finding, Report, Verdict
+from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
 
-DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+PRECISION = ("fp64", "fp32", "bf16", "fp16")
+"""Most precise first: a step's compute dtype is the least precise of its weights' and its output's."""
 
-_watched_steps = 0
-"""How many steps this process has watched: every rank must be at the same one when a watcher exits."""
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class WatchCounter:
+    """How many steps this process has watched (every rank must be at the same one when a watcher exits): the
+    store keys of one watched step are named by it. One per process, owned here."""
+
+    count = 0
+
+    @classmethod
+    def next(cls) -> int:
+        cls.count += 1
+        return cls.count
 
 
 @dataclass(frozen=True)
@@ -51,33 +71,76 @@ class StepEvidence:
     factor_residual: float
     first_bad_param: str | None
     reference: str
+    compute_dtype: str = ""
+    forwards: int = 1
+    loss_factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What a rank posts when it reaches the end of the watched block: where it is and whether the step raised."""
+
+    rank: int
+    index: int
+    forwards: int
+    backwards: int
+    error: str | None = None
 
 
 def unwrap(model: Any) -> Any:
-    """The diffusers transformer inside a DDP wrapper (FSDP2 shards the module in place)."""
-    inner = getattr(model, "module", None)
-    return inner if inner is not None and hasattr(inner, "config") and not hasattr(model, "config") else model
+    """The diffusers transformer inside DDP (and accelerate's prepare, which wraps in DDP) or torch.compile's
+    OptimizedModule; FSDP2 shards the module in place."""
+    for _ in range(8):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            inner = getattr(model, "module", None)
+            if inner is None or not hasattr(inner, "config") or hasattr(model, "config"):
+                return model
+        model = inner
+    return model
 
 
 def _named_trainable(module: Any) -> list[tuple[str, Any]]:
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [(canonical(n), p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def compute_dtype(module: Any, out_dtypes: list[str]) -> str:
+    """The least precise of the trainable weights' dtypes and the outputs' (autocast computes in bf16 with fp32
+    weights; a LoRA step trains fp32 adapters over a bf16 base): the dtype the tolerance follows."""
+    seen = {DTYPE_NAMES.get(str(p.dtype).replace("torch.", ""), "fp32") for p in module.parameters()}
+    seen |= {DTYPE_NAMES.get(d, "fp32") for d in out_dtypes if d}
+    return max(seen or {"fp32"}, key=PRECISION.index)
 
 
 class StepWatch:
     """The context manager `watch_step` returns; `report` is set at exit (a cpdoctor Report)."""
 
-    def __init__(self, model: Any, *, step: int | None = None, reference: str = "fp64") -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        step: int | None = None,
+        reference: str = "fp64",
+        loss_scale: float | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        baseline: Baseline | None = None,
+    ) -> None:
         if reference not in ("fp64", "fp32"):
             raise BadInput(f"reference must be fp64 or fp32, not {reference!r}")
+        if loss_scale is not None and not loss_scale > 0:
+            raise BadInput(f"loss_scale must be a positive number (the factor your CP step scales its loss by), not {loss_scale!r}")
         self.module = unwrap(model)
         self.step = step
         self.reference = reference
+        self.loss_scale = loss_scale
+        self.timeout_s = float(timeout_s)
+        self.baseline: Baseline = baseline or OneProcessReference(reference)
         self.report: Report | None = None
         self._hooks: Hooks | None = None
+        self._roots: BackwardRoots | None = None
 
     # -- entry ----------------------------------------------------------------------------------------------
     def __enter__(self) -> StepWatch:
-        global _watched_steps
         rank, world = step_comm.world()
         if world < 2:
             raise BadInput("watch_step needs the job's process group (torch.distributed initialised, more than one rank)")
@@ -94,37 +157,47 @@ class StepWatch:
         self.ranks = step_comm.group_ranks(self.group)
         self.rank, self.world = rank, world
         self.leader = rank == self.ranks[0]
-        _watched_steps += 1
-        self.index = self.step if self.step is not None else _watched_steps
+        self.seq = WatchCounter.next()
+        self.index = self.step if self.step is not None else self.seq
         self._t0 = time.perf_counter()
         self.rng_before = rng_digest()
-        self._hooks = Hooks(self.module, keep_full=self.leader, snapshot_weights=self._weights).install()
+        self._hooks = Hooks(self.module, keep_full=self.leader and self.baseline.needs_inputs, snapshot_weights=self._weights).install()
+        self._roots = BackwardRoots().install()
         return self
 
     def _weights(self) -> dict[str, Any]:
-        """The weights the forward uses: whole (FSDP2 gathered, on every rank alike), kept on the first rank."""
+        """The weights the forward uses: whole (FSDP2 gathered, on every rank alike), kept on the first rank when
+        the reference recomputes the step."""
         out = {}
         for name, p in self.module.named_parameters():
             full = step_comm.full_tensor(p.detach())
-            if self.leader:
-                out[name] = full.cpu().clone()
+            if self.leader and self.baseline.needs_inputs:
+                out[canonical(name)] = full.cpu().clone()
         return out
 
     # -- exit -----------------------------------------------------------------------------------------------
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         hooks, self._hooks = self._hooks, None
-        assert hooks is not None
+        roots, self._roots = self._roots, None
+        assert hooks is not None and roots is not None
         hooks.remove()
-        if exc is not None:  # the user's step raised: no collective (peers may be elsewhere); their exception goes on
-            self.report = self._report(
-                [Finding(self._subject(), Verdict.CRASH, f"the step raised on rank {self.rank}: {exc}", "read the traceback")]
-            )
-            return False
-        self.report = self._examine(hooks)
-        return False
+        roots.remove()
+        error = "".join(traceback.format_exception(exc_type, exc, tb)) if exc is not None else None
+        try:
+            self.report = self._close(hooks, roots, error)
+        except Exception:  # noqa: BLE001 - cpdoctor's own failure is a finding on this rank, never the user's step's exception
+            self.report = self._report([self._crash({self.rank: traceback.format_exc()}, "cpdoctor's examination raised")])
+        return False  # the user's own exception, if any, goes on
 
     def _subject(self) -> str:
         return f"training step {self.index}, ring {self.ring} × Ulysses {self.ulysses}, {self.world} ranks"
+
+    def _crash(self, tracebacks: dict[int, str], what: str) -> Finding:
+        lines = "; ".join(f"rank {r}: {_last_line(t)}" for r, t in sorted(tracebacks.items()))
+        return Finding(
+            self._subject(), Verdict.CRASH, f"{what} on rank {', '.join(map(str, sorted(tracebacks)))} ({lines})",
+            "read the traceback of that rank (in the JSON details)", failure=FailureEvidence(tracebacks=dict(tracebacks)),
+        )  # fmt: skip
 
     def _report(self, findings: list[Finding]) -> Report:
         import torch
@@ -132,53 +205,96 @@ class StepWatch:
         from cpdoctor.compat.diffusers import diffusers_version
 
         env = {"torch": str(torch.__version__), "diffusers": diffusers_version(), "world_size": self.world, "device": str(self._device())}
-        request = {"ring": self.ring, "ulysses": self.ulysses, "world_size": self.world, "step": self.index, "reference": self.reference}
+        request = {"ring": self.ring, "ulysses": self.ulysses, "world_size": self.world, "step": self.index, "reference": self.baseline.name}
         return Report.of(findings, env, request, wall_s=time.perf_counter() - self._t0)
 
     def _device(self) -> Any:
         p = next(self.module.parameters(), None)
         return getattr(p, "device", "cpu")
 
-    def _examine(self, hooks: Hooks) -> Report:
+    def _arrive(self, hooks: Hooks, error: str | None) -> list[Finding] | None:
+        """Every rank agrees, through the store, that all ranks reached the block's end and none raised; the
+        findings when not (the same on every rank), None when the collectives may start."""
+        mine = Arrival(self.rank, self.index, hooks.forwards, hooks.backwards, error)
+        seen = step_comm.exchange(f"cpdoctor/watch/{self.seq}/arrive", mine, tuple(range(self.world)), self.timeout_s)
+        absent = [r for r, a in enumerate(seen) if a is None]
+        raised = {a.rank: a.error for a in seen if a is not None and a.error}
+        findings = []
+        if raised:
+            findings.append(self._crash(raised, "the step raised"))
+        if absent:
+            findings.append(
+                Finding(
+                    self._subject(), Verdict.HANG,
+                    f"rank {', '.join(map(str, absent))} did not reach the end of the watched step within {self.timeout_s:g} s "
+                    f"(rank {', '.join(str(a.rank) for a in seen if a is not None)} did): it is still inside the step, e.g. in a "
+                    "collective of it that a rank which raised never joins",
+                    "read the traceback of the rank that raised; otherwise make every rank run the same step",
+                )  # fmt: skip
+            )
+        if findings:
+            return findings
+        problem = self._count_problem([(a.index, a.forwards, a.backwards) for a in seen])
+        return [problem] if problem is not None else None
+
+    def _close(self, hooks: Hooks, roots: BackwardRoots, error: str | None) -> Report:
+        stopped = self._arrive(hooks, error)
+        if stopped is not None:
+            return self._report(stopped)
         rng_after = rng_digest()
-        counts = step_comm.all_gather((self.index, hooks.forwards, hooks.backwards))
-        problem = self._count_problem(counts)
-        if problem is not None:
-            return self._report([problem])
         names, grads, missing = self._grads()
-        record = PeerRecord(
-            self.rank, hooks.forwards, hooks.backwards, hooks.prints, self.rng_before, rng_after, hooks.out_grad, None, missing
-        )
+        out_grads = tuple(f.out_grad for f in hooks.calls)
+        record = PeerRecord(self.rank, hooks.forwards, hooks.backwards, hooks.prints, self.rng_before, rng_after, out_grads, None, missing)
         records = step_comm.gather_to_first(record, self.group)
         all_grads = step_comm.gather_tensor_to_first(grads, self.group)  # a tensor collective: no pickling
         if records is not None and all_grads is not None:
             for rec, g in zip(records, all_grads):
                 rec.grads = g
-        numels = [n for _, n in names]
-        import torch
-
-        ref_flat = torch.zeros(sum(numels), dtype=torch.float64)
-        out = ref_out = None
-        if self.leader:
-            assert records is not None and hooks.weights is not None
-            ref_out, ref_flat = reference_step(
-                self.module, hooks.weights, hooks.args, hooks.kwargs, reference_out_grad(records), [n for n, _ in names],
-                self.reference, self._device() if str(self._device()) != "meta" else "cpu",
-            )  # fmt: skip
-            out = hooks.output
-        n_groups = self.world // len(self.ranks)
-        expected = step_comm.sum_over_world(ref_flat) / n_groups
-        finding = None
+        leaders = self.leaders = self._all_leaders()
+        expected_mine, failed = None, None
         if self.leader:
             assert records is not None
+            try:
+                expected_mine = self.baseline.expected(self, hooks, records, [n for n, _ in names])
+            except Exception:  # noqa: BLE001 - the reference's failure is reported on every rank, no rank left waiting
+                failed = traceback.format_exc()
+        posted = step_comm.exchange(f"cpdoctor/watch/{self.seq}/reference", ("done", failed), leaders, self.timeout_s)
+        crashed = {r: p[1] for r, p in zip(leaders, posted) if p is not None and p[1]}
+        if crashed:
+            return self._report([self._crash(crashed, f"cpdoctor's reference ({self.baseline.name}) raised")])
+        late = [r for r, p in zip(leaders, posted) if p is None]
+        if late:
+            return self._report([Finding(self._subject(), Verdict.HANG,
+                f"cpdoctor's reference on rank {', '.join(map(str, late))} did not finish within {self.timeout_s:g} s",
+                "give watch_step a longer timeout_s, or examine fewer blocks (`cpdoctor model --blocks N`)")])  # fmt: skip
+        finding = self._judge(hooks, roots, records, names, grads, expected_mine)
+        return self._report([f for f in step_comm.all_gather(finding) if f is not None])
+
+    def _all_leaders(self) -> tuple[int, ...]:
+        """The first rank of every CP group (the groups partition the world)."""
+        return tuple(sorted(set(step_comm.all_gather(self.ranks[0]))))
+
+    def _judge(self, hooks: Hooks, roots: BackwardRoots, records: Any, names: list, grads: Any, expected_mine: Any) -> Finding | None:
+        import torch
+
+        numels = [n for _, n in names]
+        own = expected_mine if expected_mine is not None else torch.zeros(sum(numels), dtype=torch.float64)
+        n_groups = self.world // len(self.ranks)
+        expected = self.baseline.combine(own, n_groups)
+        if not self.leader:
+            return None
+        try:
             numbers = measure(
-                records, ring=self.ring, ulysses=self.ulysses, dp=n_groups, dtype=self._dtype(), gather_dim=compat.output_gather_dim(self.module),
-                out=out, ref_out=ref_out, expected=expected, own=ref_flat, param_names=[n for n, _ in names], param_numels=numels,
+                records, ring=self.ring, ulysses=self.ulysses, dp=n_groups, dtype=compute_dtype(self.module, [f.out_dtype for f in hooks.calls]),
+                gather_dim=compat.output_gather_dim(self.module), out=self.baseline.output(hooks), ref_out=self.baseline.ref_output,
+                expected=expected, own=own, param_names=[n for n, _ in names], param_numels=numels, loss=tuple(roots.readings),
+                loss_scale=self.loss_scale, reference=self.baseline.name, recomputed=self.baseline.needs_inputs, out_numel=hooks.calls[0].out_numel,
             )  # fmt: skip
             finding = step_finding(numbers)
-            finding.evidence = _evidence(numbers, finding, self.reference)
-        findings = [f for f in step_comm.all_gather(finding) if f is not None]
-        return self._report(findings)
+            finding.evidence = _evidence(numbers, finding, self.baseline.name)
+            return finding
+        except Exception:  # noqa: BLE001 - reported on every rank through the gather that follows
+            return self._crash({self.rank: traceback.format_exc()}, "cpdoctor's measurement raised")
 
     def _count_problem(self, counts: list[tuple[int, int, int]]) -> Finding | None:
         steps = {c[0] for c in counts}
@@ -190,19 +306,16 @@ class StepWatch:
         if no_fwd:
             return Finding(self._subject(), Verdict.UNSUPPORTED, f"the model was not called inside the watched step on rank {', '.join(map(str, no_fwd))}",
                            "run the step's forward inside the `with cpdoctor.watch_step(model)` block")  # fmt: skip
-        many = [r for r, c in enumerate(counts) if c[1] > 1]
-        if many:
-            return Finding(self._subject(), Verdict.UNSUPPORTED, f"the model ran {max(c[1] for c in counts)} forwards inside the watched step on rank {', '.join(map(str, many))}; one is examined",
-                           "watch one forward and its backward (one micro-batch)")  # fmt: skip
+        uneven = {c[1] for c in counts}
+        if len(uneven) > 1:
+            text = ", ".join(f"rank {r}: {c[1]}" for r, c in enumerate(counts))
+            return Finding(self._subject(), Verdict.FAIL, f"the ranks ran different numbers of forwards inside the watched step ({text})",
+                           "run the same micro-batches on every rank of a CP group")  # fmt: skip
         no_bwd = [r for r, c in enumerate(counts) if c[2] == 0]
         if no_bwd:
             return Finding(self._subject(), Verdict.UNSUPPORTED, f"the step never called backward through the model's output on rank {', '.join(map(str, no_bwd))}: no gradient to examine",
                            "call loss.backward() (and the gradient sync) inside the `with cpdoctor.watch_step(model)` block")  # fmt: skip
         return None
-
-    def _dtype(self) -> str:
-        p = next(self.module.parameters(), None)
-        return DTYPE_NAMES.get(str(getattr(p, "dtype", "")), "fp32")
 
     def _grads(self) -> tuple[list[tuple[str, int]], Any, tuple[str, ...]]:
         """Every trainable parameter's gradient after the sync, flat (FSDP2's gathered whole on every rank)."""
@@ -221,6 +334,11 @@ class StepWatch:
         return names, torch.cat(parts) if parts else torch.zeros(0), tuple(missing)
 
 
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no traceback)"
+
+
 def _evidence(numbers: Any, finding: Finding, reference: str) -> StepEvidence:
     from cpdoctor.examinations.step.judge import StepSignature, first_bad_param
 
@@ -231,13 +349,23 @@ def _evidence(numbers: Any, finding: Finding, reference: str) -> StepEvidence:
         inputs_differ={d.name: d.different for d in numbers.inputs_differ}, rng_after_groups=numbers.rng_after_groups,
         out_grad_spread=numbers.out_grad_spread, peer_spread=numbers.peer_spread, cp_sum_rel_err=numbers.sum_rel_err,
         factor=s.worst.factor, factor_residual=s.worst.residual, first_bad_param=None if first is None else first.name, reference=reference,
+        compute_dtype=numbers.dtype, forwards=max(numbers.forwards, default=1), loss_factors=tuple(f for r in numbers.loss for f in r.constants()),
     )  # fmt: skip
 
 
-def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> StepWatch:
-    """Watch one CP training step of `model` (a diffusers transformer with enable_parallelism, bare, in DDP or
-    under FSDP2's fully_shard): use as `with cpdoctor.watch_step(model) as step:` around the forward, the loss,
-    backward and the gradient sync, on every rank; `step.report` is a cpdoctor Report, the same on every rank.
-    `step` names the step (every rank must watch the same one; default: this process's count of watched steps);
-    `reference` is the precision of the one-process recomputation (fp64 or fp32)."""
-    return StepWatch(model, step=step, reference=reference)
+def watch_step(
+    model: Any,
+    *,
+    step: int | None = None,
+    reference: str = "fp64",
+    loss_scale: float | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> StepWatch:
+    """Watch one CP training step of `model` (a diffusers transformer with enable_parallelism, bare, in DDP, prepared
+    by accelerate, compiled, or under FSDP2's fully_shard): use as `with cpdoctor.watch_step(model) as step:` around
+    the forward(s), the loss, backward and the gradient sync, on every rank; `step.report` is a cpdoctor Report, the
+    same on every rank. `step` names the step (every rank must watch the same one; default: this process's count
+    of watched steps); `reference` is the precision of the one-process recomputation (fp64 or fp32); `loss_scale`
+    is the factor this CP step multiplies its loss by that one process would not (e.g. cp_size, as NeMo Automodel
+    and SimpleTuner do; read from the autograd graph when not given); `timeout_s` bounds every wait for a peer."""
+    return StepWatch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)

@@ -1,0 +1,150 @@
+"""What a watched CP step's final gradients are compared with: the gradients one process computes for the same
+step. Two sources, one interface (`Baseline`):
+
+- `OneProcessReference` (`watch_step`, `preflight(model=...)`: one run only): each CP group's first rank
+  recomputes the step in one fp64 process from the recorded inputs and output gradients (reference.py); the
+  groups' results are averaged over the data-parallel groups. The output gradient already carries whatever the
+  user's code scaled the loss by; the judge reads those factors from the autograd graph (loss_graph.py).
+- `RecordedRun` (`cpdoctor step` with a function that takes its degrees): the same user code ran before without
+  CP (one process, or dp processes) and left its final gradients on disk (`SavedRun`); nothing is recomputed
+  or guessed, so loss scaling, clipping, accumulation, adapters and wrappers are the user's own in both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cpdoctor.examinations.step.measure import reference_out_grads
+
+
+class Baseline(Protocol):
+    name: str
+    needs_inputs: bool
+    """Whether the CP group's first rank must keep the model's inputs and weights (to recompute the step)."""
+    ref_output: Any
+
+    def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
+        """On a CP group's first rank: this group's flat expected gradient (float64, in `names` order)."""
+
+    def combine(self, own: Any, n_groups: int) -> Any:
+        """On every rank (a collective where needed): the gradient a correct step ends with everywhere."""
+
+    def output(self, hooks: Any) -> Any:
+        """The watched step's output to compare with `ref_output` (None when there is none)."""
+
+
+class OneProcessReference:
+    """The step recomputed in one process from what the CP group's first rank recorded."""
+
+    needs_inputs = True
+
+    def __init__(self, precision: str = "fp64") -> None:
+        self.precision = precision
+        self.name = f"one {precision} process recomputing the recorded step"
+        self.ref_output: Any = None
+
+    def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
+        from cpdoctor.compat import step as compat
+        from cpdoctor.examinations.step.reference import reference_step
+
+        out_grads = reference_out_grads(records, compat.output_gather_dim(watch.module))
+        calls = [(f.args, f.kwargs, g) for f, g in zip(hooks.calls, out_grads)]
+        device = watch._device() if str(watch._device()) != "meta" else "cpu"
+        outputs, flat = reference_step(watch.module, hooks.weights, calls, names, self.precision, device)
+        self.ref_output = outputs[0] if outputs else None
+        return flat
+
+    def combine(self, own: Any, n_groups: int) -> Any:
+        from cpdoctor.launch import step_comm
+
+        return step_comm.sum_over_world(own) / n_groups
+
+    def output(self, hooks: Any) -> Any:
+        return hooks.calls[0].output if hooks.calls else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Two runs: the same function without CP first, its final gradients on disk
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavedStep:
+    """Where one rank of the run without CP left one watched step: its gradients (safetensors, canonical names)
+    and the fingerprints of the model's first inputs (to find the replica a CP group matches)."""
+
+    directory: str
+    rank: int
+    index: int
+
+    @property
+    def tensors(self) -> str:
+        return os.path.join(self.directory, f"step{self.index}-rank{self.rank}.safetensors")
+
+    @property
+    def meta(self) -> str:
+        return os.path.join(self.directory, f"step{self.index}-rank{self.rank}.json")
+
+
+def save_step(directory: str, rank: int, index: int, grads: dict[str, Any], prints: list[tuple[str, str]], dtype: str) -> None:
+    """Write one rank's final gradients of one watched step of the run without CP."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    where = SavedStep(directory, rank, index)
+    save_file({n: g.detach().float().cpu().contiguous() for n, g in grads.items()}, where.tensors)
+    with open(where.meta, "w", encoding="utf-8") as fh:
+        json.dump({"prints": prints, "dtype": dtype, "names": list(grads)}, fh)
+
+
+class RecordedRun:
+    """The final gradients of the same step run without CP (`cpdoctor step`'s first launch)."""
+
+    needs_inputs = False
+    ref_output = None
+    name = "the same step run without CP"
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.matched: int | None = None
+        """The rank of the run without CP whose inputs this CP group fed (None: matched by group order)."""
+
+    def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
+        import torch
+        from safetensors import safe_open
+
+        mine = [(p.name, p.digest) for p in records[0].inputs]
+        saved = sorted(
+            (int(f.split("rank")[1].split(".")[0]) for f in os.listdir(self.directory) if f.startswith(f"step{watch.seq}-") and f.endswith(".json")),
+        )
+        if not saved:
+            raise RuntimeError(f"the run without CP left no gradients for watched step {watch.seq} in {self.directory}")
+        choice = None
+        for rank in saved:
+            with open(SavedStep(self.directory, rank, watch.seq).meta, encoding="utf-8") as fh:
+                if [tuple(p) for p in json.load(fh)["prints"]] == mine:
+                    choice = rank
+                    break
+        self.matched = choice
+        if choice is None:
+            group = list(watch.leaders).index(watch.ranks[0])
+            choice = saved[group % len(saved)]
+        parts = []
+        with safe_open(SavedStep(self.directory, choice, watch.seq).tensors, "pt") as fh:
+            keys = set(fh.keys())
+            lacking = [n for n in names if n not in keys]
+            if lacking:
+                raise RuntimeError(f"the run without CP trained other parameters: it has no gradient for {', '.join(lacking[:3])}")
+            for n in names:
+                parts.append(fh.get_tensor(n).reshape(-1).double())
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def combine(self, own: Any, n_groups: int) -> Any:
+        return own
+
+    def output(self, hooks: Any) -> Any:
+        return None
+
