@@ -329,7 +329,9 @@ def _arm_first_step(model: Any) -> None:
     arm_first_step(model, judge)
 
 
-def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> Any:
+def watch_step(
+    model: Any, *, step: int | None = None, reference: str = "fp64", loss_scale: float | None = None, timeout_s: float = 600.0
+) -> Any:
     """Examine one step of the user's own CP training loop against one process:
 
         with cpdoctor.watch_step(model) as step:
@@ -339,7 +341,7 @@ def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") 
     (cpdoctor.examinations.step.watch)."""
     from cpdoctor.examinations.step import watch_step as watch
 
-    return watch(model, step=step, reference=reference)
+    return watch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)
 
 
 def examine_step(

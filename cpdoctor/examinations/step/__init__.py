@@ -27,11 +27,11 @@ __all__ = [
 ]
 
 
-def watch_step(model: Any, *, step: int | None = None, reference: str = "fp64") -> Any:
-    """`with watch_step(model) as step: <one training step>`; then `step.report` (watch.py)."""
+def watch_step(model: Any, **options: Any) -> Any:
+    """`with watch_step(model) as step: <one training step>`; then `step.report` (watch.py, where the options are)."""
     from cpdoctor.examinations.step.watch import watch_step as _watch
 
-    return _watch(model, step=step, reference=reference)
+    return _watch(model, **options)
 
 
 def model_degrees(model: Any) -> tuple[int, int]:

@@ -43,19 +43,24 @@ class OneProcessReference:
 
     def __init__(self, precision: str = "fp64") -> None:
         self.precision = precision
+        self.native: Any = None
         self.name = f"one {precision} process recomputing the recorded step"
         self.ref_output: Any = None
 
     def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
         from cpdoctor.compat import step as compat
-        from cpdoctor.examinations.step.reference import reference_step
+        from cpdoctor.examinations.step.reference import Precision, reference_step
+        from cpdoctor.examinations.step.watch import compute_dtype
 
         out_grads = reference_out_grads(records, compat.output_gather_dim(watch.module))
         calls = [(f.args, f.kwargs, g) for f, g in zip(hooks.calls, out_grads)]
         device = watch._device() if str(watch._device()) != "meta" else "cpu"
-        outputs, flat = reference_step(watch.module, hooks.weights, calls, names, self.precision, device)
-        self.ref_output = outputs[0] if outputs else None
-        return flat
+        low = compute_dtype(watch.module, [f.out_dtype for f in hooks.calls]) in ("bf16", "fp16")
+        native = Precision(*hooks.autocast, compat.attention_backend_of(watch.module)) if low else None
+        result = reference_step(watch.module, hooks.weights, calls, names, self.precision, device, native)
+        self.ref_output = result.outputs[0] if result.outputs else None
+        self.native = result.native
+        return result.grads
 
     def combine(self, own: Any, n_groups: int) -> Any:
         from cpdoctor.launch import step_comm

@@ -28,10 +28,16 @@ MEAN_LOSSES = ("MseLossBackward0", "L1LossBackward0", "SmoothL1LossBackward0", "
 """torch's loss functions whose `reduction` is saved on the node (1 = mean, 2 = sum)."""
 
 
+LOSS_SCALE_MIN = 256.0
+"""A power of two at least this large on the loss is read as a dynamic loss scale (GradScaler starts at 2**16
+and halves or doubles it; a CP size is 2–64). On the CPU GradScaler's scale is a 0-dim tensor, as a Python
+number on the loss is, so the value is what tells them apart."""
+
+
 @dataclass(frozen=True)
 class Factor:
     """One scalar the loss was scaled by. `constant` is a Python number (or a wrapped one); a one-element tensor
-    such as GradScaler's scale is not."""
+    such as GradScaler's scale on a GPU is not, nor is a large power of two (`LOSS_SCALE_MIN`)."""
 
     value: float
     constant: bool
@@ -109,7 +115,8 @@ def read_loss(root: Any) -> LossReading:
             if other is None or other == 0:
                 return LossReading(tuple(factors))
             saved = getattr(node, "_saved_other", None)
-            constant = saved is not None and saved.dim() == 0
+            power_of_two = other >= LOSS_SCALE_MIN and math.log2(other).is_integer()
+            constant = saved is not None and saved.dim() == 0 and not (power_of_two and SCALAR_NODES[name] == 1)
             factors.append(Factor(other ** SCALAR_NODES[name], constant))
             node = next((fn for fn, _ in node.next_functions if fn is not None), None)
             continue

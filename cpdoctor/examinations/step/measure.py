@@ -99,6 +99,11 @@ class StepNumbers:
     """The first rank's total gradient 2-norm (what clip_grad_norm_ clips to max_norm)."""
     params_scaled: tuple[ParamError, ...] = ()
     """Each parameter's error against the expected gradients times the worst rank's best factor."""
+    baseline_rel_err: float | None = None
+    """The same step without CP in the step's own dtypes (bf16/fp16) against the fp64 reference: the rounding
+    a correct CP step may show on top (None for fp32 steps: the fixed tolerance holds there)."""
+    param_baselines: tuple[float, ...] = ()
+    """That baseline per parameter, in `params` order."""
 
     @property
     def cp(self) -> int:
@@ -230,6 +235,7 @@ def measure(
     reference: str = "one fp64 process recomputing the recorded step",
     recomputed: bool = True,
     out_numel: int = 0,
+    native: Any = None,
 ) -> StepNumbers:
     """The numbers of one CP group: `records` in group order (the first rank's first), `out`/`ref_out` the first
     rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with (the mean
@@ -276,4 +282,6 @@ def measure(
         out_numel=out_numel,
         grad_norm=float(first.norm()),
         params_scaled=tuple(scaled),
+        baseline_rel_err=rel(native, own) if native is not None and own is not None else None,
+        param_baselines=tuple(p.rel_err for p in param_errors(native, own.double(), param_names, param_numels)) if native is not None and own is not None else (),
     )

@@ -97,6 +97,17 @@ def _detached(value: Any) -> Any:
     return value
 
 
+def autocast_state(example: Any) -> tuple[bool, Any]:
+    """(enabled, dtype) of the autocast active now for the device type of `example` (CPU when None)."""
+    import torch
+
+    device_type = example.device.type if example is not None else "cpu"
+    try:
+        return bool(torch.is_autocast_enabled(device_type)), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # a torch without per-device autocast queries: as if off
+        return False, None
+
+
 @dataclass
 class Forward:
     """One forward of the model inside the watched block (a micro-batch): its input fingerprints, and on the CP
@@ -124,6 +135,8 @@ class Hooks:
     snapshot_weights: Any  # () -> {name: tensor}: the weights the forward uses (FSDP2: a collective on every rank)
     calls: list[Forward] = field(default_factory=list)
     weights: dict | None = None
+    autocast: tuple[bool, Any] = (False, None)
+    """(enabled, dtype) of the autocast around the first forward, on the model's device type."""
     _handles: list = field(default_factory=list)
 
     @property
@@ -159,6 +172,7 @@ class Hooks:
         )
         call = Forward(prints)
         if not self.calls:
+            self.autocast = autocast_state(next((a for _, a in named if isinstance(a, torch.Tensor)), None))
             weights = self.snapshot_weights()
             if self.keep_full:
                 self.weights = weights

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.step.record import output_tensor
@@ -58,7 +59,7 @@ def _cast(value: Any, dtype: Any, device: Any) -> Any:
 
     if isinstance(value, torch.Tensor):
         value = value.to(device)
-        return value.to(dtype) if value.is_floating_point() else value
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, dtype, device) for v in value)
     if isinstance(value, dict):
@@ -84,6 +85,9 @@ def fresh_copy(module: Any, weights: dict[str, Any]) -> Any:
     absent = [n for n, p in ref.named_parameters() if n in missing or p.is_meta]
     if absent:
         raise RuntimeError(f"the reference copy lacks weights for {', '.join(absent[:3])}")
+    for n, p in ref.named_parameters():  # each weight in the dtype the user's step holds it in (a bf16 base, fp32 adapters)
+        if n in weights and p.dtype != weights[n].dtype:
+            p.data = weights[n]
     return ref
 
 
@@ -111,35 +115,87 @@ def _meta_attributes(model: Any) -> bool:
     return any(isinstance(v, torch.Tensor) and v.is_meta for m in model.modules() for v in vars(m).values())
 
 
-def reference_step(
-    module: Any, weights: dict[str, Any], calls: list[tuple[tuple, dict, Any]], names: list[str], precision: str, device: Any
-) -> tuple[list[Any], Any]:
-    """(the output of every forward, flat parameter gradient in `names` order, canonical names) of one process
-    running the recorded step: each (args, kwargs, output gradient) in `calls` forward and backward, the
-    gradients accumulating as the user's micro-batches did."""
+@dataclass(frozen=True)
+class Precision:
+    """How the user's step computed: each weight's own dtype, and the autocast it ran under (recorded at its
+    first forward)."""
+
+    autocast: bool = False
+    autocast_dtype: Any = None
+    backend: str | None = None
+    """The job's attention backend (run without CP): the same kernel, so the baseline's rounding is the job's."""
+
+
+def _run(ref: Any, calls: list[tuple[tuple, dict, Any]], dtype: Any, device: Any) -> list[Any]:
+    """Forward and backward of every recorded call through `ref`; `dtype` casts the inputs (None: as recorded)."""
+    outputs = []
+    for args, kwargs, out_grad in calls:
+        if dtype is not None:
+            args, kwargs = _cast(args, dtype, device), _cast(kwargs, dtype, device)
+        else:
+            args, kwargs = _cast(args, None, device), _cast(kwargs, None, device)
+        out = output_tensor(ref(*args, **kwargs))
+        if out_grad is not None:
+            out.backward(out_grad.to(device=device, dtype=out.dtype))
+        outputs.append(out.detach().float().cpu())
+    return outputs
+
+
+def _flat_grads(ref: Any, names: list[str]) -> Any:
     import torch
 
-    from cpdoctor.compat.diffusers import preserved_active_backend
-
-    dtype = getattr(torch, DTYPES[precision])
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.autocast(torch.device(device).type, enabled=False):
-        ref = fresh_copy(module, weights)
-        with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
-            ref.set_attention_backend(REFERENCE_BACKEND)
-        with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
-            ref = ref.to(device=device, dtype=dtype).train(module.training)
-        outputs = []
-        for args, kwargs, out_grad in calls:
-            out = output_tensor(ref(*_cast(args, dtype, device), **_cast(kwargs, dtype, device)))
-            if out_grad is not None:
-                out.backward(out_grad.to(device=device, dtype=dtype))
-            outputs.append(out.detach().float().cpu())
     params = {canonical(n): p for n, p in ref.named_parameters()}
-    flat = torch.cat(
+    return torch.cat(
         [
             params[n].grad.reshape(-1).double().cpu() if params[n].grad is not None else torch.zeros(params[n].numel(), dtype=torch.float64)
             for n in names
         ]
     )
-    return outputs, flat
+
+
+@dataclass
+class ReferenceResult:
+    outputs: list[Any]
+    grads: Any
+    """Flat float64 gradient in the caller's `names` order."""
+    native: Any = None
+    """The same step without CP in the user's own dtypes and autocast (only when it computed in bf16/fp16): its
+    distance from `grads` is the rounding a correct CP step may show on top."""
+
+
+def reference_step(
+    module: Any,
+    weights: dict[str, Any],
+    calls: list[tuple[tuple, dict, Any]],
+    names: list[str],
+    precision: str,
+    device: Any,
+    native: Precision | None = None,
+) -> ReferenceResult:
+    """One process running the recorded step: each (args, kwargs, output gradient) in `calls` forward and
+    backward, the gradients accumulating as the user's micro-batches did; in `precision` (fp64 or fp32), and with
+    `native` also in the user's own dtypes and autocast (the same-dtype baseline of the tolerance)."""
+    import torch
+
+    from cpdoctor.compat.diffusers import preserved_active_backend
+
+    dtype = getattr(torch, DTYPES[precision])
+    device_type = torch.device(device).type
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.autocast(device_type, enabled=False):
+        ref = fresh_copy(module, weights)
+        result_native = None
+        if native is not None:
+            with preserved_active_backend():
+                ref.set_attention_backend(native.backend or REFERENCE_BACKEND)
+            ref = ref.to(device=device).train(module.training)
+            with torch.autocast(device_type, dtype=native.autocast_dtype, enabled=native.autocast):
+                _run(ref, calls, None, device)
+            result_native = _flat_grads(ref, names)
+            ref.zero_grad(set_to_none=True)
+        with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
+            ref.set_attention_backend(REFERENCE_BACKEND)
+        with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
+            ref = ref.to(device=device, dtype=dtype).train(module.training)
+        outputs = _run(ref, calls, dtype, device)
+    return ReferenceResult(outputs, _flat_grads(ref, names), result_native)

@@ -289,6 +289,7 @@ class StepWatch:
                 gather_dim=compat.output_gather_dim(self.module), out=self.baseline.output(hooks), ref_out=self.baseline.ref_output,
                 expected=expected, own=own, param_names=[n for n, _ in names], param_numels=numels, loss=tuple(roots.readings),
                 loss_scale=self.loss_scale, reference=self.baseline.name, recomputed=self.baseline.needs_inputs, out_numel=hooks.calls[0].out_numel,
+                native=getattr(self.baseline, "native", None),
             )  # fmt: skip
             finding = step_finding(numbers)
             finding.evidence = _evidence(numbers, finding, self.baseline.name)

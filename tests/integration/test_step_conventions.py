@@ -1,0 +1,92 @@
+"""The steps real diffusion trainers write, watched by `cpdoctor.watch_step` (one-run reference): each convention
+PASSes when right, each fault of the last issue still FAILs in its LoRA + bf16 form with its own diagnosis, a
+step that raises in the user's code is a CRASH on every rank (no rank left waiting), and the watcher leaves no
+trace (3 AdamW steps watched and unwatched end with bit-identical weights and RNG state). One torchrun launch of
+tests/integration/conventions_driver.py (4 gloo ranks, data-parallel 2 × CP 2, tiny Flux) per environment,
+with cpdoctor's fixed attention patched in (the conventions are the user's step, not diffusers' attention: on
+0.39.0 the stock ring is wrong at ring 2, and every release's ring crashes under gradient checkpointing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("conventions_driver.py")
+
+HEALTHY = (
+    "lora_bf16", "bf16_weights", "autocast_bf16", "gradient_checkpointing", "checkpoint_wrapper", "accumulation_3", "clip_inside",
+    "grad_scaler", "compiled", "loss_x_cp_ddp_world", "loss_x_cp_fsdp2", "shard_loss_full_count", "lora_bf16_explicit_scale",
+    "accelerate_loss_x_cp",
+)  # fmt: skip
+FAULTS = {
+    "bug_lora_noise_by_rank": ("inputs differ between CP peers", "hidden_states on rank 1"),
+    "bug_lora_no_cp_reduce": ("reduction over the CP group (ranks 0, 1) is missing",),
+    "bug_lora_mean_over_cp": ("factor 1/cp = 0.5", "averaged over the CP ranks"),
+    "bug_lora_shard_loss_local": ("factor cp = 2", "covers only its own shard", "mean over its own shard"),
+}
+SAYS = {
+    "clip_inside": "clipped: their total norm is 0.001",
+    "grad_scaler": "unscaled by the GradScaler's scale 1024",
+    "loss_x_cp_ddp_world": "multiplied by 2 = cp",
+    "loss_x_cp_fsdp2": "multiplied by 2 = cp",
+    "accelerate_loss_x_cp": "multiplied by 2 = cp",
+    "lora_bf16_explicit_scale": "loss_scale=",
+}
+"""What the PASS diagnosis must say it read (the convention named, not merely tolerated)."""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("conventions")
+    out = tmp / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(DRIVER), str(out), "--patch"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=tmp)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("variant", HEALTHY)
+def test_each_convention_passes_when_right(results, variant):
+    got = results[variant]
+    assert got["verdict"] == "PASS", got
+    assert len(got["diagnoses"]) == 2  # one finding per CP group
+    if variant in SAYS:
+        assert SAYS[variant] in got["diagnoses"][0], got["diagnoses"][0]
+
+
+@pytest.mark.parametrize("variant", sorted(FAULTS))
+def test_each_fault_fails_in_its_lora_bf16_form(results, variant):
+    got = results[variant]
+    assert got["verdict"] == "FAIL", got
+    text = " | ".join(got["diagnoses"])
+    for words in FAULTS[variant]:
+        assert words in text, (variant, words, text)
+
+
+def test_bf16_tolerance_follows_the_measured_baseline(results):
+    """The LoRA step on a bf16 base: the tolerance is the no-CP bf16 step's error × 4, not fp32's 1e-4."""
+    got = results["lora_bf16"]
+    assert "for bf16" in got["diagnoses"][0] and 1e-3 < got["grads"][0] < 0.2
+
+
+def test_a_raising_step_is_a_crash_on_every_rank(results):
+    """Gradient checkpointing under diffusers' own ring: its backward reads ctx.saved_tensors once per ring step,
+    which torch's non-reentrant checkpoint refuses; the user's exception goes on, every rank's report is a CRASH
+    naming the ranks (none waits in a collective)."""
+    got = results["gc_stock_ring"]
+    assert got["verdict"] == "CRASH" and got["raised"], got
+    assert "the step raised on rank 0, 1, 2, 3" in got["diagnoses"][0]
+
+
+def test_the_watcher_leaves_no_trace(results):
+    assert results["no_trace"]["identical_on_every_rank"] == [True] * 4
