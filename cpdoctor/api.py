@@ -117,7 +117,7 @@ def outcome_findings(kind: str, outcome: CaseOutcome, timeout_s: float) -> list[
     """A case's findings: the judged numbers, or CRASH / HANG from the ranks that failed."""
     entry = registry.get(kind)
     if outcome.completed:
-        return [entry.finding(outcome.case, outcome.evaluated)]
+        return entry.findings(outcome.case, outcome.evaluated)
     return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
@@ -171,8 +171,18 @@ def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on
         environment = fallback_environment(entry.world_size(request), request, ranks_ran=False)
         return Report.of([finding], environment, request.to_dict())
     req = entry.prepare(request)
-    result = run_cases(kind, entry.cases(req), entry.world_size(req), entry.device(req), timeout_s, on_tick)
+    try:
+        for cases, world in entry.stages(req):  # every stage but the last prepares the last (the step's run without CP)
+            result = run_cases(kind, cases, world, entry.device(req), timeout_s, on_tick)
+            failed = [f for o in result.outcomes if not o.completed for f in outcome_findings(kind, o, timeout_s)]
+            if failed or not result.outcomes:
+                break
+    finally:
+        entry.finish(req)
     runs = [RunResult.of(outcome_findings(kind, o, timeout_s)) for o in result.outcomes]
+    if not runs:
+        return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
+                         fallback_environment(world, req), req.to_dict(), wall_s=result.wall_s)  # fmt: skip
     final = runs[-1]
     before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
     env = _environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
@@ -345,13 +355,24 @@ def watch_step(
 
 
 def examine_step(
-    target: str, *, nproc: int = 2, device: str = "auto", reference: str = "fp64", timeout_s: float = DEFAULT_TIMEOUT_S
+    target: str,
+    *,
+    nproc: int | None = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    dp: int | None = None,
+    device: str = "auto",
+    reference: str = "fp64",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Report:
-    """`cpdoctor step path/to/train.py:function`: the user's step function on `nproc` spawned ranks (or torchrun's
-    world), watched; the Report of the steps it watched (cpdoctor.examinations.step)."""
-    from cpdoctor.examinations.step import examine_step as run
+    """`cpdoctor step path/to/train.py:function`: the user's step function on its ranks (spawned, or torchrun's
+    world), watched. A function that takes its degrees (`cp`, `ring`, `ulysses`, `dp`, `job`) runs twice, without
+    CP and with CP, and its final gradients are compared; otherwise it gets `watch_step` and runs once
+    (cpdoctor.examinations.step)."""
+    from cpdoctor.examinations.step import step_request
 
-    return run(target, nproc=nproc, device=device, reference=reference, timeout_s=timeout_s)
+    request = step_request(target, nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference)
+    return examine("step", request, timeout_s=timeout_s)
 
 
 def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:

@@ -57,6 +57,15 @@ class Examination:
             cases.append(Case(request, patched=True))
         return cases
 
+    def stages(self, request: Any) -> list[tuple[list[Case], int]]:
+        """Receives a prepared request; returns its launches in order, each (cases, world size): one launch of
+        `cases` by default. An examination that needs a run before the examined one (the step's run without CP)
+        returns two; a launch whose ranks failed ends the examination with their findings."""
+        return [(self.cases(request), self.world_size(request))]
+
+    def finish(self, request: Any) -> None:
+        """In the parent, after the last launch (failed or not): release what `prepare` made (default: nothing)."""
+
     def world_size(self, request: Any) -> int:
         """The number of ranks the request's cases run on."""
         return int(request.world_size)
@@ -81,6 +90,10 @@ class Examination:
         """In the parent: receives rank 0's numbers for a case; returns the judged finding (verdict,
         diagnosis, remedy, rows)."""
         raise NotImplementedError
+
+    def findings(self, case: Case, evaluated: CaseNumbers) -> list[Finding]:
+        """In the parent: the findings of one case (one by default; the step's one per CP group and step)."""
+        return [self.finding(case, evaluated)]
 
     def describe(self, request: Any) -> str:
         """One line naming what the request examines (a finding's subject)."""

@@ -12,7 +12,7 @@ from typing import Any
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.step.request import CONTRACT, StepRequest
 from cpdoctor.launch.jobs import Case, RankFailure
-from cpdoctor.report import Finding, Report, Verdict
+from cpdoctor.report import Finding, Verdict
 
 __all__ = [
     "CONTRACT",
@@ -20,8 +20,7 @@ __all__ = [
     "StepExamination",
     "StepRequest",
     "arm_first_step",
-    "examine_script",
-    "examine_step",
+    "step_request",
     "model_degrees",
     "watch_step",
 ]
@@ -57,7 +56,8 @@ def arm_first_step(model: Any, on_report: Any = None, *, reference: str = "fp64"
 
 
 class StepExamination(Examination):
-    """`cpdoctor step`: the user's function on every rank; rank 0's watched reports become the report."""
+    """`cpdoctor step`: the user's function on every rank; rank 0's watched reports become the report. With a
+    function that takes its degrees, two launches (two_runs.py): the same job without CP, then with CP."""
 
     kind = "step"
     request_type = StepRequest
@@ -65,6 +65,37 @@ class StepExamination(Examination):
 
     def unsupported_here(self, request: Any) -> None:
         return None
+
+    def prepare(self, request: Any) -> Any:
+        """The role of the launch, from the function's parameters (read from its source): two runs when it takes
+        its degrees and cpdoctor starts the ranks (under torchrun nobody can start the run without CP), with a
+        fresh folder for the first run's gradients."""
+        import dataclasses
+        import tempfile
+
+        from cpdoctor.examinations.step.two_runs import Role, parameters_of, takes_degrees
+        from cpdoctor.launch import under_torchrun
+
+        request = request.validate()
+        if takes_degrees(parameters_of(request.path, request.function)) and not under_torchrun():
+            return dataclasses.replace(request, role=Role.WITH_CP.value, workdir=tempfile.mkdtemp(prefix="cpdoctor-step-"))
+        return dataclasses.replace(request, role=Role.ONE_RUN.value)
+
+    def stages(self, request: Any) -> list[tuple[list[Case], int]]:
+        import dataclasses
+
+        from cpdoctor.examinations.step.two_runs import Role
+
+        if Role(request.role) is not Role.WITH_CP:
+            return [([Case(request)], request.world_size)]
+        without = dataclasses.replace(request, role=Role.WITHOUT_CP.value)
+        return [([Case(without)], request.dp or 1), ([Case(request)], request.world_size)]
+
+    def finish(self, request: Any) -> None:
+        import shutil
+
+        if request.workdir:
+            shutil.rmtree(request.workdir, ignore_errors=True)
 
     def run_rank(self, case: Case, ctx: Any) -> Any:
         from cpdoctor.examinations.step import probe
@@ -81,12 +112,16 @@ class StepExamination(Examination):
         found = [f for report in evaluated.reports for f in report.findings]
         if found:
             return found
+        from cpdoctor.examinations.step.two_runs import Role
+
+        if Role(case.request.role) is Role.WITHOUT_CP:
+            return []
         return [
             Finding(
                 self.describe(case.request),
                 Verdict.UNSUPPORTED,
                 f"{case.request.target} never watched a step: nothing was examined",
-                f"run one training step inside `with watch_step(model):` in {case.request.function}(watch_step)",
+                f"run one training step inside `with watch_step(model):` in {case.request.function}",
             )
         ]
 
@@ -99,47 +134,37 @@ class StepExamination(Examination):
         return failure_findings(self.describe(case.request), failures, timeout_s)
 
     def describe(self, request: StepRequest) -> str:
+        from cpdoctor.examinations.step.two_runs import Role
+
+        if Role(request.role) is Role.WITHOUT_CP:
+            return f"training step {request.target}, the run without CP on {request.dp or 1} rank(s)"
         return f"training step {request.target} on {request.world_size} ranks"
 
 
 EXAMINATION = StepExamination()
 
 
-def examine_script(request: StepRequest, timeout_s: float) -> Report:
-    """Run `request.target` on its ranks (spawned, or joining torchrun's) and return the Report of the steps it
-    watched; a rank that raised or hung is a CRASH / HANG finding; a request the ranks refused is BadInput."""
-    import time
-
-    from cpdoctor import launch
-    from cpdoctor.errors import BadInput, CannotExamine
-    from cpdoctor.launch.jobs import Job
-
-    request = request.validate()
-    t0 = time.perf_counter()
-    case = Case(request)
-    result = launch.run(Job(EXAMINATION, (case,), request.device, timeout_s), request.world_size)
-    if result.bad_input:
-        raise BadInput(result.bad_input)
-    if result.cannot_examine:
-        raise CannotExamine(result.cannot_examine)
-    outcome = result.outcomes[0] if result.outcomes else None
-    env: dict[str, Any] = {"world_size": request.world_size}
-    if outcome is None:
-        findings = [Finding(EXAMINATION.describe(request), Verdict.HANG, "no rank reported", "rerun with a longer --timeout")]
-    elif outcome.completed:
-        findings = EXAMINATION.findings(case, outcome.evaluated)
-        env = outcome.evaluated.environment
-    else:
-        findings = EXAMINATION.failure_findings(case, outcome.failures, timeout_s)
-    return Report.of(findings, env, request.to_dict(), wall_s=time.perf_counter() - t0)
-
-
-def examine_step(target: str, *, nproc: int = 2, device: str = "auto", reference: str = "fp64", timeout_s: float = 300.0) -> Report:
-    """`cpdoctor step`: run `path/to/train.py:function` (FUNCTION(watch_step), see request.CONTRACT) on `nproc`
-    spawned ranks, or on torchrun's world when there is one, and return the Report of the steps it watched.
-    BadInput (exit 2) for a wrong target or a model without CP."""
+def step_request(
+    target: str, *, nproc: int | None = None, ring: int | None = None, ulysses: int | None = None, dp: int | None = None,
+    device: str = "auto", reference: str = "fp64",
+) -> StepRequest:  # fmt: skip
+    """The request of `cpdoctor step`: the world is torchrun's when there is one, else dp × ring × ulysses when
+    degrees are given (dp from `nproc` when only it is), else `nproc` (2 by default)."""
+    from cpdoctor.errors import BadInput
     from cpdoctor.launch import under_torchrun
     from cpdoctor.launch.torchrun import torchrun_world_size
 
-    world = torchrun_world_size() if under_torchrun() else nproc
-    return examine_script(StepRequest(target=target, world_size=world, device=device, reference=reference), timeout_s)
+    cp = (ring or 1) * (ulysses or 1)
+    if under_torchrun():
+        world = torchrun_world_size()
+    elif ring is not None or ulysses is not None or dp is not None:
+        if dp is None:
+            dp = max(1, (nproc or cp) // cp)
+        world = dp * cp
+        if nproc is not None and nproc != world:
+            raise BadInput(f"--nproc {nproc} but dp {dp} × ring {ring or 1} × ulysses {ulysses or 1} = {world}")
+    else:
+        world = nproc or 2
+    if ring is None and ulysses is None:
+        ring, dp = 2, dp or max(1, world // 2)  # a function that takes its degrees gets CP 2 by default
+    return StepRequest(target=target, world_size=world, device=device, reference=reference, ring=ring, ulysses=ulysses, dp=dp)

@@ -94,7 +94,9 @@ class SavedStep:
         return os.path.join(self.directory, f"step{self.index}-rank{self.rank}.json")
 
 
-def save_step(directory: str, rank: int, index: int, grads: dict[str, Any], prints: list[tuple[str, str]], dtype: str) -> None:
+def save_step(
+    directory: str, rank: int, index: int, grads: dict[str, Any], prints: list[tuple[str, str]], dtype: str, weights: str
+) -> None:
     """Write one rank's final gradients of one watched step of the run without CP."""
     from safetensors.torch import save_file
 
@@ -102,13 +104,14 @@ def save_step(directory: str, rank: int, index: int, grads: dict[str, Any], prin
     where = SavedStep(directory, rank, index)
     save_file({n: g.detach().float().cpu().contiguous() for n, g in grads.items()}, where.tensors)
     with open(where.meta, "w", encoding="utf-8") as fh:
-        json.dump({"prints": prints, "dtype": dtype, "names": list(grads)}, fh)
+        json.dump({"prints": prints, "dtype": dtype, "names": list(grads), "weights": weights}, fh)
 
 
 class RecordedRun:
     """The final gradients of the same step run without CP (`cpdoctor step`'s first launch)."""
 
     needs_inputs = False
+    needs_weights_digest = True
     ref_output = None
     name = "the same step run without CP"
 
@@ -130,9 +133,10 @@ class RecordedRun:
         choice = None
         for rank in saved:
             with open(SavedStep(self.directory, rank, watch.seq).meta, encoding="utf-8") as fh:
-                if [tuple(p) for p in json.load(fh)["prints"]] == mine:
-                    choice = rank
-                    break
+                meta = json.load(fh)
+            if [tuple(p) for p in meta["prints"]] == mine and meta.get("weights") == watch.weights:
+                choice = rank
+                break
         self.matched = choice
         if choice is None:
             group = list(watch.leaders).index(watch.ranks[0])

@@ -510,9 +510,10 @@ def _pass_text(s: StepSignature) -> str:
     healthy = s.harmless
     notes = [x for x in (s.scale.why, healthy.why if healthy is not None else "") if x]
     said = f" ({'; '.join(notes)})" if notes else ""
+    out = f"; out {s.n.out_rel_err:.2g}" if math.isfinite(s.n.out_rel_err) else ""
     return (
         f"the step matches {s.n.reference}: same inputs and loss on every CP peer, gradients reduced right{said} "
-        f"(worst rank rel err {s.rank_error(worst):.2g}, tolerance {s.tol:.2g} for {s.n.dtype}; out {s.n.out_rel_err:.2g}), RNG states in step"
+        f"(worst rank rel err {s.rank_error(worst):.2g}, tolerance {s.tol:.2g} for {s.n.dtype}{out}), RNG states in step"
     )
 
 

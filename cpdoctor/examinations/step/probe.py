@@ -39,23 +39,35 @@ def load_function(path: str, name: str) -> Any:
     return fn
 
 
-def run_rank(case: Case, ctx: Any) -> StepRankResult:
+def watcher_for(req: Any, result: StepRankResult) -> Any:
+    """The `watch_step` this run hands the user's function: the one watcher, with the reference of this run
+    (recomputed, or the run without CP on disk), keeping every report it makes in `result`."""
+    from cpdoctor.examinations.step.baseline import OneProcessReference, RecordedRun
+    from cpdoctor.examinations.step.two_runs import RecordingWatch, Role
     from cpdoctor.examinations.step.watch import StepWatch
+
+    role = Role(req.role)
+    if role is Role.WITHOUT_CP:
+        return lambda model, **options: RecordingWatch(model, req.workdir)
+
+    def watch(model: Any, **options: Any) -> StepWatch:
+        options.setdefault("reference", req.reference)
+        baseline = RecordedRun(req.workdir) if role is Role.WITH_CP else OneProcessReference(options["reference"])
+        return StepWatch(model, baseline=baseline, on_report=result.reports.append, **options)
+
+    return watch
+
+
+def run_rank(case: Case, ctx: Any) -> StepRankResult:
+    from cpdoctor.examinations.step.two_runs import Role, StepJob, call_arguments, parameters_of
 
     req = case.request
     result = StepRankResult()
-
-    class Watch(StepWatch):
-        def __exit__(self, *exc: Any) -> bool:
-            done = super().__exit__(*exc)
-            if self.report is not None:
-                result.reports.append(self.report)
-            return done
-
-    def watch(model: Any, *, step: int | None = None, reference: str = req.reference) -> StepWatch:
-        return Watch(model, step=step, reference=reference)
-
-    load_function(req.path, req.function)(watch)
+    without_cp = Role(req.role) is Role.WITHOUT_CP
+    ring, ulysses = (1, 1) if without_cp else (req.ring or 1, req.ulysses or 1)
+    job = StepJob(ring, ulysses, req.dp or max(1, ctx.world_size // (ring * ulysses)), watcher_for(req, result), not without_cp)
+    args, kwargs = call_arguments(parameters_of(req.path, req.function), job)
+    load_function(req.path, req.function)(*args, **kwargs)
     return result
 
 

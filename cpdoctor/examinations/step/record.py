@@ -27,6 +27,16 @@ def digest(value: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_digest(module: Any, canonical: Any, full_tensor: Any) -> str:
+    """One fingerprint of every parameter's value (by the bare model's names; FSDP2's gathered whole: a collective
+    on every rank): equal in two runs only when they start from the same weights."""
+    h = hashlib.sha1()
+    for name, p in sorted(((canonical(n), p) for n, p in module.named_parameters()), key=lambda np: np[0]):
+        h.update(name.encode())
+        h.update(digest(full_tensor(p.detach())).encode())
+    return h.hexdigest()[:16]
+
+
 def rng_digest() -> str:
     """A fingerprint of this process's RNG states (CPU, and the current CUDA device's when there is one)."""
     import torch

@@ -10,10 +10,13 @@ from dataclasses import asdict, dataclass
 from cpdoctor.errors import BadInput
 
 CONTRACT = (
-    "FUNCTION(watch_step) runs on every rank inside the job's process group (cpdoctor starts it, or joins "
-    "torchrun's): it builds its model (with enable_parallelism) and data, and runs one training step inside "
-    "`with watch_step(model):` (forward, loss, backward, gradient sync; optimizer.step() after the block). It "
-    "must not initialise or destroy the process group."
+    "FUNCTION runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's; it must "
+    "not initialise or destroy the group). It receives by name what it declares among cp, ring, ulysses, dp, "
+    "watch_step and job, builds its model (enable_parallelism when cp > 1) and mesh from those degrees, and runs its "
+    "training step inside `with watch_step(model):` (forward, loss, backward, gradient sync; optimizer.step() after "
+    "the block), seeding its weights and data the same way whatever the degrees. A function that takes its degrees "
+    "runs twice: without CP (dp processes), then with CP, and the final gradients are compared. A function with "
+    "a single other parameter gets watch_step and runs once, against the step recomputed in one fp64 process."
 )
 
 
@@ -24,6 +27,15 @@ class StepRequest:
     world_size: int = 2
     device: str = "auto"
     reference: str = "fp64"
+    ring: int | None = None
+    """The CP degrees and data-parallel size handed to a function that takes them (None: the legacy contract,
+    where the function decides its layout from the world size)."""
+    ulysses: int | None = None
+    dp: int | None = None
+    role: str = "one_run"
+    """Which run this launch is (two_runs.Role): decided in the parent from the function's parameters."""
+    workdir: str = ""
+    """Where the run without CP leaves its gradients for the run with CP."""
 
     @property
     def path(self) -> str:
@@ -32,6 +44,10 @@ class StepRequest:
     @property
     def function(self) -> str:
         return self.target.rsplit(":", 1)[1]
+
+    @property
+    def cp(self) -> int:
+        return (self.ring or 1) * (self.ulysses or 1)
 
     @classmethod
     def from_dict(cls, fields: dict) -> StepRequest:
@@ -48,7 +64,11 @@ class StepRequest:
             raise BadInput(f"cannot parse {self.path}: {exc}") from exc
         if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == self.function for n in tree.body):
             raise BadInput(f"{self.path} defines no top-level function {self.function}")
-        if self.world_size < 2:
+        for name in ("ring", "ulysses", "dp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise BadInput(f"--{name} must be a positive integer, not {value!r}")
+        if self.role != "without_cp" and self.world_size < 2:
             raise BadInput(f"--nproc must be at least 2 (a CP step needs peers), not {self.world_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise BadInput(f"--device must be auto, cpu or cuda, not {self.device!r}")

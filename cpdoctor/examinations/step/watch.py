@@ -30,7 +30,7 @@ from cpdoctor.examinations.step.baseline import Baseline, OneProcessReference
 from cpdoctor.examinations.step.judge import step_finding
 from cpdoctor.examinations.step.loss_graph import BackwardRoots
 from cpdoctor.examinations.step.measure import measure
-from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest
+from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest, weights_digest
 from cpdoctor.examinations.step.reference import canonical
 from cpdoctor.launch import step_comm
 from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
@@ -124,6 +124,7 @@ class StepWatch:
         loss_scale: float | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         baseline: Baseline | None = None,
+        on_report: Any = None,
     ) -> None:
         if reference not in ("fp64", "fp32"):
             raise BadInput(f"reference must be fp64 or fp32, not {reference!r}")
@@ -135,6 +136,8 @@ class StepWatch:
         self.loss_scale = loss_scale
         self.timeout_s = float(timeout_s)
         self.baseline: Baseline = baseline or OneProcessReference(reference)
+        self.on_report = on_report
+        """Called with the report at the block's exit (what `cpdoctor step` keeps of every watched step)."""
         self.report: Report | None = None
         self._hooks: Hooks | None = None
         self._roots: BackwardRoots | None = None
@@ -161,6 +164,9 @@ class StepWatch:
         self.index = self.step if self.step is not None else self.seq
         self._t0 = time.perf_counter()
         self.rng_before = rng_digest()
+        self.weights = None
+        if getattr(self.baseline, "needs_weights_digest", False):  # two runs: did both start from the same weights?
+            self.weights = weights_digest(self.module, canonical, step_comm.full_tensor)
         self._hooks = Hooks(self.module, keep_full=self.leader and self.baseline.needs_inputs, snapshot_weights=self._weights).install()
         self._roots = BackwardRoots().install()
         return self
@@ -187,6 +193,8 @@ class StepWatch:
             self.report = self._close(hooks, roots, error)
         except Exception:  # noqa: BLE001 - cpdoctor's own failure is a finding on this rank, never the user's step's exception
             self.report = self._report([self._crash({self.rank: traceback.format_exc()}, "cpdoctor's examination raised")])
+        if self.on_report is not None:
+            self.on_report(self.report)
         return False  # the user's own exception, if any, goes on
 
     def _subject(self) -> str:
@@ -292,10 +300,25 @@ class StepWatch:
                 native=getattr(self.baseline, "native", None),
             )  # fmt: skip
             finding = step_finding(numbers)
+            finding.subject = f"training step {self.index}, {finding.subject.removeprefix('training step, ')}"
             finding.evidence = _evidence(numbers, finding, self.baseline.name)
+            if getattr(self.baseline, "matched", 0) is None and not numbers.inputs_differ:
+                return self._unmatched(finding)
             return finding
         except Exception:  # noqa: BLE001 - reported on every rank through the gather that follows
             return self._crash({self.rank: traceback.format_exc()}, "cpdoctor's measurement raised")
+
+    def _unmatched(self, finding: Finding) -> Finding:
+        """The run without CP fed the model other inputs than this CP group: its gradients answer another
+        question, so nothing is judged (the step's data depends on the layout, not a CP defect)."""
+        return Finding(
+            finding.subject, Verdict.UNSUPPORTED,
+            "no rank of the run without CP started from the weights and fed the model the inputs this CP group did (their "
+            "fingerprints differ): the step's data or weights depend on the CP layout, so its gradients cannot be compared "
+            "with one process's",
+            "seed weights, noise and timesteps by the data-parallel rank (never the global rank or the world size), the "
+            "same way whatever the degrees", finding.tensors, evidence=finding.evidence,
+        )  # fmt: skip
 
     def _count_problem(self, counts: list[tuple[int, int, int]]) -> Finding | None:
         steps = {c[0] for c in counts}

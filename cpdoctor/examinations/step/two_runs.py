@@ -1,0 +1,117 @@
+"""`cpdoctor step train.py:fn --ring R` with a function that takes its degrees: the reference is the user's own
+code without CP. cpdoctor runs `fn` twice: first as the same job without CP (dp processes; `cp`, `ring`,
+`ulysses` are 1), where every watched block leaves its final gradients on disk, then across dp × cp ranks with
+CP, where each CP group's first rank compares its final gradients with the ones of the run without CP that fed
+the model the same inputs (baseline.RecordedRun). Loss scaling, clipping, accumulation, adapters, wrappers and
+mixed precision are the same code in both runs: whatever is right in one process is right here, and nothing is
+read or guessed.
+
+The function receives by name what it declares among `job` (this `StepJob`), `watch_step`, `cp`, `ring`,
+`ulysses` and `dp`; a function with a single other parameter gets `watch_step` (the one-run contract)."""
+
+from __future__ import annotations
+
+import ast
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+DEGREE_NAMES = ("job", "cp", "ring", "ulysses", "dp")
+"""Parameters that tell cpdoctor the function builds its model and mesh from the degrees it is given."""
+PASSED = (*DEGREE_NAMES, "watch_step")
+
+
+class Role(str, enum.Enum):
+    """Which run a launch of `cpdoctor step` is."""
+
+    ONE_RUN = "one_run"  # the function does not take its degrees: watched against the recomputed reference
+    WITHOUT_CP = "without_cp"  # first of two runs: the same job without CP, final gradients to disk
+    WITH_CP = "with_cp"  # second of two runs: compared with the first
+
+
+def parameters_of(path: str, function: str) -> tuple[str, ...]:
+    """The parameter names of `function` in `path`, read from its source (the parent never imports the script)."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            a = node.args
+            return tuple(x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
+    return ()
+
+
+def takes_degrees(params: tuple[str, ...]) -> bool:
+    return any(p in DEGREE_NAMES for p in params)
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """What `cpdoctor step` hands the user's function: the degrees of this run and the watcher to use."""
+
+    ring: int
+    ulysses: int
+    dp: int
+    watch_step: Any
+    with_cp: bool
+
+    @property
+    def cp(self) -> int:
+        return self.ring * self.ulysses
+
+    def __call__(self, model: Any, **options: Any) -> Any:
+        """`job(model)` is `job.watch_step(model)`."""
+        return self.watch_step(model, **options)
+
+
+def call_arguments(params: tuple[str, ...], job: StepJob) -> tuple[tuple, dict]:
+    """(args, kwargs) for the user's function: what it declares by name; a single undeclared parameter gets the
+    watcher (the one-run contract, FUNCTION(watch_step))."""
+    named = {"job": job, "watch_step": job.watch_step, "cp": job.cp, "ring": job.ring, "ulysses": job.ulysses, "dp": job.dp}
+    kwargs = {p: named[p] for p in params if p in named}
+    if not kwargs and len(params) == 1:
+        return (job.watch_step,), {}
+    return (), kwargs
+
+
+class RecordingWatch:
+    """The watcher of the run without CP: records the model's first inputs' fingerprints and, at the block's exit,
+    every trainable parameter's final gradient (FSDP2's gathered whole), written for the run with CP to read.
+    It examines nothing and never raises out of the block for its own sake."""
+
+    def __init__(self, model: Any, directory: str, **_: Any) -> None:
+        from cpdoctor.examinations.step.watch import unwrap
+
+        self.module = unwrap(model)
+        self.directory = directory
+        self.report = None
+
+    def __enter__(self) -> RecordingWatch:
+        from cpdoctor.examinations.step.record import Hooks, weights_digest
+        from cpdoctor.examinations.step.reference import canonical
+        from cpdoctor.examinations.step.watch import WatchCounter
+        from cpdoctor.launch import step_comm
+
+        self.seq = WatchCounter.next()
+        self.weights = weights_digest(self.module, canonical, step_comm.full_tensor)
+        self._hooks = Hooks(self.module, keep_full=False, snapshot_weights=dict).install()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        from cpdoctor.examinations.step.baseline import save_step
+        from cpdoctor.examinations.step.reference import canonical
+        from cpdoctor.examinations.step.watch import compute_dtype
+        from cpdoctor.launch import step_comm
+
+        self._hooks.remove()
+        if exc is not None:
+            return False
+        import torch
+
+        grads = {}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:  # a trainable parameter without a gradient is zeros, as the run with CP reads it
+                grads[canonical(name)] = step_comm.full_tensor(p.grad.detach()) if p.grad is not None else torch.zeros(p.shape)
+        rank = step_comm.world()[0]
+        dtype = compute_dtype(self.module, [c.out_dtype for c in self._hooks.calls])
+        save_step(self.directory, rank, self.seq, grads, [(p.name, p.digest) for p in self._hooks.prints], dtype, self.weights)
+        return False
