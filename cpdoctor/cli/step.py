@@ -13,8 +13,12 @@ from cpdoctor.cli.output import check_run_options, emit, waiting
 
 def step(
     target: Annotated[str, typer.Argument(metavar="path/to/train.py:function", help="The script and its step function (see below).")],
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to start (default: dp × ring × ulysses, or 2; torchrun decides under torchrun).")] = None,
-    ring: Annotated[Optional[int], typer.Option("--ring", help="Ring degree handed to a function that takes its degrees (default 2).")] = None,
+    nproc: Annotated[
+        Optional[int], typer.Option("--nproc", help="Ranks to start (default: dp × ring × ulysses, or 2; torchrun decides under torchrun).")
+    ] = None,
+    ring: Annotated[
+        Optional[int], typer.Option("--ring", help="Ring degree handed to a function that takes its degrees (default 2).")
+    ] = None,
     ulysses: Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree handed to it (default 1).")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size handed to it (default 1).")] = None,
     device: Device = "auto",

@@ -48,7 +48,9 @@ def _setup(cp: int, dp: int, ring: int, ulysses: int, *, lora: bool = False, see
 def _batch(model, dp_rank: int, k: int = 0):
     gen = torch.Generator().manual_seed(100 * k + dp_rank)
     dtype = next(p.dtype for p in model.parameters())
-    cond = {n: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in conditioning(model, dp_rank, k).items()}
+    cond = {
+        n: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in conditioning(model, dp_rank, k).items()
+    }
     x0 = torch.randn(1, GRID * GRID, model.config.in_channels, generator=gen).to(dtype)
     return cond, x0, torch.rand(1, generator=gen).to(dtype), torch.randn(x0.shape, generator=gen).to(dtype)
 

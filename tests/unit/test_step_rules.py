@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cpdoctor.examinations.step.judge import GRAD_TOLERANCE, block_of, factor_candidates, step_finding  # noqa: E402
+from cpdoctor.examinations.step.loss_graph import Factor, LossReading  # noqa: E402
 from cpdoctor.examinations.step.measure import (  # noqa: E402
     InputDiff,
     ParamError,
@@ -21,7 +22,6 @@ from cpdoctor.examinations.step.measure import (  # noqa: E402
     own_shard_only,
     reference_out_grads,
 )
-from cpdoctor.examinations.step.loss_graph import Factor, LossReading  # noqa: E402
 from cpdoctor.examinations.step.readings import round_norm  # noqa: E402
 from cpdoctor.examinations.step.record import InputPrint, PeerRecord  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402

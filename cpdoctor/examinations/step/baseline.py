@@ -126,7 +126,11 @@ class RecordedRun:
 
         mine = [(p.name, p.digest) for p in records[0].inputs]
         saved = sorted(
-            (int(f.split("rank")[1].split(".")[0]) for f in os.listdir(self.directory) if f.startswith(f"step{watch.seq}-") and f.endswith(".json")),
+            (
+                int(f.split("rank")[1].split(".")[0])
+                for f in os.listdir(self.directory)
+                if f.startswith(f"step{watch.seq}-") and f.endswith(".json")
+            ),
         )
         if not saved:
             raise RuntimeError(f"the run without CP left no gradients for watched step {watch.seq} in {self.directory}")
@@ -156,4 +160,3 @@ class RecordedRun:
 
     def output(self, hooks: Any) -> Any:
         return None
-

@@ -266,7 +266,8 @@ def measure(
         rng_after_groups=groups_of([r.rng_after for r in records], ranks),
         out_grad_spread=spread,
         out_grad_differ=tuple(differ),
-        out_grad_own_shard=bool(differ) and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
+        out_grad_own_shard=bool(differ)
+        and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
         out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
         out_max_abs=float((out.double() - ref_out.double()).abs().max()) if out is not None and ref_out is not None else float("nan"),
         grads=tuple(grads),
@@ -283,5 +284,7 @@ def measure(
         grad_norm=float(first.norm()),
         params_scaled=tuple(scaled),
         baseline_rel_err=rel(native, own) if native is not None and own is not None else None,
-        param_baselines=tuple(p.rel_err for p in param_errors(native, own.double(), param_names, param_numels)) if native is not None and own is not None else (),
+        param_baselines=tuple(p.rel_err for p in param_errors(native, own.double(), param_names, param_numels))
+        if native is not None and own is not None
+        else (),
     )

@@ -47,7 +47,10 @@ def loss_scale(n: StepNumbers) -> LossScale:
     if n.out_grad_own_shard:
         shard = n.out_numel // n.cp if n.cp else 0
         if readings and all(r.reduction == "mean" and r.count == shard for r in readings):
-            return LossScale(cp, f"each rank's loss is a mean over its own shard ({shard} of the output's {n.out_numel} elements): the sum over the CP ranks weighs the loss cp× what one process computes")
+            return LossScale(
+                cp,
+                f"each rank's loss is a mean over its own shard ({shard} of the output's {n.out_numel} elements): the sum over the CP ranks weighs the loss cp× what one process computes",
+            )
         if readings and all(r.reduction == "sum" or (r.reduction == "mean" and r.count == n.out_numel) for r in readings):
             return LossScale(1.0, "each rank's loss covers its own shard with a normaliser that does not depend on the shard")
         return LossScale(1.0, "each rank's loss covers its own shard, normalised as one process would (if by the full token count)",

@@ -160,7 +160,9 @@ class Hooks:
     @property
     def prints(self) -> tuple[InputPrint, ...]:
         """Every forward's input fingerprints; a later micro-batch's inputs are named `name@k`."""
-        return tuple(InputPrint(p.name if k == 0 else f"{p.name}@{k + 1}", p.digest, p.norm) for k, f in enumerate(self.calls) for p in f.prints)
+        return tuple(
+            InputPrint(p.name if k == 0 else f"{p.name}@{k + 1}", p.digest, p.norm) for k, f in enumerate(self.calls) for p in f.prints
+        )
 
     def install(self) -> Hooks:
         self._handles.append(self.module.register_forward_pre_hook(self._pre, with_kwargs=True))

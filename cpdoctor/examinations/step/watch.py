@@ -213,7 +213,13 @@ class StepWatch:
         from cpdoctor.compat.diffusers import diffusers_version
 
         env = {"torch": str(torch.__version__), "diffusers": diffusers_version(), "world_size": self.world, "device": str(self._device())}
-        request = {"ring": self.ring, "ulysses": self.ulysses, "world_size": self.world, "step": self.index, "reference": self.baseline.name}
+        request = {
+            "ring": self.ring,
+            "ulysses": self.ulysses,
+            "world_size": self.world,
+            "step": self.index,
+            "reference": self.baseline.name,
+        }
         return Report.of(findings, env, request, wall_s=time.perf_counter() - self._t0)
 
     def _device(self) -> Any:
@@ -233,7 +239,8 @@ class StepWatch:
         if absent:
             findings.append(
                 Finding(
-                    self._subject(), Verdict.HANG,
+                    self._subject(),
+                    Verdict.HANG,
                     f"rank {', '.join(map(str, absent))} did not reach the end of the watched step within {self.timeout_s:g} s "
                     f"(rank {', '.join(str(a.rank) for a in seen if a is not None)} did): it is still inside the step, e.g. in a "
                     "collective of it that a rank which raised never joins",
