@@ -284,6 +284,8 @@ def preflight(
     parallel_config: Any = None,
     model: Any = None,
     watch_first_step: bool = True,
+    loss_scale: float | None = None,
+    on_step: Callable[[Report], None] | None = None,
     fix: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     **fields: Any,
@@ -299,7 +301,10 @@ def preflight(
 
     With `model` (and `watch_first_step`), the user's first training step is examined too, against one process
     (`watch_step`): armed now, judged before the first optimizer.step(), which a wrong step never reaches
-    (PreflightFailed on every rank). Returns the attention report."""
+    (PreflightFailed on every rank, and only for a FAIL: a step it could not examine, or one it can read two ways,
+    is a warning and the job goes on). `loss_scale` is what the CP step multiplies its loss by that one process
+    would not (e.g. cp_size; read from the autograd graph when not given); `on_step(report)` receives the first
+    step's report on every rank before its optimizer step. Returns the attention report."""
     from cpdoctor.fix import patch as fix_patch
 
     if model is not None:
@@ -319,11 +324,11 @@ def preflight(
         fix_patch.set_patched(was_patched)
         raise PreflightFailed(report)
     if model is not None and watch_first_step:
-        _arm_first_step(model)
+        _arm_first_step(model, loss_scale, on_step)
     return report
 
 
-def _arm_first_step(model: Any) -> None:
+def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callable[[Report], None] | None = None) -> None:
     """The step examination on the model's first training step: a wrong step raises PreflightFailed before the
     first optimizer.step(); a step it could not examine is a warning, not a stop."""
     import warnings
@@ -331,12 +336,20 @@ def _arm_first_step(model: Any) -> None:
     from cpdoctor.examinations.step import arm_first_step
 
     def judge(step: Report) -> None:
-        if step.verdict in (Verdict.FAIL, Verdict.CRASH, Verdict.HANG):
+        if on_step is not None:
+            on_step(step)
+        if step.verdict is Verdict.FAIL:  # only a wrong step stops the job
             raise PreflightFailed(step, what="the first CP training step does not match one process")
-        if step.verdict is not Verdict.PASS:
-            warnings.warn(f"cpdoctor: the first training step was not examined: {step.findings[0].diagnosis}", stacklevel=2)
+        if step.verdict is Verdict.WARN:
+            warnings.warn(f"cpdoctor: the first training step: {_first_not_pass(step).diagnosis}", stacklevel=2)
+        elif step.verdict is not Verdict.PASS:  # a crash, hang or refusal of the examination: could not examine
+            warnings.warn(f"cpdoctor: the first training step could not be examined: {_first_not_pass(step).diagnosis}", stacklevel=2)
 
-    arm_first_step(model, judge)
+    arm_first_step(model, judge, loss_scale=loss_scale)
+
+
+def _first_not_pass(report: Report) -> Finding:
+    return next((f for f in report.findings if f.verdict is not Verdict.PASS), report.findings[0])
 
 
 def watch_step(

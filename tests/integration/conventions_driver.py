@@ -62,6 +62,8 @@ VARIANTS: dict[str, dict] = {
     "lora_bf16_explicit_scale": {"lora": True, "loss_x_cp": True, "sync": "ddp_world", "loss_scale": float(CP)},
     "accelerate_loss_x_cp": {"loss_x_cp": True, "sync": "accelerate"},
     "gc_stock_ring": {"gc": "diffusers", "stock": True},
+    "reference_raises": {"inject": "reference_raises"},
+    "reference_too_large": {"inject": "no_memory"},
     # the faults, in their LoRA + bf16 form
     "bug_lora_noise_by_rank": {"lora": True, "noise_seed": "rank"},
     "bug_lora_no_cp_reduce": {"lora": True, "sync": "dp_only"},
@@ -69,6 +71,29 @@ VARIANTS: dict[str, dict] = {
     "bug_lora_shard_loss_local": {"lora": True, "shard_loss": "local"},
 }
 """What each variant changes from a correct fp32 full fine-tune with DDP over dp and a sum over CP."""
+
+
+def inject(fault: str | None):
+    """A fault in cpdoctor's own reference on the CP groups' first ranks: it raises, or the machine has no memory
+    for it. Returns the undo."""
+    from cpdoctor.examinations.step import baseline, reference
+
+    if fault is None:
+        return lambda: None
+    saved = (reference.reference_step, baseline.available_memory)
+    if fault == "reference_raises":
+
+        def raising(*args, **kwargs):
+            raise RuntimeError("injected: the reference failed")
+
+        reference.reference_step = raising
+    else:
+        baseline.available_memory = lambda device: 1 << 20
+
+    def undo() -> None:
+        reference.reference_step, baseline.available_memory = saved
+
+    return undo
 
 
 def build(v: dict, mesh):
@@ -185,6 +210,35 @@ def _body(watched, v, run, model, mesh, opt, scaler, cond, dtype, seed, cp_rank,
         opt.step()
 
 
+def preflight_clip() -> dict:
+    """What `cpdoctor.preflight(model=...)` arms (the first optimizer step closes the watch): a LoRA step on a bf16
+    base whose script clips after its sync and before optimizer.step(); the judge preflight uses raises only for a
+    FAIL, so a PASS (or a WARN) lets the job go on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpdoctor.examinations.step import arm_first_step
+
+    mesh = init_device_mesh("cpu", (DP, CP, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = build({"lora": True}, mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    seen = []
+    armed = arm_first_step(model, seen.append)
+    cond = {
+        k: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for k, x in conditioning(model, dp_rank, 0).items()
+    }
+    gen = torch.Generator().manual_seed(dp_rank)
+    x0 = torch.randn(1, GRID * GRID, model.config.in_channels, generator=gen).to(torch.bfloat16)
+    out = model(hidden_states=x0, timestep=torch.rand(1, generator=gen).to(torch.bfloat16), **cond)[0]
+    F.mse_loss(out.float(), torch.randn(out.shape, generator=gen)).backward()
+    sync(model, {}, mesh)
+    torch.nn.utils.clip_grad_norm_(trainable, 1e-3)
+    opt.step()
+    return {**summary(armed.report), "callbacks": len(seen)}
+
+
 def train(watch, steps: int = 3) -> list:
     """A few AdamW steps of the correct fp32 step, watched or not, noise from the global RNG (so a watcher that
     drew random numbers on one rank only, or left its state moved, changes the next step's noise)."""
@@ -247,6 +301,7 @@ def main() -> None:
             continue
         if v.get("stock"):
             cpdoctor.unpatch()
+        undo = inject(v.get("inject"))
         try:
             results[name] = summary(*one_step(name, v, cpdoctor.watch_step))
         except Exception as exc:  # noqa: BLE001 - a variant that raises is recorded, the others still run
@@ -254,11 +309,13 @@ def main() -> None:
 
             results[name] = {"verdict": "RAISED", "diagnoses": [f"{type(exc).__name__}: {exc}"], "traceback": traceback.format_exc()}
         finally:
+            undo()
             if v.get("stock") and a.patch:
                 cpdoctor.patch()
         torch._dynamo.reset() if v.get("compile") else None
     if not a.only:
         results["no_trace"] = no_trace(cpdoctor.watch_step)
+        results["preflight_clip"] = preflight_clip()
     if dist.get_rank() == 0:
         with open(a.out, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -90,3 +90,21 @@ def test_a_raising_step_is_a_crash_on_every_rank(results):
 
 def test_the_watcher_leaves_no_trace(results):
     assert results["no_trace"]["identical_on_every_rank"] == [True] * 4
+
+
+def test_preflight_armed_step_with_clipping_before_the_optimizer_passes(results):
+    got = results["preflight_clip"]
+    assert got["verdict"] == "PASS" and got["callbacks"] == 1, got
+    assert "clipped: their total norm is 0.001" in got["diagnoses"][0]
+
+
+def test_a_reference_that_raises_is_a_crash_on_every_rank(results):
+    got = results["reference_raises"]
+    assert got["verdict"] == "CRASH" and not got["raised"], got
+    assert "cpdoctor's reference" in got["diagnoses"][0] and "injected: the reference failed" in got["diagnoses"][0]
+
+
+def test_a_reference_that_does_not_fit_is_refused_with_what_fits(results):
+    got = results["reference_too_large"]
+    assert got["verdict"] == "UNSUPPORTED", got
+    assert "the reference needs" in got["diagnoses"][0] and "cpdoctor step" in got["diagnoses"][0]

@@ -18,7 +18,7 @@ def report(verdict: Verdict) -> Report:
 def test_preflight_with_a_model_reads_its_degrees_and_arms_the_first_step(monkeypatch):
     asked, armed = {}, []
     monkeypatch.setattr(step, "model_degrees", lambda model: (3, 2))
-    monkeypatch.setattr(step, "arm_first_step", lambda model, judge: armed.append((model, judge)))
+    monkeypatch.setattr(step, "arm_first_step", lambda model, judge, **options: armed.append((model, judge)))
 
     def check(**fields):
         asked.update(fields)
@@ -33,14 +33,18 @@ def test_preflight_with_a_model_reads_its_degrees_and_arms_the_first_step(monkey
     judge(report(Verdict.PASS))  # a right step goes on
     with pytest.raises(api.PreflightFailed, match="the first CP training step does not match one process — FAIL"):
         judge(report(Verdict.FAIL))
-    with pytest.warns(UserWarning, match="not examined"):
+    with pytest.warns(UserWarning, match="could not be examined"):
         judge(report(Verdict.UNSUPPORTED))
+    with pytest.warns(UserWarning, match="could not be examined"):  # cpdoctor's own crash: the job goes on
+        judge(report(Verdict.CRASH))
+    with pytest.warns(UserWarning, match="first training step: WARN diagnosis"):  # two readings: said, not stopped
+        judge(report(Verdict.WARN))
 
 
 def test_preflight_without_watching_the_first_step_arms_nothing(monkeypatch):
     armed = []
     monkeypatch.setattr(step, "model_degrees", lambda model: (2, 1))
-    monkeypatch.setattr(step, "arm_first_step", lambda model, judge: armed.append(judge))
+    monkeypatch.setattr(step, "arm_first_step", lambda model, judge, **options: armed.append(judge))
     monkeypatch.setattr(api, "check_attention", lambda **fields: report(Verdict.PASS))
     api.preflight(model=object(), watch_first_step=False)
     assert armed == []

@@ -47,12 +47,12 @@ def model_degrees(model: Any) -> tuple[int, int]:
     return compat.cp_degrees(config)
 
 
-def arm_first_step(model: Any, on_report: Any = None, *, reference: str = "fp64") -> Any:
+def arm_first_step(model: Any, on_report: Any = None, *, reference: str = "fp64", loss_scale: float | None = None) -> Any:
     """Arm the step examination on `model`'s next training step, closed by the first optimizer.step() of any
     optimizer; `on_report(report)` runs on every rank before that step (first.py)."""
     from cpdoctor.examinations.step.first import watch_first_step
 
-    return watch_first_step(model, on_report, reference=reference)
+    return watch_first_step(model, on_report, reference=reference, loss_scale=loss_scale)
 
 
 class StepExamination(Examination):

@@ -44,12 +44,13 @@ class OneProcessReference:
     def __init__(self, precision: str = "fp64") -> None:
         self.precision = precision
         self.native: Any = None
+        self.plan: Any = None
         self.name = f"one {precision} process recomputing the recorded step"
         self.ref_output: Any = None
 
     def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
         from cpdoctor.compat import step as compat
-        from cpdoctor.examinations.step.reference import Precision, reference_step
+        from cpdoctor.examinations.step.reference import Precision, ReferenceTooLarge, reference_plan, reference_step
         from cpdoctor.examinations.step.watch import compute_dtype
 
         out_grads = reference_out_grads(records, compat.output_gather_dim(watch.module))
@@ -57,6 +58,16 @@ class OneProcessReference:
         device = watch._device() if str(watch._device()) != "meta" else "cpu"
         low = compute_dtype(watch.module, [f.out_dtype for f in hooks.calls]) in ("bf16", "fp16")
         native = Precision(*hooks.autocast, compat.attention_backend_of(watch.module)) if low else None
+        trainable = int(records[0].grads.numel())
+        self.plan = reference_plan(hooks.weights, trainable, self.precision, native is not None, available_memory(device))
+        if not self.plan.fits:
+            half = reference_plan(hooks.weights, trainable, "fp32", False, self.plan.available)
+            fits = "watch_step(model, reference='fp32') fits" if half.fits else "an fp32 reference does not fit either"
+            raise ReferenceTooLarge(
+                self.plan,
+                f"{fits}; `cpdoctor step path/train.py:fn --ring R` with a function that takes its degrees needs no copy "
+                "(two runs); `cpdoctor model MODEL --blocks N` slices a checkpoint to the blocks that fit",
+            )
         result = reference_step(watch.module, hooks.weights, calls, names, self.precision, device, native)
         self.ref_output = result.outputs[0] if result.outputs else None
         self.native = result.native
@@ -69,6 +80,20 @@ class OneProcessReference:
 
     def output(self, hooks: Any) -> Any:
         return hooks.calls[0].output if hooks.calls else None
+
+
+def available_memory(device: Any) -> int | None:
+    """Free memory where the reference runs: the CUDA device's, or the host's MemAvailable."""
+    from cpdoctor.models.memory import available_host_memory
+
+    if str(device).startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except (RuntimeError, AssertionError):  # no CUDA context here: unknown, never a refusal
+            return None
+    return available_host_memory()
 
 
 # ----------------------------------------------------------------------------------------------------------

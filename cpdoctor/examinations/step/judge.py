@@ -481,23 +481,26 @@ def verdict_of(rules: list[StepRule]) -> Verdict:
 
 
 def rows(s: StepSignature) -> dict[str, JudgedRow]:
-    """The finding's rows: the output (forward) and the parameter gradients (worst rank, every rank)."""
+    """The finding's rows: the output (forward; only where the reference recomputed it), the parameter gradients
+    (worst rank, every rank; the no-CP column is the same-dtype baseline where one was measured) and the worst
+    parameter (after the uniform factor, against its own tolerance)."""
     tol = s.tol
-    out = TensorRow(s.n.out_rel_err, s.n.out_max_abs, 0, worst_rank=s.n.ranks[0])
-    worst = s.worst
+    table = {}
+    if math.isfinite(s.n.out_rel_err):
+        out = TensorRow(s.n.out_rel_err, s.n.out_max_abs, 0, worst_rank=s.n.ranks[0])
+        table["out"] = JudgedRow.judged(out, tol, (), Verdict.PASS if s.n.out_rel_err <= tol else Verdict.FAIL)
     worst = max(s.n.grads, key=s.rank_error)
     grads = TensorRow(
-        s.rank_error(worst), worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads)
-    )
-    table = {
-        "out": JudgedRow.judged(out, tol, (), Verdict.PASS if s.n.out_rel_err <= tol else Verdict.FAIL),
-        "grads": JudgedRow.judged(grads, tol, s.bad_ranks, Verdict.FAIL if s.grads_bad else Verdict.PASS),
-    }
-    worst_param = max(s.n.params_scaled or s.n.params, key=lambda p: p.rel_err, default=None)
-    if worst_param is not None:
+        s.rank_error(worst), worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads),
+        baseline_rel_err=s.n.baseline_rel_err,
+    )  # fmt: skip
+    table["grads"] = JudgedRow.judged(grads, tol, s.bad_ranks, Verdict.FAIL if s.grads_bad else Verdict.PASS)
+    params = s.n.params_scaled or s.n.params
+    if params:
+        i, worst_param = max(enumerate(params), key=lambda ip: ip[1].rel_err / s.param_tol(ip[0]))
         row = TensorRow(worst_param.rel_err, worst_param.max_abs, 0, name=worst_param.name, numel=worst_param.numel)
-        ok = worst_param.rel_err <= PARAM_SLACK * tol
-        table["worst_param"] = JudgedRow.judged(row, PARAM_SLACK * tol, (), Verdict.PASS if ok else Verdict.FAIL)
+        ok = worst_param.rel_err <= s.param_tol(i)
+        table["worst_param"] = JudgedRow.judged(row, s.param_tol(i), (), Verdict.PASS if ok else Verdict.FAIL)
     return table
 
 

@@ -116,6 +116,51 @@ def _meta_attributes(model: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class ReferencePlan:
+    """What the one-process reference holds on the CP group's first rank, in bytes, before it starts: the copy of
+    the model and the gradients of its trainable parameters in the reference precision (and once more in the
+    step's own dtypes for a bf16/fp16 step). Activations are not counted: the full sequence in one process needs
+    about cp × one rank's."""
+
+    copy_bytes: int
+    grad_bytes: int
+    native_bytes: int
+    available: int | None
+
+    @property
+    def total(self) -> int:
+        return self.copy_bytes + self.grad_bytes + self.native_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.total <= self.available
+
+    def text(self) -> str:
+        gib = 2.0**30
+        have = "unknown" if self.available is None else f"{self.available / gib:.1f} GiB"
+        return (
+            f"the reference needs {self.total / gib:.1f} GiB (copy {self.copy_bytes / gib:.1f}, gradients {self.grad_bytes / gib:.1f}, "
+            f"same-dtype pass {self.native_bytes / gib:.1f}; activations not counted), {have} available"
+        )
+
+
+def reference_plan(weights: dict[str, Any], trainable: int, precision: str, native: bool, available: int | None) -> ReferencePlan:
+    """The plan of `reference_step` for these recorded weights and `trainable` trainable elements."""
+    per = 8 if precision == "fp64" else 4
+    elements = sum(int(w.numel()) for w in weights.values())
+    native_bytes = sum(int(w.numel()) * w.element_size() for w in weights.values()) + trainable * 4 if native else 0
+    return ReferencePlan(elements * per, trainable * per, native_bytes, available)
+
+
+class ReferenceTooLarge(RuntimeError):
+    """The reference does not fit where it would run: the watcher reports it as not examined, never a crash."""
+
+    def __init__(self, plan: ReferencePlan, what_fits: str) -> None:
+        super().__init__(f"{plan.text()}: {what_fits}")
+        self.plan = plan
+
+
+@dataclass(frozen=True)
 class Precision:
     """How the user's step computed: each weight's own dtype, and the autocast it ran under (recorded at its
     first forward)."""

@@ -31,7 +31,7 @@ from cpdoctor.examinations.step.judge import step_finding
 from cpdoctor.examinations.step.loss_graph import BackwardRoots
 from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest, weights_digest
-from cpdoctor.examinations.step.reference import canonical
+from cpdoctor.examinations.step.reference import ReferenceTooLarge, canonical
 from cpdoctor.launch import step_comm
 from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
 
@@ -74,6 +74,8 @@ class StepEvidence:
     compute_dtype: str = ""
     forwards: int = 1
     loss_factors: tuple[float, ...] = ()
+    reference_gib: float | None = None
+    """The one-process reference's plan on the CP group's first rank (copy + gradients), GiB; None with two runs."""
 
 
 @dataclass(frozen=True)
@@ -266,14 +268,20 @@ class StepWatch:
             for rec, g in zip(records, all_grads):
                 rec.grads = g
         leaders = self.leaders = self._all_leaders()
-        expected_mine, failed = None, None
+        expected_mine, failed, refused = None, None, None
         if self.leader:
             assert records is not None
             try:
                 expected_mine = self.baseline.expected(self, hooks, records, [n for n, _ in names])
+            except ReferenceTooLarge as exc:  # not examined, and said before anything was allocated
+                refused = str(exc)
             except Exception:  # noqa: BLE001 - the reference's failure is reported on every rank, no rank left waiting
                 failed = traceback.format_exc()
-        posted = step_comm.exchange(f"cpdoctor/watch/{self.seq}/reference", ("done", failed), leaders, self.timeout_s)
+        posted = step_comm.exchange(f"cpdoctor/watch/{self.seq}/reference", ("done", failed, refused), leaders, self.timeout_s)
+        refusals = [p[2] for p in posted if p is not None and p[2]]
+        if refusals:
+            return self._report([Finding(self._subject(), Verdict.UNSUPPORTED, f"not examined: {refusals[0]}",
+                                         "use one of the ways that fit, named in the diagnosis")])  # fmt: skip
         crashed = {r: p[1] for r, p in zip(leaders, posted) if p is not None and p[1]}
         if crashed:
             return self._report([self._crash(crashed, f"cpdoctor's reference ({self.baseline.name}) raised")])
@@ -308,7 +316,7 @@ class StepWatch:
             )  # fmt: skip
             finding = step_finding(numbers)
             finding.subject = f"training step {self.index}, {finding.subject.removeprefix('training step, ')}"
-            finding.evidence = _evidence(numbers, finding, self.baseline.name)
+            finding.evidence = _evidence(numbers, finding, self.baseline.name, getattr(self.baseline, "plan", None))
             if getattr(self.baseline, "matched", 0) is None and not numbers.inputs_differ:
                 return self._unmatched(finding)
             return finding
@@ -370,7 +378,7 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "(no traceback)"
 
 
-def _evidence(numbers: Any, finding: Finding, reference: str) -> StepEvidence:
+def _evidence(numbers: Any, finding: Finding, reference: str, plan: Any = None) -> StepEvidence:
     from cpdoctor.examinations.step.judge import StepSignature, first_bad_param
 
     s = StepSignature(numbers)
@@ -381,6 +389,7 @@ def _evidence(numbers: Any, finding: Finding, reference: str) -> StepEvidence:
         out_grad_spread=numbers.out_grad_spread, peer_spread=numbers.peer_spread, cp_sum_rel_err=numbers.sum_rel_err,
         factor=s.worst.factor, factor_residual=s.worst.residual, first_bad_param=None if first is None else first.name, reference=reference,
         compute_dtype=numbers.dtype, forwards=max(numbers.forwards, default=1), loss_factors=tuple(f for r in numbers.loss for f in r.constants()),
+        reference_gib=None if plan is None else round(plan.total / 2**30, 3),
     )  # fmt: skip
 
 
