@@ -63,6 +63,8 @@ VARIANTS: dict[str, dict] = {
     "accelerate_loss_x_cp": {"loss_x_cp": True, "sync": "accelerate"},
     "gc_stock_ring": {"gc": "diffusers", "stock": True},
     "reference_raises": {"inject": "reference_raises"},
+    "one_rank_raises": {"fault_on_rank_1": "raise"},
+    "one_rank_stuck": {"fault_on_rank_1": "sleep", "timeout_s": 4.0},
     "reference_too_large": {"inject": "no_memory"},
     # the faults, in their LoRA + bf16 form
     "bug_lora_noise_by_rank": {"lora": True, "noise_seed": "rank"},
@@ -160,7 +162,7 @@ def one_step(name: str, v: dict, watch) -> object:
     cond = conditioning(model, dp_rank, 0)
     dtype = next(p.dtype for p in model.parameters())
     cond = {k: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for k, x in cond.items()}
-    kwargs = {"loss_scale": v["loss_scale"]} if "loss_scale" in v else {}
+    kwargs = {k: v[k] for k in ("loss_scale", "timeout_s") if k in v}
     watched = watch(run, **kwargs)
     try:
         _body(watched, v, run, model, mesh, opt, scaler, cond, dtype, seed, cp_rank, trainable)
@@ -199,6 +201,12 @@ def _body(watched, v, run, model, mesh, opt, scaler, cond, dtype, seed, cp_rank,
             else:
                 (scaler.scale(loss) if scaler else loss).backward()
         sync(model, v, mesh)
+        if v.get("fault_on_rank_1") and dist.get_rank() == 1:  # after the sync: no collective of the step is left open
+            if v["fault_on_rank_1"] == "raise":
+                raise RuntimeError("rank 1's step failed after its sync")
+            import time
+
+            time.sleep(3 * v["timeout_s"])  # stuck past the watcher's timeout
         if scaler is not None:
             scaler.unscale_(opt)
         if v.get("clip"):
@@ -274,8 +282,11 @@ def no_trace(watch) -> dict:
 
 
 def summary(report, error=None) -> dict:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (str(report.verdict.value), report.findings[0].diagnosis if report.findings else ""))
     return {
         "raised": error,
+        "every_rank": everyone,
         "verdict": str(report.verdict.value),
         "diagnoses": [f.diagnosis for f in report.findings],
         "remedies": [f.remedy for f in report.findings],

@@ -108,3 +108,17 @@ def test_a_reference_that_does_not_fit_is_refused_with_what_fits(results):
     got = results["reference_too_large"]
     assert got["verdict"] == "UNSUPPORTED", got
     assert "the reference needs" in got["diagnoses"][0] and "cpdoctor step" in got["diagnoses"][0]
+
+
+def test_a_rank_that_raises_is_a_crash_naming_it_on_every_rank(results):
+    got = results["one_rank_raises"]
+    assert [v for v, _ in got["every_rank"]] == ["CRASH"] * 4, got
+    assert all("the step raised on rank 1 (rank 1: RuntimeError: rank 1's step failed after its sync)" in d for _, d in got["every_rank"])
+
+
+def test_a_rank_stuck_past_the_timeout_is_a_hang_naming_it_on_every_rank(results):
+    """Ranks 0, 2, 3 give up after 4 s; rank 1 arrives 12 s late, reads their decision and stops with them: no rank
+    enters a collective alone."""
+    got = results["one_rank_stuck"]
+    assert [v for v, _ in got["every_rank"]] == ["HANG"] * 4, got
+    assert all("rank 1 did not reach the end of the watched step within 4 s" in d for _, d in got["every_rank"])

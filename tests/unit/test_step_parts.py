@@ -39,8 +39,9 @@ def test_backward_roots_records_each_root_once_and_restores_torch():
 
 def test_reference_plan_counts_the_copy_and_the_gradients():
     weights = {"a": torch.zeros(1000, dtype=torch.bfloat16), "b": torch.zeros(500)}
-    plan = reference_plan(weights, trainable=500, precision="fp64", native=True, available=10**9)
-    assert plan.copy_bytes == 1500 * 8 and plan.grad_bytes == 500 * 8 and plan.native_bytes == 1000 * 2 + 500 * 4 + 500 * 4
+    plan = reference_plan(weights, trainable=500, precision="fp64", native=True, available=10**9, peers=2)
+    assert plan.copy_bytes == 1500 * 8 and plan.grad_bytes == 500 * 12 and plan.native_bytes == 500 * 8
+    assert plan.gathered_bytes == 500 * 4 * 4 and plan.total == 12000 + 6000 + 4000 + 8000
     assert plan.fits and not ReferencePlan(10, 10, 0, 15).fits and "needs" in plan.text()
 
 

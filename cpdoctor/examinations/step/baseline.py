@@ -27,7 +27,7 @@ class Baseline(Protocol):
     ref_output: Any
 
     def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
-        """On a CP group's first rank: this group's flat expected gradient (float64, in `names` order)."""
+        """On a CP group's first rank: this group's flat expected gradient (float32, in `names` order)."""
 
     def combine(self, own: Any, n_groups: int) -> Any:
         """On every rank (a collective where needed): the gradient a correct step ends with everywhere."""
@@ -59,9 +59,10 @@ class OneProcessReference:
         low = compute_dtype(watch.module, [f.out_dtype for f in hooks.calls]) in ("bf16", "fp16")
         native = Precision(*hooks.autocast, compat.attention_backend_of(watch.module)) if low else None
         trainable = int(records[0].grads.numel())
-        self.plan = reference_plan(hooks.weights, trainable, self.precision, native is not None, available_memory(device))
+        peers = len(records)
+        self.plan = reference_plan(hooks.weights, trainable, self.precision, native is not None, available_memory(device), peers)
         if not self.plan.fits:
-            half = reference_plan(hooks.weights, trainable, "fp32", False, self.plan.available)
+            half = reference_plan(hooks.weights, trainable, "fp32", False, self.plan.available, peers)
             fits = "watch_step(model, reference='fp32') fits" if half.fits else "an fp32 reference does not fit either"
             raise ReferenceTooLarge(
                 self.plan,
@@ -177,8 +178,8 @@ class RecordedRun:
             if lacking:
                 raise RuntimeError(f"the run without CP trained other parameters: it has no gradient for {', '.join(lacking[:3])}")
             for n in names:
-                parts.append(fh.get_tensor(n).reshape(-1).double())
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+                parts.append(fh.get_tensor(n).reshape(-1).float())
+        return torch.cat(parts) if parts else torch.zeros(0)
 
     def combine(self, own: Any, n_groups: int) -> Any:
         return own

@@ -126,10 +126,12 @@ class ReferencePlan:
     grad_bytes: int
     native_bytes: int
     available: int | None
+    gathered_bytes: int = 0
+    """The CP peers' final gradients gathered on this rank (float32), and their comparison's working copies."""
 
     @property
     def total(self) -> int:
-        return self.copy_bytes + self.grad_bytes + self.native_bytes
+        return self.copy_bytes + self.grad_bytes + self.native_bytes + self.gathered_bytes
 
     @property
     def fits(self) -> bool:
@@ -140,16 +142,21 @@ class ReferencePlan:
         have = "unknown" if self.available is None else f"{self.available / gib:.1f} GiB"
         return (
             f"the reference needs {self.total / gib:.1f} GiB (copy {self.copy_bytes / gib:.1f}, gradients {self.grad_bytes / gib:.1f}, "
-            f"same-dtype pass {self.native_bytes / gib:.1f}; activations not counted), {have} available"
+            f"same-dtype pass {self.native_bytes / gib:.1f}, the peers' gradients {self.gathered_bytes / gib:.1f}; activations not "
+            f"counted), {have} available"
         )
 
 
-def reference_plan(weights: dict[str, Any], trainable: int, precision: str, native: bool, available: int | None) -> ReferencePlan:
-    """The plan of `reference_step` for these recorded weights and `trainable` trainable elements."""
+def reference_plan(
+    weights: dict[str, Any], trainable: int, precision: str, native: bool, available: int | None, peers: int = 1
+) -> ReferencePlan:
+    """The plan of the one-process reference for these recorded weights, `trainable` trainable elements and a CP
+    group of `peers` ranks: the copy in `precision`, its gradients and their flat float32 form, the same-dtype
+    pass's gradients (it runs on the recorded weights themselves), the peers' gathered gradients and their sum."""
     per = 8 if precision == "fp64" else 4
     elements = sum(int(w.numel()) for w in weights.values())
-    native_bytes = sum(int(w.numel()) * w.element_size() for w in weights.values()) + trainable * 4 if native else 0
-    return ReferencePlan(elements * per, trainable * per, native_bytes, available)
+    native_bytes = trainable * 8 if native else 0
+    return ReferencePlan(elements * per, trainable * (per + 4), native_bytes, available, trainable * 4 * (peers + 2))
 
 
 class ReferenceTooLarge(RuntimeError):
@@ -187,22 +194,26 @@ def _run(ref: Any, calls: list[tuple[tuple, dict, Any]], dtype: Any, device: Any
 
 
 def _flat_grads(ref: Any, names: list[str]) -> Any:
+    """The copy's gradients of `names`, flat in float32 (a real model's would be GBs more in float64; float32 keeps
+    the fp64 reference's gradients to 6e-8, far below every tolerance)."""
     import torch
 
     params = {canonical(n): p for n, p in ref.named_parameters()}
-    return torch.cat(
-        [
-            params[n].grad.reshape(-1).double().cpu() if params[n].grad is not None else torch.zeros(params[n].numel(), dtype=torch.float64)
-            for n in names
-        ]
-    )
+    flat = torch.zeros(sum(params[n].numel() for n in names), dtype=torch.float32)
+    offset = 0
+    for n in names:
+        p = params[n]
+        if p.grad is not None:
+            flat[offset : offset + p.numel()] = p.grad.reshape(-1).float().cpu()
+        offset += p.numel()
+    return flat
 
 
 @dataclass
 class ReferenceResult:
     outputs: list[Any]
     grads: Any
-    """Flat float64 gradient in the caller's `names` order."""
+    """Flat float32 gradient in the caller's `names` order."""
     native: Any = None
     """The same step without CP in the user's own dtypes and autocast (only when it computed in bf16/fp16): its
     distance from `grads` is the rounding a correct CP step may show on top."""
@@ -229,6 +240,9 @@ def reference_step(
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.autocast(device_type, enabled=False):
         ref = fresh_copy(module, weights)
+        wanted = set(names)
+        for n, p in ref.named_parameters():  # gradients only where the user's step has them (a frozen LoRA base: none)
+            p.requires_grad_(canonical(n) in wanted)
         result_native = None
         if native is not None:
             with preserved_active_backend():

@@ -41,6 +41,9 @@ PRECISION = ("fp64", "fp32", "bf16", "fp16")
 
 DEFAULT_TIMEOUT_S = 600.0
 
+GO = "go"
+"""What a rank posts in the decision round when it found nothing that stops the examination."""
+
 
 class WatchCounter:
     """How many steps this process has watched (every rank must be at the same one when a watcher exits): the
@@ -177,10 +180,12 @@ class StepWatch:
         """The weights the forward uses: whole (FSDP2 gathered, on every rank alike), kept on the first rank when
         the reference recomputes the step."""
         out = {}
+        swapped = type(self.module).__name__.startswith("FSDP")  # FSDP2 swaps in unsharded weights it frees after the forward
         for name, p in self.module.named_parameters():
             full = step_comm.full_tensor(p.detach())
             if self.leader and self.baseline.needs_inputs:
-                out[canonical(name)] = full.cpu().clone()
+                # a plain weight does not change before the block's exit and the reference only reads it: not copied
+                out[canonical(name)] = full.clone() if swapped or hasattr(p, "full_tensor") else full
         return out
 
     # -- exit -----------------------------------------------------------------------------------------------
@@ -249,10 +254,26 @@ class StepWatch:
                     "read the traceback of the rank that raised; otherwise make every rank run the same step",
                 )  # fmt: skip
             )
-        if findings:
-            return findings
-        problem = self._count_problem([(a.index, a.forwards, a.backwards) for a in seen])
-        return [problem] if problem is not None else None
+        if not findings:
+            problem = self._count_problem([(a.index, a.forwards, a.backwards) for a in seen])
+            findings = [problem] if problem is not None else []
+        return self._decide(findings)
+
+    def _decide(self, findings: list[Finding]) -> list[Finding] | None:
+        """A second round through the store: every rank says whether it stops (with its findings) or goes on. A rank
+        that arrived late saw everyone and would go on while its peers gave up on it: this round makes it stop
+        with them, so no rank enters a collective alone."""
+        everyone = tuple(range(self.world))
+        said = step_comm.exchange(f"cpdoctor/watch/{self.seq}/decide", findings or GO, everyone, self.timeout_s)
+        stopped = next((f for f in said if f and f != GO), None)
+        if stopped is not None:
+            return stopped
+        silent = [r for r, f in zip(everyone, said) if f is None]
+        if silent:
+            return [Finding(self._subject(), Verdict.HANG,
+                            f"rank {', '.join(map(str, silent))} did not say within {self.timeout_s:g} s whether it goes on",
+                            "make every rank run the same step")]  # fmt: skip
+        return None
 
     def _close(self, hooks: Hooks, roots: BackwardRoots, error: str | None) -> Report:
         stopped = self._arrive(hooks, error)
@@ -267,6 +288,7 @@ class StepWatch:
         if records is not None and all_grads is not None:
             for rec, g in zip(records, all_grads):
                 rec.grads = g
+        del grads  # the first rank holds its own among the gathered ones
         leaders = self.leaders = self._all_leaders()
         expected_mine, failed, refused = None, None, None
         if self.leader:
@@ -290,18 +312,18 @@ class StepWatch:
             return self._report([Finding(self._subject(), Verdict.HANG,
                 f"cpdoctor's reference on rank {', '.join(map(str, late))} did not finish within {self.timeout_s:g} s",
                 "give watch_step a longer timeout_s, or examine fewer blocks (`cpdoctor model --blocks N`)")])  # fmt: skip
-        finding = self._judge(hooks, roots, records, names, grads, expected_mine)
+        finding = self._judge(hooks, roots, records, names, expected_mine)
         return self._report([f for f in step_comm.all_gather(finding) if f is not None])
 
     def _all_leaders(self) -> tuple[int, ...]:
         """The first rank of every CP group (the groups partition the world)."""
         return tuple(sorted(set(step_comm.all_gather(self.ranks[0]))))
 
-    def _judge(self, hooks: Hooks, roots: BackwardRoots, records: Any, names: list, grads: Any, expected_mine: Any) -> Finding | None:
+    def _judge(self, hooks: Hooks, roots: BackwardRoots, records: Any, names: list, expected_mine: Any) -> Finding | None:
         import torch
 
         numels = [n for _, n in names]
-        own = expected_mine if expected_mine is not None else torch.zeros(sum(numels), dtype=torch.float64)
+        own = expected_mine if expected_mine is not None else torch.zeros(sum(numels), dtype=torch.float32)  # as the reference returns it
         n_groups = self.world // len(self.ranks)
         expected = self.baseline.combine(own, n_groups)
         if not self.leader:
