@@ -9,6 +9,11 @@ tokens. Measured on rank 0 (the CP group's first rank, which holds the one-proce
   process's peak RSS during the first watched step.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_step_full_width.py --out benchmarks/results/step_full_width.json
+    python benchmarks/bench_step_full_width.py --two-runs --out benchmarks/results/step_full_width.json   # adds "two_runs"
+
+`--two-runs` (not under torchrun) times `cpdoctor step benchmarks/bench_step_full_width.py:full_width_step --ring 2`:
+the same step run without CP (one process) and with CP (two ranks), no copy of the model, and adds its wall time
+and verdict to the same JSON.
 """
 
 from __future__ import annotations
@@ -86,11 +91,60 @@ def step(model, cp_group, watch=None) -> tuple[float, object]:
     return wall, getattr(watched, "report", None)
 
 
+def full_width_step(watch_step, cp: int, dp: int, ring: int, ulysses: int) -> None:
+    """For `cpdoctor step FILE:full_width_step --ring 2` (two runs: without CP, then with CP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
+    if cp > 1:
+        model = build(mesh)
+    else:
+        from diffusers import FluxTransformer2DModel
+
+        torch.manual_seed(0)
+        model = FluxTransformer2DModel(**FULL_WIDTH)
+    with watch_step(model):
+        out = model(**inputs(0))[0]
+        F.mse_loss(out, torch.zeros_like(out)).backward()
+        if cp > 1:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=mesh["ring"].get_group())
+
+
+def two_runs(out_path: str) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cpdoctor", "step", f"{os.path.abspath(__file__)}:full_width_step", "--ring", "2", "--json", "-"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - t0
+    report = json.loads(proc.stdout)
+    f = report["findings"][0]
+    with open(out_path) as fh:
+        result = json.load(fh)
+    result["two_runs"] = {
+        "command": " ".join(cmd[2:]),
+        "wall_s": wall,
+        "verdict": report["verdict"],
+        "diagnosis": f["diagnosis"],
+        "grads_rel_err": f["tensors"].get("grads", {}).get("rel_err"),
+        "load_average": os.getloadavg(),
+    }
+    with open(out_path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(json.dumps(result["two_runs"], indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--two-runs", action="store_true")
     a = p.parse_args()
+    if a.two_runs:
+        return two_runs(a.out)
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -121,7 +175,8 @@ def main() -> None:
             "watched_s": watched,
             "watched_over_unwatched": statistics.median(w / u for w, u in zip(watched, plain)),
             "verdict": str(report.verdict),
-            "grads_rel_err": f.tensors["grads"].rel_err,
+            "diagnosis": f.diagnosis,
+            "grads_rel_err": f.tensors["grads"].rel_err if "grads" in f.tensors else None,
             "reference_plan_gib": evidence.get("reference_gib"),
             **rss,
             "peak_rss_growth_gib": rss["peak_rss_after_gib"] - rss["peak_rss_before_gib"],

@@ -61,6 +61,7 @@ VARIANTS: dict[str, dict] = {
     "shard_loss_full_count": {"shard_loss": "full"},
     "lora_bf16_explicit_scale": {"lora": True, "loss_x_cp": True, "sync": "ddp_world", "loss_scale": float(CP)},
     "accelerate_loss_x_cp": {"loss_x_cp": True, "sync": "accelerate"},
+    "trainer_wrapper": {"wrapper": True},
     "gc_stock_ring": {"gc": "diffusers", "stock": True},
     "reference_raises": {"inject": "reference_raises"},
     "one_rank_raises": {"fault_on_rank_1": "raise"},
@@ -71,6 +72,7 @@ VARIANTS: dict[str, dict] = {
     "bug_lora_no_cp_reduce": {"lora": True, "sync": "dp_only"},
     "bug_lora_mean_over_cp": {"lora": True, "sync": "ddp_world"},
     "bug_lora_shard_loss_local": {"lora": True, "shard_loss": "local"},
+    "bug_lora_no_dp_average": {"lora": True, "sync": "cp_only"},
 }
 """What each variant changes from a correct fp32 full fine-tune with DDP over dp and a sum over CP."""
 
@@ -125,8 +127,9 @@ def sync(model, v: dict, mesh) -> None:
             continue
         if v.get("sync") != "dp_only":
             dist.all_reduce(p.grad, group=mesh["ring"].get_group())  # sum over the CP ranks
-        dist.all_reduce(p.grad, group=mesh["dp"].get_group())
-        p.grad /= DP
+        if v.get("sync") != "cp_only":
+            dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+            p.grad /= DP
 
 
 def wrap(model, v: dict, mesh):
@@ -145,7 +148,18 @@ def wrap(model, v: dict, mesh):
         return Accelerator(cpu=True).prepare(model)
     if v.get("compile"):
         return torch.compile(model, backend="eager")
+    if v.get("wrapper"):  # a trainer's own module around the transformer (watch_step is given the wrapper)
+        return TrainerModule(model)
     return model
+
+
+class TrainerModule(torch.nn.Module):
+    def __init__(self, transformer) -> None:
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, **kwargs):
+        return self.transformer(**kwargs)
 
 
 def one_step(name: str, v: dict, watch) -> object:

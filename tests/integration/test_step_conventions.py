@@ -25,13 +25,14 @@ DRIVER = Path(__file__).with_name("conventions_driver.py")
 HEALTHY = (
     "lora_bf16", "bf16_weights", "autocast_bf16", "gradient_checkpointing", "checkpoint_wrapper", "accumulation_3", "clip_inside",
     "grad_scaler", "compiled", "loss_x_cp_ddp_world", "loss_x_cp_fsdp2", "shard_loss_full_count", "lora_bf16_explicit_scale",
-    "accelerate_loss_x_cp",
+    "accelerate_loss_x_cp", "trainer_wrapper",
 )  # fmt: skip
 FAULTS = {
     "bug_lora_noise_by_rank": ("inputs differ between CP peers", "hidden_states on rank 1"),
     "bug_lora_no_cp_reduce": ("reduction over the CP group (ranks 0, 1) is missing",),
     "bug_lora_mean_over_cp": ("factor 1/cp = 0.5", "averaged over the CP ranks"),
     "bug_lora_shard_loss_local": ("factor cp = 2", "covers only its own shard", "mean over its own shard"),
+    "bug_lora_no_dp_average": ("averaging over the data-parallel ranks is missing",),
 }
 SAYS = {
     "clip_inside": "clipped: their total norm is 0.001",

@@ -41,7 +41,7 @@ def test_reference_plan_counts_the_copy_and_the_gradients():
     weights = {"a": torch.zeros(1000, dtype=torch.bfloat16), "b": torch.zeros(500)}
     plan = reference_plan(weights, trainable=500, precision="fp64", native=True, available=10**9, peers=2)
     assert plan.copy_bytes == 1500 * 8 and plan.grad_bytes == 500 * 12 and plan.native_bytes == 500 * 8
-    assert plan.gathered_bytes == 500 * 4 * 4 and plan.total == 12000 + 6000 + 4000 + 8000
+    assert plan.working_bytes == 500 * 4 * 2 and plan.total == 12000 + 6000 + 4000 + 4000
     assert plan.fits and not ReferencePlan(10, 10, 0, 15).fits and "needs" in plan.text()
 
 
@@ -78,3 +78,15 @@ def test_compute_dtype_is_the_least_precise():
     assert compute_dtype(m, ["float32"]) == "fp32"
     assert compute_dtype(m, ["bfloat16"]) == "bf16"  # autocast with fp32 weights
     assert compute_dtype(m.to(torch.float16), []) == "fp16"
+
+
+def test_dots_in_slices_count_non_finite_values_only_when_there_are_some():
+    from cpdoctor.examinations.step import measure
+
+    x = torch.ones(10)
+    x[3] = float("nan")
+    x[7] = float("inf")
+    assert measure.dots(x, torch.ones(10)).nonfinite == 2 and measure.dots(torch.ones(10), torch.ones(10)).nonfinite == 0
+    big = torch.randn(3 * measure.CHUNK + 5, dtype=torch.float64)
+    d = measure.dots(big.float(), (0.5 * big).float(), 2.0)
+    assert d.d2 < 1e-6 * d.r2 and abs(d.xr / d.r2 - 2.0) < 1e-5  # the slices add up; float32 dots keep ~1e-6

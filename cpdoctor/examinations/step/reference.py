@@ -126,12 +126,13 @@ class ReferencePlan:
     grad_bytes: int
     native_bytes: int
     available: int | None
-    gathered_bytes: int = 0
-    """The CP peers' final gradients gathered on this rank (float32), and their comparison's working copies."""
+    working_bytes: int = 0
+    """The comparison's working copies (the peers' summed gradients, the data-parallel mean): the peers' gathered
+    gradients are already held when the plan is made, so `available` has them taken off."""
 
     @property
     def total(self) -> int:
-        return self.copy_bytes + self.grad_bytes + self.native_bytes + self.gathered_bytes
+        return self.copy_bytes + self.grad_bytes + self.native_bytes + self.working_bytes
 
     @property
     def fits(self) -> bool:
@@ -142,21 +143,23 @@ class ReferencePlan:
         have = "unknown" if self.available is None else f"{self.available / gib:.1f} GiB"
         return (
             f"the reference needs {self.total / gib:.1f} GiB (copy {self.copy_bytes / gib:.1f}, gradients {self.grad_bytes / gib:.1f}, "
-            f"same-dtype pass {self.native_bytes / gib:.1f}, the peers' gradients {self.gathered_bytes / gib:.1f}; activations not "
-            f"counted), {have} available"
+            f"same-dtype pass {self.native_bytes / gib:.1f}, comparison {self.working_bytes / gib:.1f}; activations not counted), "
+            f"{have} available"
         )
 
 
 def reference_plan(
     weights: dict[str, Any], trainable: int, precision: str, native: bool, available: int | None, peers: int = 1
 ) -> ReferencePlan:
-    """The plan of the one-process reference for these recorded weights, `trainable` trainable elements and a CP
-    group of `peers` ranks: the copy in `precision`, its gradients and their flat float32 form, the same-dtype
-    pass's gradients (it runs on the recorded weights themselves), the peers' gathered gradients and their sum."""
+    """The plan of the one-process reference for these recorded weights and `trainable` trainable elements, made on
+    the CP group's first rank once the peers' gradients are gathered: what it still allocates, the copy in
+    `precision`, its gradients and their flat float32 form, the same-dtype pass's gradients (it runs on the
+    recorded weights themselves), and the comparison's two working copies. `peers` is kept for the report."""
+    del peers
     per = 8 if precision == "fp64" else 4
     elements = sum(int(w.numel()) for w in weights.values())
     native_bytes = trainable * 8 if native else 0
-    return ReferencePlan(elements * per, trainable * (per + 4), native_bytes, available, trainable * 4 * (peers + 2))
+    return ReferencePlan(elements * per, trainable * (per + 4), native_bytes, available, trainable * 4 * 2)
 
 
 class ReferenceTooLarge(RuntimeError):

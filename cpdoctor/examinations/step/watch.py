@@ -94,14 +94,17 @@ class Arrival:
 
 def unwrap(model: Any) -> Any:
     """The diffusers transformer inside DDP (and accelerate's prepare, which wraps in DDP) or torch.compile's
-    OptimizedModule; FSDP2 shards the module in place."""
+    OptimizedModule (FSDP2 shards the module in place); inside a trainer's own wrapper module, the first submodule
+    with context parallelism enabled."""
     for _ in range(8):
         inner = getattr(model, "_orig_mod", None)
         if inner is None:
             inner = getattr(model, "module", None)
             if inner is None or not hasattr(inner, "config") or hasattr(model, "config"):
-                return model
+                break
         model = inner
+    if compat.parallel_config_of(model) is None and callable(getattr(model, "modules", None)):
+        return next((m for m in model.modules() if compat.parallel_config_of(m) is not None), model)
     return model
 
 
@@ -382,17 +385,18 @@ class StepWatch:
         """Every trainable parameter's gradient after the sync, flat (FSDP2's gathered whole on every rank)."""
         import torch
 
-        names, parts, missing = [], [], []
-        for name, p in _named_trainable(self.module):
-            g = p.grad
+        trainable = _named_trainable(self.module)
+        flat = torch.zeros(sum(p.numel() for _, p in trainable))  # filled in place: no second whole copy
+        names, missing, offset = [], [], 0
+        for name, p in trainable:
             n = p.numel()
-            if g is None:
+            if p.grad is None:
                 missing.append(name)
-                parts.append(torch.zeros(n))
             else:
-                parts.append(step_comm.full_tensor(g.detach()).reshape(-1).float().cpu())
+                flat[offset : offset + n] = step_comm.full_tensor(p.grad.detach()).reshape(-1)
             names.append((name, n))
-        return names, torch.cat(parts) if parts else torch.zeros(0), tuple(missing)
+            offset += n
+        return names, flat, tuple(missing)
 
 
 def _last_line(text: str) -> str:
