@@ -202,12 +202,11 @@ def _flat_grads(ref: Any, names: list[str]) -> Any:
     import torch
 
     params = {canonical(n): p for n, p in ref.named_parameters()}
-    flat = torch.zeros(sum(params[n].numel() for n in names), dtype=torch.float32)
+    flat = torch.empty(sum(params[n].numel() for n in names), dtype=torch.float32)
     offset = 0
     for n in names:
         p = params[n]
-        if p.grad is not None:
-            flat[offset : offset + p.numel()] = p.grad.reshape(-1).float().cpu()
+        flat[offset : offset + p.numel()] = p.grad.reshape(-1) if p.grad is not None else 0
         offset += p.numel()
     return flat
 

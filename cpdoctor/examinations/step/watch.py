@@ -386,12 +386,13 @@ class StepWatch:
         import torch
 
         trainable = _named_trainable(self.module)
-        flat = torch.zeros(sum(p.numel() for _, p in trainable))  # filled in place: no second whole copy
+        flat = torch.empty(sum(p.numel() for _, p in trainable))  # filled in place: no second whole copy
         names, missing, offset = [], [], 0
         for name, p in trainable:
             n = p.numel()
             if p.grad is None:
                 missing.append(name)
+                flat[offset : offset + n] = 0
             else:
                 flat[offset : offset + n] = step_comm.full_tensor(p.grad.detach()).reshape(-1)
             names.append((name, n))
