@@ -281,14 +281,9 @@ def measure(
 
     ranks = tuple(r.rank for r in records)
     spread, differ = output_grad_spread(records)
-    mine = [r.grads for r in records]  # float32, compared slice by slice in float64
-    grads = [rank_grad(r.rank, g, expected) for r, g in zip(records, mine)]
-    first = mine[0]
-    peer_spread = max((rel(g, first) for g in mine[1:]), default=0.0)
-    summed = sum(mine[1:], mine[0].clone())
-    params = param_errors(first, expected, param_names, param_numels)
-    worst = max(grads, key=lambda g: g.rel_err)
-    scaled = param_errors(first, expected, param_names, param_numels, worst.factor) if worst.factor and worst.factor != 1.0 else params
+    gradients = gradient_relations(records, expected, param_names, param_numels)
+    first = records[0].grads
+    baselines = param_errors(native, own, param_names, param_numels) if native is not None and own is not None else []
     return StepNumbers(
         ranks=ranks,
         ring=ring,
@@ -302,25 +297,32 @@ def measure(
         rng_after_groups=groups_of([r.rng_after for r in records], ranks),
         out_grad_spread=spread,
         out_grad_differ=tuple(differ),
-        out_grad_own_shard=bool(differ)
-        and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
+        out_grad_own_shard=bool(differ) and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
         out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
-        out_max_abs=float((out.double() - ref_out.double()).abs().max()) if out is not None and ref_out is not None else float("nan"),
-        grads=tuple(grads),
-        peer_spread=peer_spread,
-        sum_rel_err=rel(summed, expected),
-        params=tuple(params),
+        out_max_abs=dots(out, ref_out).max_abs if out is not None and ref_out is not None else float("nan"),
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
         own_rel_err=rel(first, own) if own is not None and dp > 1 and recomputed else None,
-        loss=loss,
-        loss_scale=loss_scale,
-        reference=reference,
-        recomputed=recomputed,
-        out_numel=out_numel,
+        loss=loss, loss_scale=loss_scale, reference=reference, recomputed=recomputed, out_numel=out_numel,
         grad_norm=float(first.norm()),
-        params_scaled=tuple(scaled),
-        baseline_rel_err=rel(native, own) if native is not None and own is not None else None,
-        param_baselines=tuple(p.rel_err for p in param_errors(native, own, param_names, param_numels))
-        if native is not None and own is not None
-        else (),
-    )
+        baseline_rel_err=rel(native, own) if baselines else None,
+        param_baselines=tuple(p.rel_err for p in baselines),
+        **gradients,
+    )  # fmt: skip
+
+
+def gradient_relations(records: list[PeerRecord], expected: Any, names: list[str], numels: list[int]) -> dict[str, Any]:
+    """Each rank's final gradients against the expected ones, the peers against each other and summed, and each
+    parameter on the first rank (raw, and after the worst rank's best factor)."""
+    mine = [r.grads for r in records]  # float32, compared slice by slice
+    grads = [rank_grad(r.rank, g, expected) for r, g in zip(records, mine)]
+    first = mine[0]
+    params = param_errors(first, expected, names, numels)
+    worst = max(grads, key=lambda g: g.rel_err)
+    scaled = param_errors(first, expected, names, numels, worst.factor) if worst.factor and worst.factor != 1.0 else params
+    return {
+        "grads": tuple(grads),
+        "peer_spread": max((rel(g, first) for g in mine[1:]), default=0.0),
+        "sum_rel_err": rel(sum(mine[1:], first.clone()), expected),
+        "params": tuple(params),
+        "params_scaled": tuple(scaled),
+    }
