@@ -36,6 +36,19 @@ BAD_STEPS = textwrap.dedent(
         with watch(ex.build_model("flux")):
             pass
 
+    def too_large(watch):  # a machine with 1 MiB free: the reference's plan refuses before allocating
+        import cpdoctor.examinations.step.baseline as baseline
+        from torch.distributed.device_mesh import init_device_mesh
+        from cpdoctor.kernels import cpu_backend
+        baseline.available_memory = lambda device: 1 << 20
+        mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+        model = ex.enable_cp(ex.build_model("flux"), mesh, cpu_backend.register())
+        with watch(model):
+            x = torch.randn(1, 16, 4)
+            model(hidden_states=x, timestep=torch.tensor([0.5]), **ex.conditioning(model, 0, 0))[0].sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=mesh["ring"].get_group())
+
     def raises(watch):
         from torch.distributed.device_mesh import init_device_mesh
         from cpdoctor.kernels import cpu_backend
@@ -93,3 +106,9 @@ def test_a_step_that_raises_is_one_crash_and_leaves_no_process(bad_steps):
     assert "rank 1 raised: ValueError: rank 1's data loader ran dry" in report["findings"][0]["diagnosis"]
     left = subprocess.run(["pgrep", "-f", str(bad_steps)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+def test_a_reference_that_does_not_fit_is_bad_input_with_what_fits(bad_steps):
+    proc = cpdoctor_step(f"{bad_steps}:too_large", "--nproc", "2")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the reference needs" in proc.stderr and "cpdoctor step" in proc.stderr and "Traceback" not in proc.stderr

@@ -108,8 +108,14 @@ class StepExamination(Examination):
         return probe.evaluate(case, results, ctx)
 
     def findings(self, case: Case, evaluated: Any) -> list[Finding]:
-        """Every CP group's finding of every watched step (one finding per CP group and step)."""
+        """Every CP group's finding of every watched step (one finding per CP group and step). A reference that
+        its memory plan refused everywhere is bad input for the command (exit 2, the plan and what fits)."""
+        from cpdoctor.errors import BadInput
+        from cpdoctor.examinations.step.watch import TooLarge
+
         found = [f for report in evaluated.reports for f in report.findings]
+        if found and all(isinstance(f.evidence, TooLarge) for f in found):
+            raise BadInput(f"{case.request.target}: {found[0].evidence.plan}")
         if found:
             return found
         from cpdoctor.examinations.step.two_runs import Role

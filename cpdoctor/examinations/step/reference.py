@@ -139,13 +139,16 @@ class ReferencePlan:
         return self.available is None or self.total <= self.available
 
     def text(self) -> str:
-        gib = 2.0**30
-        have = "unknown" if self.available is None else f"{self.available / gib:.1f} GiB"
+        have = "unknown" if self.available is None else _size(self.available)
         return (
-            f"the reference needs {self.total / gib:.1f} GiB (copy {self.copy_bytes / gib:.1f}, gradients {self.grad_bytes / gib:.1f}, "
-            f"same-dtype pass {self.native_bytes / gib:.1f}, comparison {self.working_bytes / gib:.1f}; activations not counted), "
+            f"the reference needs {_size(self.total)} (copy {_size(self.copy_bytes)}, gradients {_size(self.grad_bytes)}, "
+            f"same-dtype pass {_size(self.native_bytes)}, comparison {_size(self.working_bytes)}; activations not counted), "
             f"{have} available"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def reference_plan(

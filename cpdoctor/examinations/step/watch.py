@@ -82,6 +82,14 @@ class StepEvidence:
 
 
 @dataclass(frozen=True)
+class TooLarge:
+    """The evidence of a step whose one-process reference was refused by its memory plan (`cpdoctor step` turns
+    it into bad input, exit 2; in a training script it is a finding and the job goes on)."""
+
+    plan: str
+
+
+@dataclass(frozen=True)
 class Arrival:
     """What a rank posts when it reaches the end of the watched block: where it is and whether the step raised."""
 
@@ -306,7 +314,7 @@ class StepWatch:
         refusals = [p[2] for p in posted if p is not None and p[2]]
         if refusals:
             return self._report([Finding(self._subject(), Verdict.UNSUPPORTED, f"not examined: {refusals[0]}",
-                                         "use one of the ways that fit, named in the diagnosis")])  # fmt: skip
+                                         "use one of the ways that fit, named in the diagnosis", evidence=TooLarge(refusals[0]))])  # fmt: skip
         crashed = {r: p[1] for r, p in zip(leaders, posted) if p is not None and p[1]}
         if crashed:
             return self._report([self._crash(crashed, f"cpdoctor's reference ({self.baseline.name}) raised")])
