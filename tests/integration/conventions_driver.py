@@ -65,7 +65,7 @@ VARIANTS: dict[str, dict] = {
     "gc_stock_ring": {"gc": "diffusers", "stock": True},
     "reference_raises": {"inject": "reference_raises"},
     "one_rank_raises": {"fault_on_rank_1": "raise"},
-    "one_rank_stuck": {"fault_on_rank_1": "sleep", "timeout_s": 4.0},
+    "one_rank_stuck": {"fault_on_rank_1": "sleep", "timeout_s": 2.0},
     "reference_too_large": {"inject": "no_memory"},
     # the faults, in their LoRA + bf16 form
     "bug_lora_noise_by_rank": {"lora": True, "noise_seed": "rank"},
