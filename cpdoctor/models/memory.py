@@ -181,3 +181,16 @@ def available_host_memory(meminfo: str | None = None) -> int | None:
             parts = line.split()
             return int(parts[1]) * 1024
     return None
+
+
+def available_memory(device: object) -> int | None:
+    """Free memory where a computation on `device` runs, in bytes: the CUDA device's free memory, or the host's
+    MemAvailable; None when unknown (never a refusal then)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(str(device)))[0])
+        except (RuntimeError, AssertionError):  # no CUDA context here: unknown
+            return None
+    return available_host_memory()

@@ -80,11 +80,12 @@ VARIANTS: dict[str, dict] = {
 def inject(fault: str | None):
     """A fault in cpdoctor's own reference on the CP groups' first ranks: it raises, or the machine has no memory
     for it. Returns the undo."""
-    from cpdoctor.examinations.step import baseline, reference
+    from cpdoctor.examinations.step import reference
+    from cpdoctor.models import memory
 
     if fault is None:
         return lambda: None
-    saved = (reference.reference_step, baseline.available_memory)
+    saved = (reference.reference_step, memory.available_memory)
     if fault == "reference_raises":
 
         def raising(*args, **kwargs):
@@ -92,10 +93,10 @@ def inject(fault: str | None):
 
         reference.reference_step = raising
     else:
-        baseline.available_memory = lambda device: 1 << 20
+        memory.available_memory = lambda device: 1 << 20
 
     def undo() -> None:
-        reference.reference_step, baseline.available_memory = saved
+        reference.reference_step, memory.available_memory = saved
 
     return undo
 

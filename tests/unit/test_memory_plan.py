@@ -87,12 +87,12 @@ def test_prepare_refuses_what_does_not_fit_and_names_the_blocks_that_do(monkeypa
     spec = ModelSpec(FluxTransformer2DModel, "flux", "FluxTransformer2DModel", config, "test", None)
     survey = model_survey(spec)
     kwargs = {"hidden_states": torch.empty(1, 256, 64, device="meta"), "encoder_hidden_states": torch.empty(1, 64, 4096, device="meta")}
-    monkeypatch.setattr(probe, "_available", lambda device: 24 * GiB)
+    monkeypatch.setattr(probe, "available_memory", lambda device: 24 * GiB)
     req = ModelRequest(model="x", ring=2, dtype="bf16", device="cpu")
     best = probe.choose_blocks(spec, req, survey, kwargs)
     assert 1 <= best < survey.depth
     with pytest.raises(BadInput, match=rf"--blocks 30 needs .* GiB on cpu .*: --blocks {best} fits"):
         probe.choose_blocks(spec, ModelRequest(model="x", ring=2, dtype="bf16", device="cpu", blocks=30), survey, kwargs)
-    monkeypatch.setattr(probe, "_available", lambda device: 2 * GiB)
+    monkeypatch.setattr(probe, "available_memory", lambda device: 2 * GiB)
     with pytest.raises(BadInput, match="does not fit even with --blocks 1"):
         probe.choose_blocks(spec, req, survey, kwargs)

@@ -12,6 +12,7 @@ from typing import Any
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import ModelSpec, is_sliced, model_survey, request_spec, sliced_config, text_mask_param
+from cpdoctor.models.memory import available_memory
 
 DEFAULT_TEXT_LEN = 8
 RESOLUTION_STEPS = 8
@@ -86,19 +87,6 @@ def _plan_device(req: ModelRequest) -> str:
     return "cpu"
 
 
-def _available(device: str) -> int | None:
-    from cpdoctor.models.memory import available_host_memory
-
-    if device == "cuda":
-        import torch
-
-        try:
-            return int(torch.cuda.mem_get_info()[0])
-        except Exception:  # noqa: BLE001
-            return None
-    return available_host_memory()
-
-
 def _tokens(kwargs: dict[str, Any]) -> int:
     total = 0
     for k in ("hidden_states", "encoder_hidden_states"):
@@ -128,7 +116,7 @@ def memory_plan(
         world=req.world_size,
         device=device,
     )
-    avail = _available(device) if available == "measure" else available
+    avail = available_memory(device) if available == "measure" else available
     return memory.plan(sizes, avail, {s.name: min(n, s.depth) for s in survey.stacks})
 
 
@@ -139,7 +127,7 @@ def choose_blocks(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[
 
     if not survey.stacks:
         return None
-    avail = _available(_plan_device(req))
+    avail = available_memory(_plan_device(req))
 
     def plan_for(n: int) -> Any:
         return memory_plan(spec, req, survey, kwargs, blocks=n, available=avail)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cpdoctor.examinations.step.measure import reference_out_grads
+from cpdoctor.models import memory
 
 
 class Baseline(Protocol):
@@ -60,7 +61,7 @@ class OneProcessReference:
         native = Precision(*hooks.autocast, compat.attention_backend_of(watch.module)) if low else None
         trainable = int(records[0].grads.numel())
         peers = len(records)
-        self.plan = reference_plan(hooks.weights, trainable, self.precision, native is not None, available_memory(device), peers)
+        self.plan = reference_plan(hooks.weights, trainable, self.precision, native is not None, memory.available_memory(device), peers)
         if not self.plan.fits:
             half = reference_plan(hooks.weights, trainable, "fp32", False, self.plan.available, peers)
             fits = "watch_step(model, reference='fp32') fits" if half.fits else "an fp32 reference does not fit either"
@@ -85,20 +86,6 @@ class OneProcessReference:
 
     def output(self, hooks: Any) -> Any:
         return hooks.calls[0].output if hooks.calls else None
-
-
-def available_memory(device: Any) -> int | None:
-    """Free memory where the reference runs: the CUDA device's, or the host's MemAvailable."""
-    from cpdoctor.models.memory import available_host_memory
-
-    if str(device).startswith("cuda"):
-        import torch
-
-        try:
-            return int(torch.cuda.mem_get_info(torch.device(device))[0])
-        except (RuntimeError, AssertionError):  # no CUDA context here: unknown, never a refusal
-            return None
-    return available_host_memory()
 
 
 # ----------------------------------------------------------------------------------------------------------
