@@ -24,8 +24,21 @@ Emulate = Annotated[
         help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
     ),
 ]
-Timeout = Annotated[float, typer.Option("--timeout", help="Seconds before a rank that has not finished is reported as HANG.")]
-LaunchTimeout = Annotated[float, typer.Option("--timeout", help="Seconds per launch before a rank is reported as HANG.")]
+Timeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="HANG when no rank has moved for this many seconds (a slow rank that keeps computing is not one); "
+        "each launch's wall time is bounded at 10 × this (at least 600 s).",
+    ),
+]
+LaunchTimeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="HANG when no rank has moved for this many seconds; each launch's wall time is bounded at 10 × this (at least 600 s).",
+    ),
+]
 JsonPath = Annotated[
     Optional[str], typer.Option("--json", metavar="FILE", help="Write the JSON report to FILE ('-' for stdout, no table).")
 ]

@@ -280,12 +280,19 @@ def failure_findings(subject: str, failures: list[RankFailure], timeout_s: float
     if hung and not crashed:
         where = "; ".join(f"rank {f.rank} at {f.where}" for f in hung if f.where)
         waits = f"; rank {_ranks([f for f in waiting if f.kind is FailureKind.HANG])} was waiting for it in a collective" if waiting else ""
+        what = hung[0].message or f"did not finish within {timeout_s:g} s"
+        remedy = (
+            "it kept moving: raise --timeout (the wall bound is a multiple of it) or examine less (--blocks, smaller "
+            "shapes, --dtype fp32 where the half dtype is slow on this CPU)"
+            if hung[0].still_moving
+            else "a rank is stuck where its peers wait for it; raise --timeout only if one step of its work takes longer"
+        )
         findings.append(
             Finding(
                 subject,
                 Verdict.HANG,
-                f"rank {_ranks(hung)} did not finish within {timeout_s:g} s" + (f" ({where})" if where else "") + waits,
-                "a rank is stuck before a collective its peers entered; raise --timeout if the machine is just slow",
+                f"rank {_ranks(hung)} {what}" + (f" ({where})" if where else "") + waits,
+                remedy,
                 failure=FailureEvidence(logs={f.rank: f.traceback for f in hung}, where={f.rank: f.where for f in failures if f.where}),
             )
         )

@@ -2,9 +2,10 @@
 
 Two ways in, one worker body (worker.py):
 - started plainly, `spawn.run_spawned` starts ring × ulysses copies of `python -m cpdoctor.launch` with
-  torchrun's environment variables, supervises them, and turns a rank that raised, died or hung into a
-  RankFailure within the timeout (a hang named by the step each rank reached, progress.py), killing every
-  process it started; the cases after a failed one run in a fresh launch;
+  torchrun's environment variables, supervises them, and turns a rank that raised, died or stopped moving into
+  a RankFailure (a HANG when no rank has moved for the timeout, the stuck rank named by the step each rank
+  reached, progress.py; each launch's wall time bounded apart, jobs.wall_bound_s), killing every process it
+  started; the cases after a failed one run in a fresh launch;
 - under torchrun (RANK and WORLD_SIZE set), `torchrun.run_in_this_process` joins the existing world.
 
 This package must not import torch at module level: the CLI imports it to spawn workers and stays light.

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.launch.jobs import wall_bound_s
 
 COLLECTIVE_TIMEOUT_SHARE = 0.8
-"""A rank's collectives time out at this share of the examination's timeout, so a rank that waited for a
-hung peer says so before the deadline."""
+"""A rank's collectives time out at this share of the launch's wall bound (jobs.wall_bound_s), not of the
+timeout: a rank may wait in a collective for as long as a peer keeps moving (rank 0's reference of a large
+model takes many timeouts). Spawned, the parent names a stuck rank long before; under torchrun, where nobody
+supervises, a collective that times out is the only sign of a hang."""
 
 
 def device_and_group(device_pref: str, n_gpu: int, local_world: int) -> tuple[str, str]:
@@ -65,7 +68,7 @@ class DistContext:
         device = torch.device("cuda", local_rank % n_gpu) if device_type == "cuda" else torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=max(1.0, timeout_s * COLLECTIVE_TIMEOUT_SHARE))
+        timeout = datetime.timedelta(seconds=max(1.0, wall_bound_s(timeout_s) * COLLECTIVE_TIMEOUT_SHARE))
         owns_group = not dist.is_initialized()  # a training script's own group is joined, never destroyed
         if owns_group:
             kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": timeout}

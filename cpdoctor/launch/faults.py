@@ -1,8 +1,10 @@
 """Injected faults, for the tests that prove a failing rank becomes a finding.
 
 `CPDOCTOR_INJECT_FAULT=WHAT@RANK[:CASE]` makes rank RANK fail just before the examination's first collective:
-WHAT is `raise`, `hang` or `exit` (exit code 17); CASE, when given, limits it to the `unpatched` or `patched`
-cases (e.g. `raise@1:unpatched` crashes the stock code's run and leaves the patched run alone).
+WHAT is `raise`, `hang` (sleeps forever, never ticking), `exit` (exit code 17) or `slow` (works for
+`CPDOCTOR_FAULT_SLOW_S` seconds, default 10, ticking as it goes: a rank far slower than its peers, but moving);
+CASE, when given, limits it to the `unpatched` or `patched` cases (e.g. `raise@1:unpatched` crashes the stock
+code's run and leaves the patched run alone).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import os
 import time
 
+from cpdoctor.launch.progress import tick
+
 FAULT_ENV = "CPDOCTOR_INJECT_FAULT"
+SLOW_ENV = "CPDOCTOR_FAULT_SLOW_S"
 
 
 def inject_fault(rank: int, case_label: str) -> None:
@@ -28,3 +33,8 @@ def inject_fault(rank: int, case_label: str) -> None:
             time.sleep(3600)
     if what == "exit":
         os._exit(17)
+    if what == "slow":
+        until = time.monotonic() + float(os.environ.get(SLOW_ENV, "10"))
+        while time.monotonic() < until:
+            time.sleep(0.2)
+            tick("injected slow work")

@@ -49,9 +49,22 @@ class RankProgram(Protocol):
     def evaluate(self, case: Case, results: list[RankResult], ctx: DistContext) -> CaseNumbers: ...
 
 
+WALL_BOUND_FACTOR = 10
+WALL_BOUND_FLOOR_S = 600.0
+"""A launch's total wall time is bounded by WALL_BOUND_FACTOR timeouts, and never below WALL_BOUND_FLOOR_S: the
+timeout is how long no rank may move (progress.py); the wall bound only stops a job that keeps moving without
+end (`--timeout 300`: 50 minutes), and a short timeout asked for a quick HANG must not cut a slow run short."""
+
+
+def wall_bound_s(timeout_s: float) -> float:
+    """The most one launch may take, all ranks moving or not."""
+    return max(WALL_BOUND_FACTOR * timeout_s, WALL_BOUND_FLOOR_S)
+
+
 @dataclass(frozen=True)
 class Job:
-    """What one launch runs: cases of one examination, in order, on one device kind."""
+    """What one launch runs: cases of one examination, in order, on one device kind. `timeout_s` is the
+    longest no rank may move before the launch is a HANG; the launch's wall time is bounded by `wall_bound_s`."""
 
     program: RankProgram
     cases: tuple[Case, ...]
@@ -104,6 +117,7 @@ class RankFailure:
     traceback: str = ""
     waiting: bool = False
     where: str = ""  # the last step the rank recorded (launch/progress.py)
+    still_moving: bool = False  # a HANG at the wall bound of a rank that kept moving (not a stuck one)
 
 
 @dataclass

@@ -1,25 +1,53 @@
-"""Where each rank is: every rank records the step it has reached, so a hang is named by what the ranks did,
-not by timing margins.
+"""Where each rank is, and whether it still moves: every rank records the step it has reached and ticks while it
+computes, so a hang is "no rank has moved for T seconds", named by what the ranks did, not by timing margins.
 
-A spawned rank writes its latest step to `rank<R>.step` (atomically) as it joins the process group, prepares a
-case, enters the examination's collectives, reports to rank 0 and evaluates. When the deadline passes, the
-ranks that are furthest behind are the hung ones; the others were waiting for them in a collective. Ranks
-that all stopped at the same step are a deadlock among themselves, and all of them are named.
+A spawned rank writes `rank<R>.step` (atomically): its case, its step (joining the process group, preparing a
+case, inside the examination's collectives, reporting to rank 0, rank 0 evaluating, the other ranks awaiting
+rank 0's verdict), a tick counter and what it is doing. The supervising parent (spawn.py) reads the files as it
+polls: a file whose text changed is a rank that moved. Ticks come from three places, none a collective:
+- `mark` at every step of the worker (worker.py);
+- `tick(what)` where an examination computes for long (rank 0's no-CP baseline and reference, the step
+  examination's reference), and `ticking(model, what)`: hooks on every module of a model, forward and backward,
+  so a long computation moves layer by layer;
+- on CPU a heartbeat thread (`start_heartbeat`) that ticks while the process burns CPU time (a single slow
+  matmul, importing torch): a rank blocked in a gloo collective or asleep burns none.
+Writes are throttled (TICK_WRITE_S), so a tick costs a clock read.
+
+When no rank has moved for the timeout, the ranks furthest behind are the stuck ones; the others were waiting
+for them in a collective. Ranks that all stopped at the same step are a deadlock among themselves, and all of
+them are named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-STEPS = ("joining", "preparing", "examining", "reporting", "evaluating", "done")
-"""In order. `preparing` -> `examining` is where a rank enters the examination's first collective."""
+STEPS = ("joining", "preparing", "examining", "reporting", "evaluating", "awaiting", "done")
+"""In order. `preparing` -> `examining` is where a rank enters the examination's first collective; after the
+gather, rank 0 is `evaluating` and every other rank `awaiting` its verdict (so a rank that waits for rank 0's
+evaluation is ahead of it, never behind)."""
+
+TICK_WRITE_S = 0.25
+"""At most one tick written per this many seconds (marks are always written)."""
+
+HEARTBEAT_S = 0.5
+HEARTBEAT_CPU_SHARE = 0.1
+"""The heartbeat ticks when the process used at least this share of one core over the last HEARTBEAT_S: a rank
+that computes does (even on a loaded machine), a rank asleep or blocked in a gloo collective does not."""
 
 
 @dataclass(frozen=True, order=True)
 class Step:
     case: int
     index: int
+    ticks: int = field(default=0, compare=False)
+    doing: str = field(default="", compare=False)
 
     @property
     def name(self) -> str:
@@ -28,45 +56,141 @@ class Step:
     def describe(self) -> str:
         if self.index == 0:
             return "joining the process group"
-        return f"case {self.case + 1}: {self.name}"
+        return f"case {self.case + 1}: {self.name}" + (f" ({self.doing})" if self.doing else "")
+
+    def text(self) -> str:
+        return f"{self.case} {self.name} {self.ticks} {self.doing}".rstrip()
 
     @classmethod
     def parse(cls, text: str) -> Step | None:
+        parts = text.split(maxsplit=3)
         try:
-            case, name = text.split()
-            return cls(int(case), STEPS.index(name))
-        except ValueError:
+            ticks = int(parts[2]) if len(parts) > 2 else 0
+            return cls(int(parts[0]), STEPS.index(parts[1]), ticks, parts[3] if len(parts) > 3 else "")
+        except (ValueError, IndexError):
             return None
 
 
 class StepLog:
-    """Records this rank's steps in `path` (no-op without one: under torchrun nobody supervises)."""
+    """Records this rank's steps and ticks in `path` (no-op without one: under torchrun nobody supervises)."""
 
     def __init__(self, path: str | None, case_offset: int = 0):
         self.path = path
         self.case_offset = case_offset
+        self._step = Step(case_offset, 0)
+        self._written = 0.0
+        self._lock = threading.Lock()
 
     def mark(self, case: int, step: str) -> None:
+        with self._lock:
+            self._step = Step(case + self.case_offset, STEPS.index(step), self._step.ticks + 1)
+            self._write()
+
+    def tick(self, doing: str | None = None) -> None:
+        """This rank moved (`doing`: what it does now; None keeps the last). Written at most every TICK_WRITE_S."""
+        if self.path is None:
+            return
+        with self._lock:
+            s = self._step
+            self._step = Step(s.case, s.index, s.ticks + 1, s.doing if doing is None else doing)
+            if time.monotonic() - self._written >= TICK_WRITE_S:
+                self._write()
+
+    def _write(self) -> None:
         if self.path is None:
             return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as fh:
-            fh.write(f"{case + self.case_offset} {step}")
+            fh.write(self._step.text())
         os.replace(tmp, self.path)
+        self._written = time.monotonic()
 
 
 def read_step(path: str) -> Step | None:
+    text = read_text(path)
+    return None if text is None else Step.parse(text)
+
+
+def read_text(path: str) -> str | None:
     try:
         with open(path) as fh:
-            return Step.parse(fh.read())
+            return fh.read()
     except OSError:
         return None
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Ticks from inside an examination: the rank's active log (set by the worker), no-op when there is none
+# ----------------------------------------------------------------------------------------------------------
+
+_active: StepLog | None = None
+
+
+def activate(log: StepLog | None) -> None:
+    """Make `log` the one `tick` writes to (the worker does, once per rank)."""
+    global _active
+    _active = log
+
+
+def tick(doing: str | None = None) -> None:
+    """This rank is still computing (`doing`: what, for the report of a hang). Cheap; never a collective."""
+    if _active is not None:
+        _active.tick(doing)
+
+
+@contextlib.contextmanager
+def ticking(model: Any, what: str) -> Iterator[None]:
+    """Tick at every module call of `model`, forward and backward, as `what: <block>` (the module's first two
+    name segments, e.g. `transformer_blocks.3`): a long forward/backward moves layer by layer."""
+    if _active is None:
+        yield
+        return
+    handles = []
+    for name, module in model.named_modules():
+        doing = f"{what}: {'.'.join(name.split('.')[:2])}" if name else what
+        handles.append(module.register_forward_hook(_forward_tick(doing)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _forward_tick(doing: str) -> Any:
+    def on_grad(grad: Any) -> None:
+        tick(doing + " (backward)")
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        tick(doing)
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        if getattr(first, "requires_grad", False) and hasattr(first, "register_hook"):
+            first.register_hook(on_grad)
+
+    return hook
+
+
+class Heartbeat:
+    """A daemon thread that ticks while this process burns CPU time (see HEARTBEAT_CPU_SHARE)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._thread = threading.Thread(target=self._run, name="cpdoctor-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.process_time()
+        while True:
+            time.sleep(HEARTBEAT_S)
+            now = time.process_time()
+            if self.enabled and now - last >= HEARTBEAT_CPU_SHARE * HEARTBEAT_S:
+                tick()
+            last = now
+
+
 def blame(steps: dict[int, Step | None]) -> tuple[list[int], list[int]]:
-    """(hung, waiting) among the ranks that did not finish, from the step each one reached (None: not even
-    started). The ranks behind all others are hung; the rest were waiting for them. When all are at the same
-    step, nobody is ahead to wait for anyone: all are named as hung."""
+    """(stuck, waiting) among the ranks that did not finish, from the step each one reached (None: not even
+    started). The ranks behind all others are stuck; the rest were waiting for them. When all are at the same
+    step, nobody is ahead to wait for anyone: all are named as stuck."""
     if not steps:
         return [], []
     floor = Step(-1, -1)

@@ -1,6 +1,8 @@
-"""The supervising parent: start the ranks, watch them, and turn a rank that raised, died or hung into a
-RankFailure within the timeout, killing every process it started. When a case stops the launch, the cases
-after it run in a fresh launch, so a crash never hides what comes after it."""
+"""The supervising parent: start the ranks, watch them, and turn a rank that raised, died or stopped moving into
+a RankFailure, killing every process it started. A launch is a HANG when no rank has moved (progress.py) for
+the job's timeout, or when it is still going at the wall bound (jobs.wall_bound_s); a slow rank that keeps
+moving is never one. When a case stops the launch, the cases after it run in a fresh launch, so a crash never
+hides what comes after it."""
 
 from __future__ import annotations
 
@@ -16,8 +18,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from cpdoctor.launch.jobs import CaseOutcome, FailureKind, Job, LaunchResult, RankFailure, RankPayload, RankStatus
-from cpdoctor.launch.progress import Step, blame, read_step
+from cpdoctor.launch.jobs import (
+    WALL_BOUND_FACTOR,
+    WALL_BOUND_FLOOR_S,
+    CaseOutcome,
+    FailureKind,
+    Job,
+    LaunchResult,
+    RankFailure,
+    RankPayload,
+    RankStatus,
+    wall_bound_s,
+)
+from cpdoctor.launch.progress import Step, blame, read_step, read_text
 from cpdoctor.launch.worker import outcome_path, status_path, step_path
 
 GRACE_AFTER_FAILURE_S = 3.0
@@ -88,6 +101,26 @@ class _Watch:
     errors: dict[int, tuple[int, RankPayload]] = field(default_factory=dict)  # rank -> (case index, payload)
     failed_at: float | None = None
     killed: bool = False  # after we killed the ranks, their exit codes say nothing about them
+    started: float = field(default_factory=time.monotonic)
+    seen: dict[int, str | None] = field(default_factory=dict)  # rank -> the text of its step file last read
+    moved: dict[int, float] = field(default_factory=dict)  # rank -> when its step file last changed
+    why: str = "stalled"  # why the launch was stopped: "stalled" (nobody moved) or "wall" (the wall bound)
+
+    def watch_progress(self, now: float) -> None:
+        """Note every rank whose step file changed since the last poll: it moved."""
+        for rank in range(len(self.procs)):
+            text = read_text(step_path(self.out_dir, rank))
+            if text is not None and text != self.seen.get(rank):
+                self.seen[rank] = text
+                self.moved[rank] = now
+
+    def last_move(self) -> float:
+        """When any rank last moved (the launch's start counts as a move)."""
+        return max([self.started, *self.moved.values()])
+
+    def moving(self, now: float, within_s: float) -> list[int]:
+        """The ranks that moved in the last `within_s` seconds."""
+        return sorted(r for r, t in self.moved.items() if now - t <= within_s)
 
     def poll(self, now: float) -> None:
         for i in range(len(self.outcomes), 10**6):
@@ -124,9 +157,10 @@ class _Watch:
         return None
 
 
-def _failures(watch: _Watch, index: int) -> list[RankFailure]:
-    """Why case `index` did not complete: ranks that raised or died are CRASH; the others are named by the step
-    they reached (progress.py): those furthest behind are HANG when nobody crashed, the rest were waiting."""
+def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
+    """Why case `index` did not complete: ranks that raised or died are CRASH. Otherwise, when no rank moved for
+    the timeout, the ranks named by the step they reached (progress.py) furthest behind are HANG and the rest
+    were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
     crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
     steps: dict[int, Step | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
@@ -137,14 +171,22 @@ def _failures(watch: _Watch, index: int) -> list[RankFailure]:
             for r, s in others.items()
         ]
     hung, waiting = blame(others)
+    message = f"stopped moving: no rank moved for {timeout_s:g} s"
+    still_moving = watch.why == "wall"
+    if still_moving:
+        still = [r for r in watch.moving(time.monotonic(), timeout_s) if r in others]
+        if still:
+            hung, waiting = still, sorted(r for r in others if r not in still)
+        message = f"was still moving at the wall bound ({wall_bound_s(timeout_s):g} s, the larger of {WALL_BOUND_FACTOR} × the timeout and {WALL_BOUND_FLOOR_S:g} s)"
     for r in hung:
         failures.append(
             RankFailure(
                 r,
                 FailureKind.HANG,
-                "did not finish within the timeout",
+                message,
                 _tail(os.path.join(watch.out_dir, f"rank{r}.log")),
                 where=_where(others[r]),
+                still_moving=still_moving,
             )
         )
     for r in waiting:
@@ -160,7 +202,6 @@ def _where(step: Step | None) -> str:
 
 def _launch_once(job: Job, world_size: int, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
     """One launch: the outcomes of a prefix of the job's cases (the last one possibly a failure), or a refusal."""
-    deadline = time.monotonic() + job.timeout_s
     with tempfile.TemporaryDirectory(prefix="cpdoctor-") as out_dir:
         job_path = os.path.join(out_dir, "job.pkl")
         with open(job_path, "wb") as fh:
@@ -181,17 +222,17 @@ def _launch_once(job: Job, world_size: int, on_tick: Callable[[], None] | None) 
                             start_new_session=True,
                         )
                     )
-            return _supervise(_Watch(out_dir, procs), job, deadline, on_tick)
+            return _supervise(_Watch(out_dir, procs), job, on_tick)
         finally:
             _kill_all(procs)
 
 
-def _supervise(
-    watch: _Watch, job: Job, deadline: float, on_tick: Callable[[], None] | None
-) -> tuple[list[CaseOutcome], RankPayload | None]:
+def _supervise(watch: _Watch, job: Job, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
     n = len(job.cases)
+    wall_deadline = watch.started + wall_bound_s(job.timeout_s)
     while True:
         now = time.monotonic()
+        watch.watch_progress(now)
         watch.poll(now)
         refused = watch.refusal()
         if refused is not None:
@@ -203,7 +244,10 @@ def _supervise(
         if stopped:
             return done, None
         grace_over = watch.failed_at is not None and now - watch.failed_at > GRACE_AFTER_FAILURE_S
-        if grace_over or now > deadline or watch.all_exited():
+        stalled = now - watch.last_move() > job.timeout_s
+        if now > wall_deadline and not stalled:
+            watch.why = "wall"
+        if grace_over or stalled or now > wall_deadline or watch.all_exited():
             break
         if on_tick is not None:
             on_tick()
@@ -213,7 +257,7 @@ def _supervise(
     watch.poll(time.monotonic())
     done = [watch.outcomes[i] for i in range(len(watch.outcomes))]
     if len(done) < n:
-        done.append(CaseOutcome(job.cases[len(done)], failures=_failures(watch, len(done))))
+        done.append(CaseOutcome(job.cases[len(done)], failures=_failures(watch, len(done), job.timeout_s)))
     return done, None
 
 
@@ -222,7 +266,7 @@ def run_spawned(job: Job, world_size: int, on_tick: Callable[[], None] | None = 
 
     Never leaves a process behind: on success the workers have exited; on a failure or a timeout every one
     still alive is killed (each runs in its own session, so its whole process group goes). The cases after a
-    failed one run in a fresh launch, each launch with the full timeout."""
+    failed one run in a fresh launch, each with the full timeout and wall bound."""
     start = time.monotonic()
     result = LaunchResult()
     remaining = list(job.cases)

@@ -18,7 +18,7 @@ from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.launch.context import DistContext
 from cpdoctor.launch.faults import inject_fault
 from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankProgram, RankStatus
-from cpdoctor.launch.progress import StepLog
+from cpdoctor.launch.progress import Heartbeat, StepLog, activate
 
 OutcomeSink = Callable[[int, CaseOutcome], None]
 
@@ -120,9 +120,9 @@ def execute_job(
             outcomes.append(CaseOutcome(case, failures=failures_from_payloads([payload] + [lost] * (ctx.world_size - 1))))
             return outcomes
         go_on = True
+        log.mark(index, "evaluating" if ctx.rank == 0 else "awaiting")
         if ctx.rank == 0:
             assert gathered is not None
-            log.mark(index, "evaluating")
             outcome = _evaluate(job.program, case, gathered, ctx)
             outcomes.append(outcome)
             if on_outcome is not None:
@@ -175,6 +175,8 @@ def worker_main(job_path: str, out_dir: str) -> int:
     rank = int(os.environ["RANK"])
     log = StepLog(step_path(out_dir, rank))
     log.mark(0, "joining")
+    activate(log)
+    heartbeat = Heartbeat()  # importing torch and joining move too
 
     def report_error(index: int, payload: RankPayload) -> None:
         write_atomic(status_path(out_dir, rank), (index, payload))
@@ -185,6 +187,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
         status = RankStatus.BAD_INPUT if isinstance(exc, BadInput) else RankStatus.CANNOT_EXAMINE
         report_error(0, RankPayload(status, message=str(exc)))
         return 0
+    heartbeat.enabled = ctx.device.type == "cpu"  # a CUDA rank's host thread may spin while it waits: no proof of work
     try:
         execute_job(job, ctx, log, on_local_error=report_error, on_outcome=lambda i, o: write_atomic(outcome_path(out_dir, i), o))
     except Exception as exc:  # noqa: BLE001

@@ -64,16 +64,33 @@ def test_ranks_stuck_at_the_same_step_are_all_named():
 
 def test_hang_finding_names_rank_and_step():
     failures = [
-        RankFailure(1, FailureKind.HANG, "did not finish", where="case 1: preparing"),
+        RankFailure(1, FailureKind.HANG, "stopped moving: no rank moved for 25 s", where="case 1: preparing"),
         RankFailure(0, FailureKind.HANG, "waiting", waiting=True, where="case 1: examining"),
     ]
     (f,) = failure_findings("p", failures, 25)
     assert f.verdict == Verdict.HANG
-    assert f.diagnosis.startswith("rank 1 did not finish within 25 s (rank 1 at case 1: preparing)") and "rank 0 was waiting" in f.diagnosis
+    assert f.diagnosis.startswith("rank 1 stopped moving: no rank moved for 25 s (rank 1 at case 1: preparing)")
+    assert "rank 0 was waiting" in f.diagnosis and "stuck" in f.remedy
+
+
+def test_a_rank_still_moving_at_the_wall_bound_is_told_to_examine_less():
+    failures = [RankFailure(0, FailureKind.HANG, "was still moving at the wall bound (3000 s)", still_moving=True)]
+    (f,) = failure_findings("p", failures, 300)
+    assert f.diagnosis.startswith("rank 0 was still moving") and "--dtype fp32" in f.remedy
+
+
+def test_a_rank_awaiting_rank_0s_verdict_is_ahead_of_rank_0_evaluating():
+    """The false HANG of issue 22: rank 1 had reported and waited for rank 0, which was computing its reference;
+    rank 1 was blamed because `reporting` came before `evaluating`."""
+    evaluating, awaiting = Step.parse("0 evaluating 40 reference (fp64): transformer_blocks.0"), Step.parse("0 awaiting 12")
+    assert blame({0: evaluating, 1: awaiting}) == ([0], [1])
 
 
 def test_step_round_trip():
     assert Step.parse("3 reporting") == Step(3, 3) and Step.parse("garbage") is None
+    step = Step(0, 4, 17, "reference (fp64): transformer_blocks.3")
+    assert Step.parse(step.text()) == step and Step.parse(step.text()).doing == step.doing
+    assert step.describe() == "case 1: evaluating (reference (fp64): transformer_blocks.3)"
 
 
 def test_a_release_that_refuses_the_layout_is_unsupported_not_a_crash():

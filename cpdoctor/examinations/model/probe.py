@@ -31,6 +31,7 @@ from cpdoctor.examinations.model.prepare import indivisible
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import REFERENCE_BACKEND, ModelSpec, model_survey, request_spec
 from cpdoctor.launch.jobs import Case, RankResult
+from cpdoctor.launch.progress import tick, ticking
 from cpdoctor.report import BlockRow, ParamRow, TensorRow
 
 
@@ -170,7 +171,8 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
     with compat.accelerator_count_at_least_one():
         model.enable_parallelism(config=compat.context_parallel_config(req.ring, req.ulysses, mesh=ctx.cp_mesh(req.ring, req.ulysses)))
     try:
-        out, grads, layout = step(model, kwargs, req, ctx.device, dtype)
+        with ticking(model, "CP run"):
+            out, grads, layout = step(model, kwargs, req, ctx.device, dtype)
     except AssertionError as exc:
         if "divisible" in str(exc):  # diffusers' split hook asserting on an uneven shard
             raise BadInput(
@@ -213,13 +215,18 @@ class SingleProcess:
     blocks: BlockRecord | None = None
 
 
-def _single_process(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], backend: str, device: Any, dtype: Any) -> SingleProcess:
-    """The model without CP on `device` in `dtype` through `backend`, block by block recorded."""
+def _single_process(
+    spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], backend: str, device: Any, dtype: Any, what: str
+) -> SingleProcess:
+    """The model without CP on `device` in `dtype` through `backend`, block by block recorded (and ticking as
+    `what`, launch/progress.py)."""
+    tick(f"{what}: building the model")
     model = build_model(spec, req, device, torch_dtype(req.dtype)).to(dtype)
     recorder = BlockRecorder(model)
     try:
         model.set_attention_backend(backend)  # set_attention_backend also sets the global active one
-        out, grads, layout = step(model, kwargs, req, device, dtype)
+        with ticking(model, what):  # rank 0 alone, for long: its peers wait, it moves block by block
+            out, grads, layout = step(model, kwargs, req, device, dtype)
         return SingleProcess(out, grads, layout, recorder.record())
     finally:
         recorder.remove()
@@ -252,10 +259,11 @@ def _measure_against_reference(result: ModelMeasurement, spec: ModelSpec, req: M
     kwargs = make_inputs(spec, req, spec.full_config())
     base = SingleProcess()
     try:
-        base = _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype)
+        base = _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype, f"no-CP baseline ({req.dtype})")
     except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
         result.baseline_error = first_line(exc)
-    ref = _single_process(spec, req, kwargs, REFERENCE_BACKEND, ctx.device, reference_dtype(req))
+    ref_name = "fp32" if req.reference == "fp32" else "fp64"
+    ref = _single_process(spec, req, kwargs, REFERENCE_BACKEND, ctx.device, reference_dtype(req), f"reference ({ref_name})")
     assert ref.layout is not None and ref.blocks is not None
     result.model = _model_info(spec, req, kwargs, ref.layout, shards[0].read)
     result.blocks = block_errors([s.blocks for s in shards], base.blocks, ref.blocks)

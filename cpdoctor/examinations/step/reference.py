@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.step.record import output_tensor
+from cpdoctor.launch.progress import ticking
 
 REFERENCE_BACKEND = "native"
 """diffusers' default backend (torch SDPA): it runs in fp64 on every device."""
@@ -184,17 +185,19 @@ class Precision:
     """The job's attention backend (run without CP): the same kernel, so the baseline's rounding is the job's."""
 
 
-def _run(ref: Any, calls: list[tuple[tuple, dict, Any]], dtype: Any, device: Any) -> list[Any]:
-    """Forward and backward of every recorded call through `ref`; `dtype` casts the inputs (None: as recorded)."""
+def _run(ref: Any, calls: list[tuple[tuple, dict, Any]], dtype: Any, device: Any, what: str) -> list[Any]:
+    """Forward and backward of every recorded call through `ref`; `dtype` casts the inputs (None: as recorded).
+    The first rank computes it alone while its peers wait: it ticks module by module as `what` (launch/progress.py)."""
     outputs = []
-    for args, kwargs, out_grad in calls:
+    for i, (args, kwargs, out_grad) in enumerate(calls):
         if dtype is not None:
             args, kwargs = _cast(args, dtype, device), _cast(kwargs, dtype, device)
         else:
             args, kwargs = _cast(args, None, device), _cast(kwargs, None, device)
-        out = output_tensor(ref(*args, **kwargs))
-        if out_grad is not None:
-            out.backward(out_grad.to(device=device, dtype=out.dtype))
+        with ticking(ref, f"{what}, call {i + 1} of {len(calls)}"):
+            out = output_tensor(ref(*args, **kwargs))
+            if out_grad is not None:
+                out.backward(out_grad.to(device=device, dtype=out.dtype))
         outputs.append(out.detach().float().cpu())
     return outputs
 
@@ -254,12 +257,12 @@ def reference_step(
                 ref.set_attention_backend(native.backend or REFERENCE_BACKEND)
             ref = ref.to(device=device).train(module.training)
             with torch.autocast(device_type, dtype=native.autocast_dtype, enabled=native.autocast):
-                _run(ref, calls, None, device)
+                _run(ref, calls, None, device, "reference in the step's own dtypes")
             result_native = _flat_grads(ref, names)
             ref.zero_grad(set_to_none=True)
         with preserved_active_backend():  # the reference runs torch's SDPA (fp64 on CPU); the job's backend stays active
             ref.set_attention_backend(REFERENCE_BACKEND)
         with quiet_diffusers():  # "modules that should be kept in float32": the reference is all fp64 on purpose
             ref = ref.to(device=device, dtype=dtype).train(module.training)
-        outputs = _run(ref, calls, dtype, device)
+        outputs = _run(ref, calls, dtype, device, f"reference ({precision})")
     return ReferenceResult(outputs, _flat_grads(ref, names), result_native)
