@@ -114,7 +114,8 @@ def render_model(report: Any, console: Any) -> None:
 
 
 def print_plan(request: Any) -> None:
-    """The memory plan `prepare` made, on stderr, before any rank starts."""
+    """The memory plan `prepare` made, and its time plan when there is one (a half dtype on the CPU, with the
+    warning where that dtype is far slower than fp32 here), on stderr, before any rank starts."""
     from cpdoctor.api import is_reporting_rank
     from cpdoctor.cli.output import console
 
@@ -122,8 +123,9 @@ def print_plan(request: Any) -> None:
     if plan is None or not is_reporting_rank():
         return
     err = console(stderr=True)
-    for line in plan.lines():
-        err.print(line, markup=False, highlight=False)
+    timing = request.timing.lines() if request.timing is not None else []
+    for line in plan.lines() + timing:
+        err.print(line, markup=False, highlight=False, style="yellow" if "warning:" in line else None)
 
 
 def model(

@@ -2,7 +2,8 @@
 checked without weights (the model resolves, a text mask exists for --mask-pad, heads divide by Ulysses, every
 split the model's `_cp_plan` makes divides: plan's measurement, `cpdoctor.models.splits`), choose how many blocks
 fit in memory (the memory plan), and check that a sliced checkpoint has every tensor it needs. `prepare` returns
-the request with all of it filled in, the memory plan included."""
+the request with all of it filled in, the memory plan included, and the time plan for a half dtype on the CPU
+(`cpdoctor.models.throughput`: a 50-ms matmul probe, and a warning where that dtype is far slower than fp32)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import ModelSpec, is_sliced, model_survey, request_spec, sliced_config, text_mask_param
 from cpdoctor.models.memory import available_memory
+from cpdoctor.models.throughput import time_plan
 
 DEFAULT_TEXT_LEN = 8
 RESOLUTION_STEPS = 8
@@ -37,7 +39,7 @@ def prepare(req: ModelRequest) -> ModelRequest:
     req = req.with_fields(blocks=choose_blocks(spec, req, survey, kwargs))
     check_needed_files(spec, req)
     plan = memory_plan(spec, req, survey, kwargs)
-    return req.with_fields(reference=plan.reference_dtype, memory=plan)
+    return req.with_fields(reference=plan.reference_dtype, memory=plan, timing=time_plan(plan))
 
 
 def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[str, Any]]:

@@ -45,6 +45,9 @@ class ModelRequest(LayoutRequest):
     memory: Any = field(default=None, compare=False, repr=False)
     """The memory plan `prepare` made (cpdoctor.models.memory.MemoryPlan): printed before launch, kept in the
     finding; not part of what the user asked for (`to_dict` leaves it out)."""
+    timing: Any = field(default=None, compare=False, repr=False)
+    """The time plan `prepare` made (cpdoctor.models.throughput.TimePlan) for a half dtype on the CPU, None
+    otherwise: printed before launch with its slow-dtype warning; `to_dict` leaves it out too."""
 
     def validate(self) -> ModelRequest:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -71,4 +74,5 @@ class ModelRequest(LayoutRequest):
     def to_dict(self) -> dict:
         data = asdict(self)
         data.pop("memory")
+        data.pop("timing")
         return data
