@@ -41,3 +41,39 @@ def test_ticks_without_a_supervisor_are_nothing():
     progress.activate(None)
     progress.tick("anything")  # under torchrun nobody reads them: no file, no error
     StepLog(None).tick("anything")
+
+
+def _write(out_dir, rank: int, text: str) -> None:
+    (out_dir / f"rank{rank}.step").write_text(text)
+
+
+def test_the_parent_sees_a_rank_move_when_its_step_file_changes(tmp_path):
+    from cpdoctor.launch.spawn import _Watch
+
+    watch = _Watch(str(tmp_path), procs=[None, None], started=0.0)  # type: ignore[list-item]
+    _write(tmp_path, 0, "0 evaluating 10 reference (fp64): transformer_blocks.0")
+    _write(tmp_path, 1, "0 awaiting 4")
+    watch.watch_progress(now=5.0)
+    _write(tmp_path, 0, "0 evaluating 11 reference (fp64): transformer_blocks.1")
+    watch.watch_progress(now=9.0)
+    watch.watch_progress(now=12.0)  # nothing changed since
+    assert watch.moved == {0: 9.0, 1: 5.0} and watch.last_move() == 9.0
+    assert watch.moving(now=12.0, within_s=4.0) == [0]
+
+
+@pytest.mark.parametrize("why", ["stalled", "wall"])
+def test_the_rank_computing_is_named_and_the_one_awaiting_it_is_not(tmp_path, why):
+    """Issue 22's false HANG the other way round: rank 0 computing its reference, rank 1 done and awaiting it.
+    Stalled (nobody moved for the timeout) or stopped at the wall bound while rank 0 still moved: rank 0 is named."""
+    import time
+
+    from cpdoctor.launch.spawn import _failures, _Watch
+
+    watch = _Watch(str(tmp_path), procs=[None, None], started=0.0, why=why)  # type: ignore[list-item]
+    _write(tmp_path, 0, "0 evaluating 40 reference (fp64): transformer_blocks.0")
+    _write(tmp_path, 1, "0 awaiting 12")
+    watch.moved = {0: time.monotonic(), 1: time.monotonic() - 100}
+    stuck, waiting = _failures(watch, 0, timeout_s=30.0)
+    assert (stuck.rank, stuck.waiting, waiting.rank, waiting.waiting) == (0, False, 1, True)
+    assert stuck.where == "case 1: evaluating (reference (fp64): transformer_blocks.0)"
+    assert stuck.still_moving == (why == "wall") and ("wall bound" in stuck.message) == (why == "wall")
