@@ -445,6 +445,8 @@ class StepRule:
     verdict alone."""
 
 
+# fmt: skip on this table: one rule a line reads as a table (condition, text, remedy, verdict); the formatter
+# would spread each rule over five lines and the table over sixty.
 RULES: tuple[StepRule, ...] = (
     StepRule("cause", "non-finite gradients", lambda s: s.nonfinite > 0,
              lambda s: f"{s.nonfinite} non-finite gradient values (NaN/Inf) after the sync", ("check the loss scale and the dtype",)),
@@ -491,9 +493,13 @@ def rows(s: StepSignature) -> dict[str, JudgedRow]:
         table["out"] = JudgedRow.judged(out, tol, (), Verdict.PASS if s.n.out_rel_err <= tol else Verdict.FAIL)
     worst = max(s.n.grads, key=s.rank_error)
     grads = TensorRow(
-        s.rank_error(worst), worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads),
+        s.rank_error(worst),
+        worst.max_abs,
+        s.nonfinite,
+        worst_rank=worst.rank,
+        per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads),
         baseline_rel_err=s.n.baseline_rel_err,
-    )  # fmt: skip
+    )
     table["grads"] = JudgedRow.judged(grads, tol, s.bad_ranks, Verdict.FAIL if s.grads_bad else Verdict.PASS)
     params = s.n.params_scaled or s.n.params
     if params:
