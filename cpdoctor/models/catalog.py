@@ -217,7 +217,7 @@ def build_model(cls: type, config: Mapping[str, Any] | None = None, device: Any 
     try:
         with torch.device(device):
             model = cls.from_config(cfg)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the model's own constructor may raise anything; each is one CANNOT EXAMINE
         raise CannotExamine(f"cannot build {cls.__name__} from its config: {type(exc).__name__}: {exc}") from exc
     if dtype is not None:
         model = model.to(dtype)

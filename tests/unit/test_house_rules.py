@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -158,6 +160,61 @@ def test_no_version_strings_in_product_code():
     pattern = re.compile(r"""__version__\s*([<>]|[!=]=)|version\.parse|["']0\.(3[6-9]|4\d)\.\d["']""")
     offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())]
     assert not offenders, offenders
+
+
+BROAD = {"Exception", "BaseException"}
+
+
+def _is_broad(node: ast.expr | None) -> bool:
+    """A bare `except:`, `Exception` / `BaseException`, or a tuple holding one of them."""
+    if node is None:
+        return True
+    if isinstance(node, ast.Tuple):
+        return any(_is_broad(e) for e in node.elts)
+    return (node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)) in BROAD
+
+
+def unexplained_broad_excepts(source: str) -> list[int]:
+    """Lines of `except Exception` / `except BaseException` / bare `except:` / `suppress(Exception)` with no
+    reason: a comment of two words or more (a `noqa` code aside) on the same line or on a comment line just above."""
+    lines = source.splitlines()
+    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+
+    def explained(line: int) -> bool:
+        above = line - 1 if line > 1 and lines[line - 2].lstrip().startswith("#") else None
+        for n in (line, above):
+            text = re.sub(r"noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?", "", comments.get(n, "") if n else "")
+            if len(re.findall(r"\w+", text)) >= 2:
+                return True
+        return False
+
+    broad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ExceptHandler) and _is_broad(node.type):
+            broad.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "suppress":
+            if any(_is_broad(a) for a in node.args):
+                broad.append(node.lineno)
+    return sorted(n for n in broad if not explained(n))
+
+
+def test_every_broad_except_says_why():
+    offenders = {str(p.relative_to(PACKAGE)): lines for p in PACKAGE.rglob("*.py") if (lines := unexplained_broad_excepts(p.read_text()))}
+    assert not offenders, f"broad excepts without a one-line reason (narrow them, or say why): {offenders}"
+
+
+def test_the_broad_except_rule_catches_an_offender():
+    planted = (
+        "import contextlib\n"
+        "try:\n    f()\nexcept Exception:  # noqa: BLE001\n    pass\n"  # 4: a noqa code is no reason
+        "try:\n    f()\nexcept (ValueError, BaseException):\n    pass\n"  # 8
+        "with contextlib.suppress(Exception):\n    f()\n"  # 10
+        "try:\n    f()\nexcept:\n    pass\n"  # 14
+        "try:\n    f()\nexcept Exception:  # noqa: BLE001 - the user's code may raise anything\n    pass\n"
+        "# broad: teardown of a broken group raises anything\nwith contextlib.suppress(Exception):\n    f()\n"
+        "try:\n    f()\nexcept ValueError:\n    pass\n"
+    )
+    assert unexplained_broad_excepts(planted) == [4, 8, 10, 14]
 
 
 def test_help_imports_neither_torch_nor_diffusers():
