@@ -19,11 +19,10 @@ healthy job; RNG states that part while the gradients are right are a WARN (harm
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
 
-from cpdoctor.examinations.judging import EPS, join_remedies
+from cpdoctor.examinations.judging import EPS, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.examinations.step.readings import Harmless, LossScale, harmless_factors, loss_scale, round_norm
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
@@ -427,18 +426,12 @@ def _rng_text(s: StepSignature) -> str:
 
 
 @dataclass(frozen=True)
-class StepRule:
-    """One line of the step's diagnosis: when `applies`, say `says`, offer `remedies` (and `remedy_of`'s), with
-    `verdict`. Rules of one aspect exclude each other (the first that applies speaks); `names_attention` makes
-    the finding carry the op-level `cpdoctor check` command."""
+class StepRule(Rule[StepSignature]):
+    """One line of the step's diagnosis (a judging.Rule: when `applies`, say `says`, offer `remedies` and
+    `remedy_of`'s; the first that applies of each aspect speaks), with the `verdict` it gives; `names_attention`
+    makes the finding carry the op-level `cpdoctor check` command."""
 
-    aspect: str
-    name: str
-    applies: Callable[[StepSignature], bool]
-    says: Callable[[StepSignature], str]
-    remedies: tuple[str, ...] = ()
     verdict: Verdict = Verdict.FAIL
-    remedy_of: Callable[[StepSignature], str] | None = None
     names_attention: bool = False
     decides: bool = True
     """False for a line that only adds where or why (the first bad block, the per-shard loss): it never sets the
@@ -454,24 +447,20 @@ RULES: tuple[StepRule, ...] = (
     StepRule("cause", "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
     StepRule("cause", "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
     StepRule("cause", "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
-    StepRule("cause", "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), Verdict.WARN),
-    StepRule("cause", "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), Verdict.WARN),
+    StepRule("cause", "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule("cause", "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
     StepRule("cause", "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
-    StepRule("cause", "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), Verdict.WARN),
+    StepRule("cause", "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
     StepRule("cause", "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
     StepRule("shard", "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
-    StepRule("rng", "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), Verdict.WARN),
+    StepRule("rng", "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), verdict=Verdict.WARN),
     StepRule("where", "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
 )  # fmt: skip
 
 
 def spoken(s: StepSignature) -> list[StepRule]:
     """The first applying rule of each aspect, in table order."""
-    out: dict[str, StepRule] = {}
-    for rule in RULES:
-        if rule.aspect not in out and rule.applies(s):
-            out[rule.aspect] = rule
-    return list(out.values())
+    return spoken_rules(RULES, s)
 
 
 def verdict_of(rules: list[StepRule]) -> Verdict:
@@ -533,7 +522,6 @@ def step_finding(n: StepNumbers, evidence: object = None) -> Finding:
     verdict = verdict_of(rules)
     if verdict is Verdict.PASS:
         return Finding(describe(n), verdict, _pass_text(s), "", rows(s), evidence=evidence)
-    diagnosis = "; ".join(t for t in (r.says(s) for r in rules) if t)
-    remedy = join_remedies([*(rem for r in rules for rem in r.remedies), *(r.remedy_of(s) for r in rules if r.remedy_of)])
+    diagnosis, remedy = diagnosis_of(rules, s)
     command = attention_command(s) if verdict is Verdict.FAIL and any(r.names_attention for r in rules) else None
     return Finding(describe(n), verdict, diagnosis, remedy, rows(s), evidence=evidence, command=command)
