@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
@@ -78,6 +79,24 @@ def unsupported_finding(subject: str, unsupported: Unsupported, remedy: str | No
 S = TypeVar("S")
 
 
+class Aspect(Enum):
+    """What part of a case a rule speaks for: rules of one aspect exclude each other (the first that applies
+    speaks), rules of different aspects add up. Op level: nonfinite, forward, LSE, backward; the model adds what
+    went wrong, the mask and the op-level cross-check; the step: the cause, a per-shard loss, RNG, where."""
+
+    NONFINITE = "nonfinite"
+    FORWARD = "forward"
+    LSE = "lse"
+    BACKWARD = "backward"
+    WHAT = "what"
+    MASK = "mask"
+    OP_LEVEL = "op level"
+    CAUSE = "cause"
+    SHARD = "shard"
+    RNG = "rng"
+    WHERE = "where"
+
+
 @dataclass(frozen=True)
 class Rule(Generic[S]):
     """One line of a diagnosis table: when `applies(signature)`, say `says(signature)` and offer `remedies` (and
@@ -85,7 +104,7 @@ class Rule(Generic[S]):
     forward, backward, mask, ...) exclude each other: the first that applies speaks for that aspect. `name` is
     for people (tests, docs); code that needs to know which rule spoke holds the rule itself."""
 
-    aspect: str
+    aspect: Aspect
     name: str
     applies: Callable[[S], bool]
     says: Callable[[S], str]
@@ -98,7 +117,7 @@ R = TypeVar("R", bound=Rule)
 
 def spoken_rules(rules: Iterable[R], signature: Any) -> list[R]:
     """The first applying rule of each aspect, in table order."""
-    spoken: dict[str, R] = {}
+    spoken: dict[Aspect, R] = {}
     for rule in rules:
         if rule.aspect not in spoken and rule.applies(signature):
             spoken[rule.aspect] = rule

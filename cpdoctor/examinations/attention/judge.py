@@ -10,6 +10,7 @@ from typing import Any
 from cpdoctor.examinations.judging import (
     CP_BACKEND_REMEDY,
     CRASH_SIGNATURES,
+    Aspect,
     Rule,
     emulation_note,
     judge_rows,
@@ -74,15 +75,15 @@ def _backward_other(s: Signature) -> str:
 
 RULES: tuple[Rule[Signature], ...] = (
     Rule(
-        "nonfinite",
+        Aspect.NONFINITE,
         "non-finite values",
         lambda s: s.nonfinite > 0,
         lambda s: f"{s.nonfinite} non-finite values (NaN/Inf) {s.where}",
         ("check the backend's dtype support; try --dtype fp32 to separate overflow from a CP defect",),
     ),
-    Rule("forward", "backend ignores CP", lambda s: "out" in s.bad and s.routes_cp is False, _ignores_cp, (CP_BACKEND_REMEDY,)),
+    Rule(Aspect.FORWARD, "backend ignores CP", lambda s: "out" in s.bad and s.routes_cp is False, _ignores_cp, (CP_BACKEND_REMEDY,)),
     Rule(
-        "forward",
+        Aspect.FORWARD,
         "mask not rotated",
         lambda s: "out" in s.bad and s.mask_pad > 0 and s.ring > 1,
         lambda s: (
@@ -92,21 +93,21 @@ RULES: tuple[Rule[Signature], ...] = (
         (f"{PATCH} (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"),
     ),
     Rule(
-        "forward",
+        Aspect.FORWARD,
         "forward wrong",
         lambda s: "out" in s.bad,
         lambda s: f"forward wrong {s.where} through {s.layout} (out rel err {s.errors['out']:.2g})",
         (REPORT_IT,),
     ),
     Rule(
-        "backward",
+        Aspect.BACKWARD,
         "dK/dV direction",
         lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" not in s.grads_bad and s.ring >= 3,
         _direction,
         (PATCH, "keep ring_degree ≤ 2 and scale with Ulysses"),
     ),
     Rule(
-        "backward",
+        Aspect.BACKWARD,
         "stale K/V",
         lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" in s.grads_bad and s.ring > 1,
         _stale_kv,
@@ -116,7 +117,7 @@ RULES: tuple[Rule[Signature], ...] = (
             "Ulysses-only CP",
         ),
     ),
-    Rule("backward", "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
+    Rule(Aspect.BACKWARD, "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
 )
 
 JUDGE = OpJudge(RULES, CRASH_SIGNATURES)

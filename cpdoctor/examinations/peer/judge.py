@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
-from cpdoctor.examinations.judging import CrashSignature, Rule, judge_row, unsupported_finding
+from cpdoctor.examinations.judging import Aspect, CrashSignature, Rule, judge_row, unsupported_finding
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.op_judge import OpJudge, OpSignature
 from cpdoctor.examinations.peer.request import PeerRequest
@@ -73,22 +73,22 @@ def _backward(s: PeerSignature) -> str:
 
 RULES: tuple[Rule[PeerSignature], ...] = (
     Rule(
-        "nonfinite",
+        Aspect.NONFINITE,
         "non-finite",
         lambda s: s.nonfinite > 0,
         lambda s: f"{s.nonfinite} NaN/Inf values in {', '.join(TENSOR_LABELS[n] for n in sorted(s.bad))}",
         (),
     ),
-    Rule("forward", "forward wrong", lambda s: "out" in s.bad, _forward, ()),
-    Rule("lse", "LSE wrong", lambda s: "lse" in s.bad and "out" not in s.bad, _lse, ()),
+    Rule(Aspect.FORWARD, "forward wrong", lambda s: "out" in s.bad, _forward, ()),
+    Rule(Aspect.LSE, "LSE wrong", lambda s: "lse" in s.bad and "out" not in s.bad, _lse, ()),
     Rule(
-        "backward",
+        Aspect.BACKWARD,
         "dQ cast to bf16",
         lambda s: s.grads_bad == ["dq"] and s.dq_cast is not None and s.dtype != "bf16",
         _dq_cast,
         remedy_of=_dq_cast_remedy,
     ),
-    Rule("backward", "backward wrong", lambda s: bool(s.grads_bad), _backward, ()),
+    Rule(Aspect.BACKWARD, "backward wrong", lambda s: bool(s.grads_bad), _backward, ()),
 )
 """Peers' diagnosis table. A remedy that depends on the signature is the rule's `remedy_of`; where no rule
 offers one, the peer is told (`_report_it`)."""

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from itertools import product
 
-from cpdoctor.examinations.judging import EPS, Rule, diagnosis_of, spoken_rules
+from cpdoctor.examinations.judging import EPS, Aspect, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.examinations.step.readings import Harmless, LossScale, harmless_factors, loss_scale, round_norm
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
@@ -441,20 +441,20 @@ class StepRule(Rule[StepSignature]):
 # fmt: skip on this table: one rule a line reads as a table (condition, text, remedy, verdict); the formatter
 # would spread each rule over five lines and the table over sixty.
 RULES: tuple[StepRule, ...] = (
-    StepRule("cause", "non-finite gradients", lambda s: s.nonfinite > 0,
+    StepRule(Aspect.CAUSE, "non-finite gradients", lambda s: s.nonfinite > 0,
              lambda s: f"{s.nonfinite} non-finite gradient values (NaN/Inf) after the sync", ("check the loss scale and the dtype",)),
-    StepRule("cause", "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
-    StepRule("cause", "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
-    StepRule("cause", "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
-    StepRule("cause", "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
-    StepRule("cause", "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule("cause", "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule("cause", "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
-    StepRule("cause", "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule("cause", "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
-    StepRule("shard", "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
-    StepRule("rng", "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), verdict=Verdict.WARN),
-    StepRule("where", "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
+    StepRule(Aspect.CAUSE, "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
+    StepRule(Aspect.CAUSE, "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
+    StepRule(Aspect.CAUSE, "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
+    StepRule(Aspect.CAUSE, "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
+    StepRule(Aspect.CAUSE, "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
+    StepRule(Aspect.CAUSE, "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
+    StepRule(Aspect.SHARD, "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
+    StepRule(Aspect.RNG, "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.WHERE, "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
 )  # fmt: skip
 
 
