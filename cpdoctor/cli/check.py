@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -60,7 +60,7 @@ def check(
             help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape).",
         ),
     ] = None,
-) -> None:
+) -> NoReturn:
     """Run diffusers' real CP attention (forward and backward) on sequence shards and compare every rank with
     a full-sequence reference; with --impl, a peer's CP attention the same way. Exit 0 nothing wrong, 1
     corruption/crash/hang, 2 bad input, 3 cannot examine."""

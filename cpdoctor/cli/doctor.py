@@ -5,7 +5,7 @@ Parsing and rendering only; the plan and the run are in cpdoctor/doctor.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -111,7 +111,7 @@ def doctor(
     json_path: Optional[str] = None,
     junit_path: Optional[str] = None,
     markdown_path: Optional[str] = None,
-) -> None:
+) -> NoReturn:
     """Run the doctor and exit with its code (shared by `cpdoctor` alone and `cpdoctor doctor`)."""
     from cpdoctor.doctor import run_doctor
 
@@ -130,5 +130,5 @@ def doctor_command(
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
-) -> None:
+) -> NoReturn:
     doctor(patch=patch, timeout=timeout, json_path=json_path, junit_path=junit_path, markdown_path=markdown_path)

@@ -6,7 +6,7 @@ torch and diffusers are imported inside the command so that `cpdoctor --help` st
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -219,7 +219,7 @@ def env(
         ),
     ] = None,
     emulate: Emulate = False,
-) -> None:
+) -> NoReturn:
     from cpdoctor import api
     from cpdoctor.api import is_reporting_rank
     from cpdoctor.cli.output import check_run_options, emit, waiting

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -178,7 +178,7 @@ def model(
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
     emulate: Emulate = False,
-) -> None:
+) -> NoReturn:
     from cpdoctor import api
 
     check_run_options(timeout, json_path, junit_path, markdown_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -80,9 +80,9 @@ def emit(
     junit_path: str | None = None,
     markdown_path: str | None = None,
     command: str = "check",
-) -> None:
+) -> NoReturn:
     """Render the table unless a document goes to stdout; write JSON / JUnit XML / Markdown where asked; exit
-    with the report's code. Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
+    with the report's code (it never returns: every command ends here). Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
     from cpdoctor.api import is_reporting_rank
 
     if not is_reporting_rank():

@@ -7,7 +7,7 @@ imported inside the command so that `cpdoctor --help` stays fast.
 
 import json
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -142,7 +142,7 @@ def plan(
     list_models_: Annotated[bool, typer.Option("--list", help="list the models cpdoctor can plan and exit")] = False,
     json_out: JsonPath = None,
     markdown_out: MarkdownPath = None,
-) -> None:
+) -> NoReturn:
     from cpdoctor.cli.output import check_run_options, console, emit
     from cpdoctor.errors import BadInput
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -52,7 +52,7 @@ def run(
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
     list_suites: Annotated[bool, typer.Option("--list", help="List the shipped suites and exit.")] = False,
-) -> None:
+) -> NoReturn:
     """Run a suite of examinations; checks of the same kind and world size share one launch.
     Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input (a malformed suite too), 3 cannot examine."""
     from cpdoctor import suite as suites

@@ -3,7 +3,7 @@ one process (the command face of `cpdoctor.watch_step`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -27,7 +27,7 @@ def step(
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
-) -> None:
+) -> NoReturn:
     """Run FUNCTION from the script on every rank and examine the CP training step it watches against one process.
 
     A function that takes its degrees (parameters named cp, ring, ulysses, dp, job, watch_step) runs twice: as the same job without CP (dp processes, cp = 1), then with CP (dp × ring × ulysses ranks); the final gradients of every watched step are compared parameter by parameter. Its own loss scaling, clipping, accumulation, adapters and wrappers run in both, so nothing is guessed. A function with one other parameter gets watch_step and runs once, against the step recomputed in one fp64 process from what it recorded.

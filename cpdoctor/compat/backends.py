@@ -116,7 +116,7 @@ def _call_with_spy(
             out = fn(**kwargs)
         except _Captured as cap:
             return True, cap.forward_op, cap.backward_op, None, None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a backend that fails this call in any way has no CP path we can see
             return None, None, None, first_line(exc), None
     return False, None, None, None, out
 
@@ -159,7 +159,7 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
             facts.runs_here = True
             out.float().sum().backward()
             facts.has_backward = True
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - whatever the backend raises here is the fact recorded (runs / has a backward)
             if facts.runs_here:
                 facts.has_backward = False
             facts.run_error = first_line(exc) if err is None else err
@@ -167,7 +167,7 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
     try:
         out, ctx = _try_forward_op(fwd, q, return_lse=False)
         facts.runs_here = True
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - whatever the forward op raises here is the fact recorded
         facts.run_error = first_line(exc)
         return facts
     try:
@@ -177,13 +177,13 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
         facts.returns_lse = isinstance(res, tuple) and len(res) >= 2 and res[1] is not None
         if facts.returns_lse:
             out, ctx = res[0], ring_ctx
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - whatever the op raises when asked for an LSE means it has none here
         facts.returns_lse = False
         facts.lse_error = first_line(exc)
     try:
         grads = bwd(ctx, torch.randn_like(out))
         facts.has_backward = all(g is not None for g in grads[:3])
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - whatever the backward op raises means it has no working backward here
         facts.has_backward = False
         facts.run_error = f"backward: {first_line(exc)}"
     return facts

@@ -495,9 +495,23 @@ def flash_attn_functions(forward_op: Any) -> tuple[Callable, Callable] | None:
     return (fwd, bwd) if fwd is not None and bwd is not None else None
 
 
+def flash_attn_is_standin() -> bool:
+    """Whether the `flash_attn` this process imported is cpdoctor's CPU stand-in (kernels/flash_attn_standin, put
+    first on sys.path by emulation; its `__version__` carries packages.STANDIN_MARK) rather than the real package.
+    Either way it is what diffusers' "flash" op calls here, so the fix runs the same functions; only the stand-in
+    must never be named the installed flash-attn."""
+    import sys
+
+    from cpdoctor.compat.packages import is_standin
+
+    mod = sys.modules.get("flash_attn")
+    return mod is not None and is_standin(str(getattr(mod, "__version__", "")))
+
+
 def _flash_attn_package_functions() -> tuple[Callable | None, Callable | None] | None:
     """flash-attn's own low-level forward/backward (renamed `_wrapped_*` when it registered torch custom
-    ops); None when flash-attn does not import."""
+    ops); None when flash-attn does not import. Under emulation `flash_attn` is cpdoctor's stand-in (see
+    `flash_attn_is_standin`): the functions are then the stand-in's, on purpose (diffusers calls the same)."""
     try:
         from flash_attn import flash_attn_interface as fai
     except ImportError:

@@ -13,8 +13,9 @@ Without a baseline (the backend has no local path) it is `4 × eps`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
@@ -78,32 +79,63 @@ def unsupported_finding(subject: str, unsupported: Unsupported, remedy: str | No
 S = TypeVar("S")
 
 
+class Aspect(Enum):
+    """What part of a case a rule speaks for: rules of one aspect exclude each other (the first that applies
+    speaks), rules of different aspects add up. Op level: nonfinite, forward, LSE, backward; the model adds what
+    went wrong, the mask and the op-level cross-check; the step: the cause, a per-shard loss, RNG, where."""
+
+    NONFINITE = "nonfinite"
+    FORWARD = "forward"
+    LSE = "lse"
+    BACKWARD = "backward"
+    WHAT = "what"
+    MASK = "mask"
+    OP_LEVEL = "op level"
+    CAUSE = "cause"
+    SHARD = "shard"
+    RNG = "rng"
+    WHERE = "where"
+
+
 @dataclass(frozen=True)
 class Rule(Generic[S]):
-    """One line of a diagnosis table: when `applies(signature)`, say `says(signature)` and offer `remedies`.
-    Rules of the same `aspect` (nonfinite, forward, backward, mask, ...) exclude each other: the first that
-    applies speaks for that aspect."""
+    """One line of a diagnosis table: when `applies(signature)`, say `says(signature)` and offer `remedies` (and
+    `remedy_of(signature)`, for a remedy that depends on what was seen). Rules of the same `aspect` (nonfinite,
+    forward, backward, mask, ...) exclude each other: the first that applies speaks for that aspect. `name` is
+    for people (tests, docs); code that needs to know which rule spoke holds the rule itself."""
 
-    aspect: str
+    aspect: Aspect
     name: str
     applies: Callable[[S], bool]
     says: Callable[[S], str]
     remedies: tuple[str, ...] = ()
+    remedy_of: Callable[[S], str] | None = None
 
 
-def diagnose(rules: Iterable[Rule[S]], signature: S) -> tuple[str, str, list[str]]:
-    """(diagnosis, remedy, names of the rules that spoke): the first applying rule of each aspect, in table
-    order; remedies de-duplicated by their text before any parenthesis, the first wording kept."""
-    spoken: dict[str, Rule[S]] = {}
+R = TypeVar("R", bound=Rule)
+
+
+def spoken_rules(rules: Iterable[R], signature: Any) -> list[R]:
+    """The first applying rule of each aspect, in table order."""
+    spoken: dict[Aspect, R] = {}
     for rule in rules:
         if rule.aspect not in spoken and rule.applies(signature):
             spoken[rule.aspect] = rule
-    parts = [r.says(signature) for r in spoken.values()]
-    return (
-        "; ".join(p for p in parts if p),
-        join_remedies(rem for r in spoken.values() for rem in r.remedies),
-        [r.name for r in spoken.values()],
-    )
+    return list(spoken.values())
+
+
+def diagnosis_of(spoken: Sequence[Rule[S]], signature: S) -> tuple[str, str]:
+    """(diagnosis, remedy) the rules that spoke give: their texts in order; their remedies, then those that
+    depend on the signature, de-duplicated by their text before any parenthesis, the first wording kept."""
+    parts = [r.says(signature) for r in spoken]
+    remedies = [*(rem for r in spoken for rem in r.remedies), *(r.remedy_of(signature) for r in spoken if r.remedy_of)]
+    return "; ".join(p for p in parts if p), join_remedies(remedies)
+
+
+def diagnose(rules: Iterable[Rule[S]], signature: S) -> tuple[str, str, list[Rule[S]]]:
+    """(diagnosis, remedy, the rules that spoke): see `spoken_rules` and `diagnosis_of`."""
+    spoken = spoken_rules(rules, signature)
+    return (*diagnosis_of(spoken, signature), spoken)
 
 
 def join_remedies(remedies: Iterable[str]) -> str:
@@ -237,20 +269,29 @@ def release_refusal(failures: Iterable[RankFailure]) -> ReleaseRefusal | None:
     return next((r for r in RELEASE_REFUSALS if all(r.matches(f) for f in crashed)), None)
 
 
-def crash_signature(failures: Iterable[RankFailure]) -> CrashSignature | None:
-    """The first known signature found in the messages and tracebacks of the ranks that crashed."""
+def crash_signature(failures: Iterable[RankFailure], crashes: Sequence[CrashSignature] = CRASH_SIGNATURES) -> CrashSignature | None:
+    """The first of `crashes` (by default diffusers' CP code's) found in the messages and tracebacks of the ranks
+    that crashed."""
     text = "\n".join(f"{f.message}\n{f.traceback}" for f in failures if not f.waiting)
-    return next((s for s in CRASH_SIGNATURES if s.matches(text)), None)
+    return next((s for s in crashes if s.matches(text)), None)
 
 
 def _ranks(failures: list[RankFailure]) -> str:
     return ", ".join(str(f.rank) for f in failures)
 
 
-def failure_findings(subject: str, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
-    """CRASH / HANG findings from the ranks that failed, each with that rank's traceback; a CRASH names a
-    known signature of diffusers' CP code when its traceback shows one. Ranks that all raised the installed
-    diffusers' own refusal of the layout ("... is not yet supported") are one UNSUPPORTED finding instead."""
+def failure_findings(
+    subject: str,
+    failures: list[RankFailure],
+    timeout_s: float,
+    crashes: Sequence[CrashSignature] = CRASH_SIGNATURES,
+    raised_in: str = "",
+) -> list[Finding]:
+    """CRASH / HANG findings from the ranks that failed, each with that rank's traceback; a CRASH names the
+    first of `crashes` (the known signatures of the code examined: diffusers' CP code unless told otherwise)
+    that its traceback shows. `raised_in` (" — raised in ...", where the examined code raised) follows each
+    finding's first words. Ranks that all raised the installed diffusers' own refusal of the layout ("... is not
+    yet supported") are one UNSUPPORTED finding instead."""
     crashed = [f for f in failures if f.kind is FailureKind.CRASH and not f.waiting]
     hung = [f for f in failures if f.kind is FailureKind.HANG and not f.waiting]
     waiting = [f for f in failures if f.waiting]
@@ -258,15 +299,15 @@ def failure_findings(subject: str, failures: list[RankFailure], timeout_s: float
     refusal = release_refusal(failures)
     if refusal is not None:
         first = crashed[0]
-        message = f"this diffusers refuses the layout ({refusal.name}): {first.message}"
+        message = f"this diffusers refuses the layout ({refusal.name}): {first.message}{raised_in}"
         evidence = FailureEvidence(tracebacks={f.rank: f.traceback for f in crashed}, where={f.rank: f.where for f in failures if f.where})
         return [Finding(subject, Verdict.UNSUPPORTED, message, refusal.remedy, failure=evidence)]
     if crashed:
         first, later = crashed[0], crashed[1:]
         tail = f"; then rank {_ranks(later)} failed too" if later else ""
         tail += f"; rank {_ranks(waiting)} was waiting in a collective and was stopped" if waiting else ""
-        known = crash_signature(crashed)
-        diagnosis = f"rank {first.rank} raised: {first.message}{tail}"
+        known = crash_signature(crashed, crashes)
+        diagnosis = f"rank {first.rank} raised: {first.message}{tail}{raised_in}"
         remedy = "read the traceback below"
         if known is not None:
             diagnosis += f" — {known.name}: {known.diagnosis}"
@@ -291,7 +332,7 @@ def failure_findings(subject: str, failures: list[RankFailure], timeout_s: float
             Finding(
                 subject,
                 Verdict.HANG,
-                f"rank {_ranks(hung)} {what}" + (f" ({where})" if where else "") + waits,
+                f"rank {_ranks(hung)} {what}" + (f" ({where})" if where else "") + waits + raised_in,
                 remedy,
                 failure=FailureEvidence(logs={f.rank: f.traceback for f in hung}, where={f.rank: f.where for f in failures if f.where}),
             )

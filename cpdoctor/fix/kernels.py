@@ -327,7 +327,8 @@ def select(forward_op: Callable, parallel_config: Any = None) -> BlockKernel:
             raise KernelUnavailable(
                 f"{name}: the flash-attn forward/backward functions are not available here (is flash-attn installed and importable?)"
             )
-        return FlashAttnKernel(*fns, name=f"flash-attn ({name})")
+        package = "flash-attn stand-in" if compat.flash_attn_is_standin() else "flash-attn"
+        return FlashAttnKernel(*fns, name=f"{package} ({name})")
     return BackendForwardKernel(forward_op, parallel_config)
 
 

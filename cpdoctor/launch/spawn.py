@@ -87,7 +87,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
     for p in procs:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
 
 

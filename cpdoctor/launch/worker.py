@@ -141,7 +141,7 @@ def execute_job(
 
 def _set_parent_death_signal() -> None:
     """Linux: die with the parent, so no worker outlives a killed `cpdoctor`."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, AttributeError):  # no libc.so.6 (not Linux), or no prctl in it
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -190,7 +190,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
     heartbeat.enabled = ctx.device.type == "cpu"  # a CUDA rank's host thread may spin while it waits: no proof of work
     try:
         execute_job(job, ctx, log, on_local_error=report_error, on_outcome=lambda i, o: write_atomic(outcome_path(out_dir, i), o))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - cpdoctor's own failure on a rank is reported, not left as a silent exit
         report_error(-1, _error(exc))
         return 1
     finally:

@@ -23,6 +23,8 @@ from typing import Any
 
 from cpdoctor.compat.diffusers import cp_plan
 from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.models.inputs import family_builder_key
+from cpdoctor.models.names import short_name_for
 
 # --------------------------------------------------------------------------------------------------------------
 # discovery and names
@@ -47,30 +49,6 @@ def _normalize(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def _kebab(stem: str) -> str:
-    # acronyms stay whole (LTX), digits stick to the word before them (Flux2 -> flux2, MiniMaxH3 -> mini-max-h3)
-    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z]*|[a-z]+|\d+", stem)
-    out: list[str] = []
-    for word in words:
-        if word.isdigit() and out:
-            out[-1] += word
-        else:
-            out.append(word.lower())
-    return "-".join(out)
-
-
-def _stem(class_name: str) -> str:
-    return re.sub(r"(Transformer)?(\d+D)?(Model)?$", "", class_name) or class_name
-
-
-def short_name_for(class_name: str, strip_video: bool = True) -> str:
-    """FluxTransformer2DModel -> flux, QwenImageTransformer2DModel -> qwen-image, LTXVideoTransformer3DModel -> ltx."""
-    stem = _stem(class_name)
-    if strip_video and stem.endswith("Video") and len(stem) > len("Video"):
-        stem = stem[: -len("Video")]
-    return _kebab(stem)
-
-
 def _import_models_package() -> Any:
     try:
         import diffusers.models as models
@@ -81,8 +59,6 @@ def _import_models_package() -> Any:
 
 @functools.cache
 def _scan() -> tuple[tuple[type, ModelEntry], ...]:
-    from cpdoctor.models.inputs import family_builder_key
-
     models = _import_models_package()
     from diffusers.models.modeling_utils import ModelMixin
 
@@ -217,7 +193,7 @@ def build_model(cls: type, config: Mapping[str, Any] | None = None, device: Any 
     try:
         with torch.device(device):
             model = cls.from_config(cfg)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the model's own constructor may raise anything; each is one CANNOT EXAMINE
         raise CannotExamine(f"cannot build {cls.__name__} from its config: {type(exc).__name__}: {exc}") from exc
     if dtype is not None:
         model = model.to(dtype)

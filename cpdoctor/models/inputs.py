@@ -17,7 +17,7 @@ from typing import Any
 
 from cpdoctor.compat.diffusers import cp_plan, forward_params
 from cpdoctor.errors import CannotExamine
-from cpdoctor.models.catalog import short_name_for
+from cpdoctor.models.names import short_name_for
 
 
 @dataclasses.dataclass(frozen=True)

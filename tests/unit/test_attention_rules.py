@@ -34,7 +34,7 @@ def judged(req: AttentionRequest, facts: RoutingFacts | None = None, **errors: f
 
 def spoken(req: AttentionRequest, facts: RoutingFacts | None = None, **errors: float) -> list[str]:
     tensors = {n: judge_row(r, req.dtype) for n, r in rows(req.world_size, **errors).items()}
-    return diagnose(RULES, signature(req, facts or RoutingFacts(routes_cp=True, cp_registered=None), tensors))[2]
+    return [r.name for r in diagnose(RULES, signature(req, facts or RoutingFacts(routes_cp=True, cp_registered=None), tensors))[2]]
 
 
 def test_tolerance_is_twice_the_baseline_plus_eps():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -158,6 +160,135 @@ def test_no_version_strings_in_product_code():
     pattern = re.compile(r"""__version__\s*([<>]|[!=]=)|version\.parse|["']0\.(3[6-9]|4\d)\.\d["']""")
     offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())]
     assert not offenders, offenders
+
+
+BROAD = {"Exception", "BaseException"}
+
+
+def _is_broad(node: ast.expr | None) -> bool:
+    """A bare `except:`, `Exception` / `BaseException`, or a tuple holding one of them."""
+    if node is None:
+        return True
+    if isinstance(node, ast.Tuple):
+        return any(_is_broad(e) for e in node.elts)
+    return (node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)) in BROAD
+
+
+def unexplained_broad_excepts(source: str) -> list[int]:
+    """Lines of `except Exception` / `except BaseException` / bare `except:` / `suppress(Exception)` with no
+    reason: a comment of two words or more (a `noqa` code aside) on the same line or on a comment line just above."""
+    lines = source.splitlines()
+    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+
+    def explained(line: int) -> bool:
+        above = line - 1 if line > 1 and lines[line - 2].lstrip().startswith("#") else None
+        for n in (line, above):
+            text = re.sub(r"noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?", "", comments.get(n, "") if n else "")
+            if len(re.findall(r"\w+", text)) >= 2:
+                return True
+        return False
+
+    broad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ExceptHandler) and _is_broad(node.type):
+            broad.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "suppress":
+            if any(_is_broad(a) for a in node.args):
+                broad.append(node.lineno)
+    return sorted(n for n in broad if not explained(n))
+
+
+def test_every_broad_except_says_why():
+    offenders = {str(p.relative_to(PACKAGE)): lines for p in PACKAGE.rglob("*.py") if (lines := unexplained_broad_excepts(p.read_text()))}
+    assert not offenders, f"broad excepts without a one-line reason (narrow them, or say why): {offenders}"
+
+
+def test_the_broad_except_rule_catches_an_offender():
+    planted = (
+        "import contextlib\n"
+        "try:\n    f()\nexcept Exception:  # noqa: BLE001\n    pass\n"  # 4: a noqa code is no reason
+        "try:\n    f()\nexcept (ValueError, BaseException):\n    pass\n"  # 8
+        "with contextlib.suppress(Exception):\n    f()\n"  # 10
+        "try:\n    f()\nexcept:\n    pass\n"  # 14
+        "try:\n    f()\nexcept Exception:  # noqa: BLE001 - the user's code may raise anything\n    pass\n"
+        "# broad: teardown of a broken group raises anything\nwith contextlib.suppress(Exception):\n    f()\n"
+        "try:\n    f()\nexcept ValueError:\n    pass\n"
+    )
+    assert unexplained_broad_excepts(planted) == [4, 8, 10, 14]
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level_imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The package's own modules a module imports when it is imported: its top-level statements (inside `try`
+    and `if` too, `if TYPE_CHECKING:` aside), not function bodies. `from pkg import mod` names the module."""
+    found: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                body += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            body += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+    return {m for m in found if m in modules}
+
+
+def import_cycles(root: pathlib.Path = PACKAGE) -> list[list[str]]:
+    """Circles of module-level imports among the package's modules, each as the modules around it."""
+    paths = {_module_name(p, root): p for p in root.rglob("*.py") if "flash_attn_standin" not in p.parts}
+    graph = {
+        name: _module_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name}
+        for name, path in paths.items()
+    }
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycle = trail[trail.index(node) :]
+            start = cycle.index(min(cycle))
+            if (rotated := cycle[start:] + cycle[:start]) not in cycles:
+                cycles.append(rotated)
+            return
+        if node in done:
+            return
+        for target in sorted(graph[node]):
+            visit(target, [*trail, node])
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name, [])
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "modules that import each other at module level:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_rule_catches_a_planted_cycle(tmp_path):
+    pkg = tmp_path / "cpdoctor"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "catalog.py").write_text("from cpdoctor.models.inputs import build\n")
+    (pkg / "models" / "inputs.py").write_text("from . import names\n")
+    (pkg / "models" / "names.py").write_text("import cpdoctor.models.catalog\n")
+    (pkg / "models" / "lazy.py").write_text("def f():\n    from cpdoctor.models import lazy2\n")
+    (pkg / "models" / "lazy2.py").write_text("from cpdoctor.models import lazy\n")
+    assert import_cycles(pkg) == [["cpdoctor.models.catalog", "cpdoctor.models.inputs", "cpdoctor.models.names"]]
 
 
 def test_help_imports_neither_torch_nor_diffusers():

@@ -36,7 +36,7 @@ class AttentionExamination(Examination):
         return judge.describe(request)
 
     def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
-        found = super().failure_findings(case, failures, timeout_s)
+        found = judge.JUDGE.failure_findings(self.describe(case.request), failures, timeout_s)
         if getattr(case.request, "emulate", False):
             for f in found:
                 f.emulated = judge.emulation_note(case.request.backend)

@@ -9,14 +9,15 @@ from typing import Any
 
 from cpdoctor.examinations.judging import (
     CP_BACKEND_REMEDY,
-    GRADS_FAR_WORSE,
+    CRASH_SIGNATURES,
+    Aspect,
     Rule,
-    diagnose,
     emulation_note,
     judge_rows,
     unsupported_finding,
 )
 from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.examinations.op_judge import OpJudge, OpSignature
 from cpdoctor.report import TENSOR_LABELS, Finding, JudgedRow, Verdict
 
 PATCH = "cpdoctor.patch()"
@@ -24,52 +25,23 @@ REPORT_IT = "cpdoctor.patch() if the ring is involved; otherwise report it with 
 
 
 @dataclass(frozen=True)
-class Signature:
-    """The facts of one measured case that the diagnosis rules read."""
+class Signature(OpSignature):
+    """The facts of one measured case that the diagnosis rules read: the shared ones, and the backend's."""
 
-    ring: int
-    ulysses: int
     dtype: str
     mask_pad: int
     backend: str
     routes_cp: bool | None  # False: the backend never calls the CP templates
     cp_registered: bool | None
-    bad: frozenset[str]  # tensors outside tolerance
-    errors: dict[str, float]  # rel_err per tensor
-    bad_ranks: tuple[int, ...]
-    nonfinite: int
-
-    @property
-    def world(self) -> int:
-        return self.ring * self.ulysses
 
     @property
     def layout(self) -> str:
         return "ring" if self.ulysses == 1 else ("Ulysses" if self.ring == 1 else "the ring inside unified ring × Ulysses")
 
-    @property
-    def where(self) -> str:
-        if len(self.bad_ranks) == self.world:
-            return f"on all {self.world} ranks"
-        ranks = self.bad_ranks
-        return f"only on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {self.world}"
-
-    @property
-    def grads_bad(self) -> list[str]:
-        """Gradients wrong for a reason of their own (not just following a wrong forward)."""
-        out = self.errors.get("out", 0.0)
-        return [
-            n for n in ("dq", "dk", "dv") if n in self.bad and ("out" not in self.bad or self.errors[n] > GRADS_FAR_WORSE * max(out, 1e-30))
-        ]
-
     def grads_text(self) -> tuple[str, str]:
         labels = "/".join(TENSOR_LABELS[n] for n in self.grads_bad)
         errs = ", ".join(f"{TENSOR_LABELS[n]} {self.errors[n]:.2g}" for n in self.grads_bad)
         return labels, errs
-
-    @property
-    def fwd(self) -> str:
-        return "forward exact, " if "out" not in self.bad else ""
 
 
 def _ignores_cp(s: Signature) -> str:
@@ -103,15 +75,15 @@ def _backward_other(s: Signature) -> str:
 
 RULES: tuple[Rule[Signature], ...] = (
     Rule(
-        "nonfinite",
+        Aspect.NONFINITE,
         "non-finite values",
         lambda s: s.nonfinite > 0,
         lambda s: f"{s.nonfinite} non-finite values (NaN/Inf) {s.where}",
         ("check the backend's dtype support; try --dtype fp32 to separate overflow from a CP defect",),
     ),
-    Rule("forward", "backend ignores CP", lambda s: "out" in s.bad and s.routes_cp is False, _ignores_cp, (CP_BACKEND_REMEDY,)),
+    Rule(Aspect.FORWARD, "backend ignores CP", lambda s: "out" in s.bad and s.routes_cp is False, _ignores_cp, (CP_BACKEND_REMEDY,)),
     Rule(
-        "forward",
+        Aspect.FORWARD,
         "mask not rotated",
         lambda s: "out" in s.bad and s.mask_pad > 0 and s.ring > 1,
         lambda s: (
@@ -121,21 +93,21 @@ RULES: tuple[Rule[Signature], ...] = (
         (f"{PATCH} (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"),
     ),
     Rule(
-        "forward",
+        Aspect.FORWARD,
         "forward wrong",
         lambda s: "out" in s.bad,
         lambda s: f"forward wrong {s.where} through {s.layout} (out rel err {s.errors['out']:.2g})",
         (REPORT_IT,),
     ),
     Rule(
-        "backward",
+        Aspect.BACKWARD,
         "dK/dV direction",
         lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" not in s.grads_bad and s.ring >= 3,
         _direction,
         (PATCH, "keep ring_degree ≤ 2 and scale with Ulysses"),
     ),
     Rule(
-        "backward",
+        Aspect.BACKWARD,
         "stale K/V",
         lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" in s.grads_bad and s.ring > 1,
         _stale_kv,
@@ -145,8 +117,11 @@ RULES: tuple[Rule[Signature], ...] = (
             "Ulysses-only CP",
         ),
     ),
-    Rule("backward", "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
+    Rule(Aspect.BACKWARD, "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
 )
+
+JUDGE = OpJudge(RULES, CRASH_SIGNATURES)
+"""diffusers' CP attention: the table above, and the known crash signatures of diffusers' CP code."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +158,7 @@ def diagnose_attention(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> t
     sig = signature(req, facts, tensors)
     if not sig.bad:
         return (f"out, dQ, dK and dV match the full-sequence reference on every rank within the {req.dtype} tolerance", "")
-    diagnosis, remedy, _ = diagnose(RULES, sig)
+    diagnosis, remedy = JUDGE.diagnose(sig)
     return diagnosis or f"{', '.join(sorted(sig.bad))} outside tolerance {sig.where}", remedy
 
 

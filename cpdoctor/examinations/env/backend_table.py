@@ -260,14 +260,14 @@ def probe_ops(forward_op: Callable, backward_op: Callable, device: Any, dtype_na
     with record_kernel_args() as calls:
         try:
             out, ctx = _forward(forward_op, qkvg[:3], parallel_config, probe, calls)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - what the backend's forward op raises is the fact recorded
             probe.error, probe.kernel_args = f"forward: {first_line(exc, limit=200)}", calls
             return probe
         fwd_calls = {name: list(seen) for name, seen in calls.items()}
         try:
             with torch.no_grad():
                 grads = backward_op(ctx, qkvg[3])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - what the backend's backward op raises is the fact recorded
             probe.backward_error = first_line(exc, limit=200)
     if not meta:
         if device.type == "cuda":

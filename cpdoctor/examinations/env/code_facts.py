@@ -24,6 +24,7 @@ def ring_source() -> RingSource:
     from cpdoctor.compat import diffusers as compat
 
     mod = compat.dispatch_module()
+    # broad: reading the patch state is a nicety; if it fails in any way the installed class is described
     with contextlib.suppress(Exception):
         from cpdoctor.fix import patch
 
@@ -58,7 +59,7 @@ def _local_backward_runs(name: str, device: Any, dtype_name: str) -> bool:
     try:
         with quiet(), torch.enable_grad():
             out = compat.backend_function(name)(query=q, key=q, value=q)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a backend whose local call fails in any way has no local backward here
         return False
     return bool((out[0] if isinstance(out, tuple) else out).requires_grad)
 
@@ -84,7 +85,7 @@ def dispatch_trial(rows: list[BackendRow], device: Any, dtype_name: str, config:
     try:
         with quiet():
             compat.dispatch_module().dispatch_attention_fn(q, q, q, backend=compat.backend_member(trial.tried), parallel_config=config)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - what diffusers' dispatch raises is the fact recorded
         trial.error = first_line(exc, limit=200)
     return trial
 

@@ -15,6 +15,7 @@ from typing import Any
 from cpdoctor.examinations.attention.judge import attention_finding, check_command
 from cpdoctor.examinations.judging import (
     GRADS_FAR_WORSE,
+    Aspect,
     Rule,
     diagnose,
     emulation_note,
@@ -218,15 +219,15 @@ def _plain_verdict(s: ModelSignature) -> Verdict | None:
 
 RULES: tuple[Rule[ModelSignature], ...] = (
     Rule(
-        "nonfinite",
+        Aspect.NONFINITE,
         "non-finite values",
         lambda s: bool(s.out.nonfinite or s.grads.nonfinite),
         lambda s: f"{s.out.nonfinite + s.grads.nonfinite} non-finite values (NaN/Inf)",
         ("try --dtype fp32 to separate overflow from a CP defect",),
     ),
-    Rule("what", "forward wrong", lambda s: s.out.failed, _forward_wrong),
+    Rule(Aspect.WHAT, "forward wrong", lambda s: s.out.failed, _forward_wrong),
     Rule(
-        "what",
+        Aspect.WHAT,
         "backward wrong",
         lambda s: True,
         lambda s: (
@@ -234,7 +235,7 @@ RULES: tuple[Rule[ModelSignature], ...] = (
         ),
     ),
     Rule(
-        "mask",
+        Aspect.MASK,
         "mask not rotated",
         lambda s: bool(s.req.mask_pad) and s.masked_op_fails_forward_only_with_mask,
         lambda s: (
@@ -245,26 +246,26 @@ RULES: tuple[Rule[ModelSignature], ...] = (
         MASK_REMEDIES,
     ),
     Rule(
-        "mask",
+        Aspect.MASK,
         "mask handled",
         lambda s: bool(s.req.mask_pad) and s.masked is not None and s.masked.finding is not None and not s.masked.bad_out,
         lambda s: f"the padding mask is handled at op level (`{op_check_command(s.req, mask=True)}` passes the forward)",
     ),
     Rule(
-        "mask",
+        Aspect.MASK,
         "mask unexamined",
         lambda s: bool(s.req.mask_pad) and s.req.ring > 1 and (s.masked is None or s.masked.finding is None),
         lambda s: "the text padding mask is split under ring attention: rerun without --mask-pad to see whether it is involved",
     ),
     Rule(
-        "op level",
+        Aspect.OP_LEVEL,
         "op check did not run",
         lambda s: s.plain is not None and s.plain.finding is None,
         lambda s: f"the op-level cross-check did not run ({s.plain.error}); run `{op_check_command(s.req)}`",  # type: ignore[union-attr]
     ),
-    Rule("op level", "op fails too", lambda s: _plain_verdict(s) == Verdict.FAIL, _op_fails, ()),
+    Rule(Aspect.OP_LEVEL, "op fails too", lambda s: _plain_verdict(s) == Verdict.FAIL, _op_fails, ()),
     Rule(
-        "op level",
+        Aspect.OP_LEVEL,
         "op passes: model path",
         lambda s: (
             _plain_verdict(s) == Verdict.PASS
@@ -277,7 +278,7 @@ RULES: tuple[Rule[ModelSignature], ...] = (
         ("compare the model's _cp_plan with its forward (`cpdoctor plan` lists what it splits); report it with `cpdoctor env --markdown`",),
     ),
     Rule(
-        "op level",
+        Aspect.OP_LEVEL,
         "op says otherwise",
         lambda s: _plain_verdict(s) not in (None, Verdict.PASS, Verdict.FAIL),
         lambda s: f"the op-level cross-check `{op_check_command(s.req)}` says {s.plain.finding.verdict}: {s.plain.finding.diagnosis}",  # type: ignore[union-attr]

@@ -12,7 +12,6 @@ from typing import Any
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
 from cpdoctor.examinations.base import Examination
-from cpdoctor.examinations.judging import failure_findings
 from cpdoctor.examinations.peer import judge
 from cpdoctor.examinations.peer.request import PeerRequest, build_request
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
@@ -83,20 +82,12 @@ class PeerExamination(Examination):
     def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
         """CRASH / HANG as for every examination, with the peer's own line that raised (from the traceback)."""
         req: PeerRequest = case.request
-        found = failure_findings(self.describe(req), failures, timeout_s)
         module = req.adapter.spec.module
         frames = [peer_frame(f.traceback, module) for f in failures if not f.waiting]
         frame = next((f for f in frames if f is not None), None)
-        known = judge.peer_crash(failures)
+        raised_in = f" — raised in {req.impl}'s code at {frame.location}: {frame.text}" if frame is not None else ""
+        found = judge.JUDGE.failure_findings(self.describe(req), failures, timeout_s, raised_in=raised_in)
         for finding in found:
-            judge.forget_diffusers_signature(finding)
-            if frame is not None:
-                finding.diagnosis += f" — raised in {req.impl}'s code at {frame.location}: {frame.text}"
-            if known is not None:
-                finding.diagnosis += f" — {known.name}: {known.diagnosis}"
-                finding.remedy = known.remedy
-                if finding.failure is not None:
-                    finding.failure.signature = known.name
             finding.command = judge.check_command(req)
             if req.device != "cuda":
                 finding.emulated = f"ran on CPU ranks through cpdoctor's stand-ins ({req.the_kernel.standin}) where no GPU was used"

@@ -8,18 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
-from cpdoctor.examinations.judging import (
-    CRASH_SIGNATURES,
-    GRADS_FAR_WORSE,
-    CrashSignature,
-    Rule,
-    diagnose,
-    judge_row,
-    unsupported_finding,
-)
+from cpdoctor.examinations.judging import Aspect, CrashSignature, Rule, judge_row, unsupported_finding
 from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.examinations.op_judge import OpJudge, OpSignature
 from cpdoctor.examinations.peer.request import PeerRequest
-from cpdoctor.launch.jobs import RankFailure
 from cpdoctor.peers.source import Located, SourceLine
 from cpdoctor.report import TENSOR_LABELS, Finding, JudgedRow, Verdict
 
@@ -28,41 +20,18 @@ BF16_DQ = r"(return dq\.to\(torch\.bfloat16\)[^\n]*)"
 
 
 @dataclass(frozen=True)
-class PeerSignature:
-    """The facts of one measured peer case that the rules read."""
+class PeerSignature(OpSignature):
+    """The facts of one measured peer case that the rules read: the shared ones, and the peer's own code."""
 
     impl: str
     variant: str
     dtype: str
-    ring: int
-    ulysses: int
     causal: bool
-    bad: frozenset[str]
-    errors: dict[str, float]
     tolerances: dict[str, float]
-    bad_ranks: tuple[int, ...]
-    nonfinite: int
     forward_at: Located | None = None  # the variant's forward function in the installed source
     backward_at: Located | None = None  # its backward function
     dq_cast: Located | None = None  # a `return dq.to(torch.bfloat16)` in its source
     others_without_cast: tuple[str, ...] = ()  # variants of the same peer that take this request and have no such cast
-
-    @property
-    def world(self) -> int:
-        return self.ring * self.ulysses
-
-    @property
-    def where(self) -> str:
-        if not self.bad_ranks or len(self.bad_ranks) == self.world:
-            return f"on all {self.world} ranks"
-        return f"only on rank{'s' if len(self.bad_ranks) > 1 else ''} {', '.join(map(str, self.bad_ranks))} of {self.world}"
-
-    @property
-    def grads_bad(self) -> list[str]:
-        out = self.errors.get("out", 0.0)
-        return [
-            n for n in ("dq", "dk", "dv") if n in self.bad and ("out" not in self.bad or self.errors[n] > GRADS_FAR_WORSE * max(out, 1e-30))
-        ]
 
     def errs(self, names: list[str]) -> str:
         return ", ".join(f"{TENSOR_LABELS[n]} {self.errors[n]:.2g} (tolerance {self.tolerances[n]:.2g})" for n in names)
@@ -99,32 +68,45 @@ def _lse(s: PeerSignature) -> str:
 
 
 def _backward(s: PeerSignature) -> str:
-    fwd = "forward exact, " if "out" not in s.bad else ""
-    return f"{fwd}backward wrong {s.where}: {s.errs(s.grads_bad)} in {s.impl} {s.variant}'s backward{_at(s.backward_at)}"
+    return f"{s.fwd}backward wrong {s.where}: {s.errs(s.grads_bad)} in {s.impl} {s.variant}'s backward{_at(s.backward_at)}"
 
 
 RULES: tuple[Rule[PeerSignature], ...] = (
     Rule(
-        "nonfinite",
+        Aspect.NONFINITE,
         "non-finite",
         lambda s: s.nonfinite > 0,
         lambda s: f"{s.nonfinite} NaN/Inf values in {', '.join(TENSOR_LABELS[n] for n in sorted(s.bad))}",
         (),
     ),
-    Rule("forward", "forward wrong", lambda s: "out" in s.bad, _forward, ()),
-    Rule("lse", "LSE wrong", lambda s: "lse" in s.bad and "out" not in s.bad, _lse, ()),
+    Rule(Aspect.FORWARD, "forward wrong", lambda s: "out" in s.bad, _forward, ()),
+    Rule(Aspect.LSE, "LSE wrong", lambda s: "lse" in s.bad and "out" not in s.bad, _lse, ()),
     Rule(
-        "backward",
+        Aspect.BACKWARD,
         "dQ cast to bf16",
         lambda s: s.grads_bad == ["dq"] and s.dq_cast is not None and s.dtype != "bf16",
         _dq_cast,
-        (),
+        remedy_of=_dq_cast_remedy,
     ),
-    Rule("backward", "backward wrong", lambda s: bool(s.grads_bad), _backward, ()),
+    Rule(Aspect.BACKWARD, "backward wrong", lambda s: bool(s.grads_bad), _backward, ()),
 )
-"""Peers' diagnosis table. Remedies depend on the signature, so they are added in `diagnosis` (REMEDIES)."""
+"""Peers' diagnosis table. A remedy that depends on the signature is the rule's `remedy_of`; where no rule
+offers one, the peer is told (`_report_it`)."""
 
-REMEDIES = {"dQ cast to bf16": _dq_cast_remedy}
+PEER_CRASHES: tuple[CrashSignature, ...] = (
+    CrashSignature(
+        "LSE padded to 32",
+        (r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", r"_merge|update_out_and_lse|lse"),
+        "the block kernel returned an LSE longer than its output and the peer merged it unsliced: the CUDA memory-efficient "
+        "kernel pads logsumexp to a multiple of 32 (torch/_meta_registrations.py meta__scaled_dot_product_efficient_attention: "
+        "ceil(M / 32) * 32 off ROCm), so every ring block whose length is not a multiple of 32 breaks the merge",
+        "make every block a multiple of 32 tokens (with head-tail load balancing a block is S / (2 × ranks)); or the flash or cuDNN kernel",
+    ),
+)
+"""Crash signatures of peers' code (diffusers' own, in judging.CRASH_SIGNATURES, do not apply to peers)."""
+
+JUDGE = OpJudge(RULES, PEER_CRASHES)
+"""A peer's judge: the table above, and the peers' crash signatures (never diffusers': they describe its code)."""
 
 
 def signature(req: PeerRequest, tensors: dict[str, JudgedRow]) -> PeerSignature:
@@ -161,10 +143,8 @@ def signature(req: PeerRequest, tensors: dict[str, JudgedRow]) -> PeerSignature:
 
 
 def diagnosis(sig: PeerSignature) -> tuple[str, str]:
-    text, remedy, spoken = diagnose(RULES, sig)
-    extra = [REMEDIES[name](sig) for name in spoken if name in REMEDIES]
-    remedy = "; or ".join(r for r in [*extra, remedy] if r) or _report_it(sig)
-    return text, remedy
+    text, remedy = JUDGE.diagnose(sig)
+    return text, remedy or _report_it(sig)
 
 
 def describe(req: PeerRequest) -> str:
@@ -237,33 +217,3 @@ def unsupported(req: PeerRequest, why: Unsupported) -> Finding:
         variants = [v.name for v in spec.variants if v.no_backward is None]
         remedy = f"examine {spec.impl.value} with a kernel and variant that have a backward (kernels: {', '.join(usable)}; variants: {', '.join(variants)})"
     return unsupported_finding(describe(req), why, remedy=remedy)
-
-
-PEER_CRASHES: tuple[CrashSignature, ...] = (
-    CrashSignature(
-        "LSE padded to 32",
-        (r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", r"_merge|update_out_and_lse|lse"),
-        "the block kernel returned an LSE longer than its output and the peer merged it unsliced: the CUDA memory-efficient "
-        "kernel pads logsumexp to a multiple of 32 (torch/_meta_registrations.py meta__scaled_dot_product_efficient_attention: "
-        "ceil(M / 32) * 32 off ROCm), so every ring block whose length is not a multiple of 32 breaks the merge",
-        "make every block a multiple of 32 tokens (with head-tail load balancing a block is S / (2 × ranks)); or the flash or cuDNN kernel",
-    ),
-)
-"""Crash signatures of peers' code (diffusers' own, in judging.CRASH_SIGNATURES, do not apply to peers)."""
-
-
-def peer_crash(failures: list[RankFailure]) -> CrashSignature | None:
-    text = "\n".join(f"{f.message}\n{f.traceback}" for f in failures if not f.waiting)
-    return next((s for s in PEER_CRASHES if s.matches(text)), None)
-
-
-def forget_diffusers_signature(finding: Finding) -> None:
-    """judging.failure_findings names diffusers' known crash signatures; they describe diffusers' CP code, not a
-    peer's, so a peer's finding keeps the raw message and its own signature instead."""
-    if finding.failure is None or finding.failure.signature is None:
-        return
-    known = next((s for s in CRASH_SIGNATURES if s.name == finding.failure.signature), None)
-    if known is not None:
-        finding.diagnosis = finding.diagnosis.replace(f" — {known.name}: {known.diagnosis}", "")
-        finding.remedy = "read the traceback below"
-    finding.failure.signature = None

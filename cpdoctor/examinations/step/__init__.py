@@ -151,9 +151,15 @@ EXAMINATION = StepExamination()
 
 
 def step_request(
-    target: str, *, nproc: int | None = None, ring: int | None = None, ulysses: int | None = None, dp: int | None = None,
-    device: str = "auto", reference: str = "fp64",
-) -> StepRequest:  # fmt: skip
+    target: str,
+    *,
+    nproc: int | None = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    dp: int | None = None,
+    device: str = "auto",
+    reference: str = "fp64",
+) -> StepRequest:
     """The request of `cpdoctor step`: the world is torchrun's when there is one, else dp × ring × ulysses when
     degrees are given (dp from `nproc` when only it is), else `nproc` (2 by default)."""
     from cpdoctor.errors import BadInput

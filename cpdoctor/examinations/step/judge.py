@@ -19,11 +19,10 @@ healthy job; RNG states that part while the gradients are right are a WARN (harm
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
 
-from cpdoctor.examinations.judging import EPS, join_remedies
+from cpdoctor.examinations.judging import EPS, Aspect, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.examinations.step.readings import Harmless, LossScale, harmless_factors, loss_scale, round_norm
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
@@ -427,49 +426,41 @@ def _rng_text(s: StepSignature) -> str:
 
 
 @dataclass(frozen=True)
-class StepRule:
-    """One line of the step's diagnosis: when `applies`, say `says`, offer `remedies` (and `remedy_of`'s), with
-    `verdict`. Rules of one aspect exclude each other (the first that applies speaks); `names_attention` makes
-    the finding carry the op-level `cpdoctor check` command."""
+class StepRule(Rule[StepSignature]):
+    """One line of the step's diagnosis (a judging.Rule: when `applies`, say `says`, offer `remedies` and
+    `remedy_of`'s; the first that applies of each aspect speaks), with the `verdict` it gives; `names_attention`
+    makes the finding carry the op-level `cpdoctor check` command."""
 
-    aspect: str
-    name: str
-    applies: Callable[[StepSignature], bool]
-    says: Callable[[StepSignature], str]
-    remedies: tuple[str, ...] = ()
     verdict: Verdict = Verdict.FAIL
-    remedy_of: Callable[[StepSignature], str] | None = None
     names_attention: bool = False
     decides: bool = True
     """False for a line that only adds where or why (the first bad block, the per-shard loss): it never sets the
     verdict alone."""
 
 
+# fmt: skip on this table: one rule a line reads as a table (condition, text, remedy, verdict); the formatter
+# would spread each rule over five lines and the table over sixty.
 RULES: tuple[StepRule, ...] = (
-    StepRule("cause", "non-finite gradients", lambda s: s.nonfinite > 0,
+    StepRule(Aspect.CAUSE, "non-finite gradients", lambda s: s.nonfinite > 0,
              lambda s: f"{s.nonfinite} non-finite gradient values (NaN/Inf) after the sync", ("check the loss scale and the dtype",)),
-    StepRule("cause", "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
-    StepRule("cause", "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
-    StepRule("cause", "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
-    StepRule("cause", "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
-    StepRule("cause", "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), Verdict.WARN),
-    StepRule("cause", "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), Verdict.WARN),
-    StepRule("cause", "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
-    StepRule("cause", "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), Verdict.WARN),
-    StepRule("cause", "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
-    StepRule("shard", "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
-    StepRule("rng", "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), Verdict.WARN),
-    StepRule("where", "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
+    StepRule(Aspect.CAUSE, "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
+    StepRule(Aspect.CAUSE, "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
+    StepRule(Aspect.CAUSE, "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
+    StepRule(Aspect.CAUSE, "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
+    StepRule(Aspect.CAUSE, "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
+    StepRule(Aspect.CAUSE, "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
+    StepRule(Aspect.SHARD, "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
+    StepRule(Aspect.RNG, "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.WHERE, "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
 )  # fmt: skip
 
 
 def spoken(s: StepSignature) -> list[StepRule]:
     """The first applying rule of each aspect, in table order."""
-    out: dict[str, StepRule] = {}
-    for rule in RULES:
-        if rule.aspect not in out and rule.applies(s):
-            out[rule.aspect] = rule
-    return list(out.values())
+    return spoken_rules(RULES, s)
 
 
 def verdict_of(rules: list[StepRule]) -> Verdict:
@@ -491,9 +482,13 @@ def rows(s: StepSignature) -> dict[str, JudgedRow]:
         table["out"] = JudgedRow.judged(out, tol, (), Verdict.PASS if s.n.out_rel_err <= tol else Verdict.FAIL)
     worst = max(s.n.grads, key=s.rank_error)
     grads = TensorRow(
-        s.rank_error(worst), worst.max_abs, s.nonfinite, worst_rank=worst.rank, per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads),
+        s.rank_error(worst),
+        worst.max_abs,
+        s.nonfinite,
+        worst_rank=worst.rank,
+        per_rank_rel_err=tuple(s.rank_error(g) for g in s.n.grads),
         baseline_rel_err=s.n.baseline_rel_err,
-    )  # fmt: skip
+    )
     table["grads"] = JudgedRow.judged(grads, tol, s.bad_ranks, Verdict.FAIL if s.grads_bad else Verdict.PASS)
     params = s.n.params_scaled or s.n.params
     if params:
@@ -527,7 +522,6 @@ def step_finding(n: StepNumbers, evidence: object = None) -> Finding:
     verdict = verdict_of(rules)
     if verdict is Verdict.PASS:
         return Finding(describe(n), verdict, _pass_text(s), "", rows(s), evidence=evidence)
-    diagnosis = "; ".join(t for t in (r.says(s) for r in rules) if t)
-    remedy = join_remedies([*(rem for r in rules for rem in r.remedies), *(r.remedy_of(s) for r in rules if r.remedy_of)])
+    diagnosis, remedy = diagnosis_of(rules, s)
     command = attention_command(s) if verdict is Verdict.FAIL and any(r.names_attention for r in rules) else None
     return Finding(describe(n), verdict, diagnosis, remedy, rows(s), evidence=evidence, command=command)

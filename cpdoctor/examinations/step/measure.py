@@ -297,17 +297,22 @@ def measure(
         rng_after_groups=groups_of([r.rng_after for r in records], ranks),
         out_grad_spread=spread,
         out_grad_differ=tuple(differ),
-        out_grad_own_shard=bool(differ) and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
+        out_grad_own_shard=bool(differ)
+        and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
         out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
         out_max_abs=dots(out, ref_out).max_abs if out is not None and ref_out is not None else float("nan"),
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
         own_rel_err=rel(first, own) if own is not None and dp > 1 and recomputed else None,
-        loss=loss, loss_scale=loss_scale, reference=reference, recomputed=recomputed, out_numel=out_numel,
+        loss=loss,
+        loss_scale=loss_scale,
+        reference=reference,
+        recomputed=recomputed,
+        out_numel=out_numel,
         grad_norm=float(first.norm()),
         baseline_rel_err=rel(native, own) if baselines else None,
         param_baselines=tuple(p.rel_err for p in baselines),
         **gradients,
-    )  # fmt: skip
+    )
 
 
 def gradient_relations(records: list[PeerRecord], expected: Any, names: list[str], numels: list[int]) -> dict[str, Any]:

@@ -53,11 +53,18 @@ def loss_scale(n: StepNumbers) -> LossScale:
             )
         if readings and all(r.reduction == "sum" or (r.reduction == "mean" and r.count == n.out_numel) for r in readings):
             return LossScale(1.0, "each rank's loss covers its own shard with a normaliser that does not depend on the shard")
-        return LossScale(1.0, "each rank's loss covers its own shard, normalised as one process would (if by the full token count)",
-                         LossScale(cp, "normalised by the local shard's size (then the sum over the CP ranks weighs the loss cp×)"))  # fmt: skip
+        return LossScale(
+            1.0,
+            "each rank's loss covers its own shard, normalised as one process would (if by the full token count)",
+            LossScale(cp, "normalised by the local shard's size (then the sum over the CP ranks weighs the loss cp×)"),
+        )
     if cp > 1 and readings and all(any(math.isclose(f, cp) for f in r.constants()) for r in readings):
-        return LossScale(cp, f"the loss was multiplied by {cp:g} = cp before backward (read from the autograd graph: the convention of NeMo Automodel and SimpleTuner, which the mean over the CP ranks cancels)",
-                         LossScale(1.0, f"a factor {cp:g} on the loss that has nothing to do with CP"), confident=True)  # fmt: skip
+        return LossScale(
+            cp,
+            f"the loss was multiplied by {cp:g} = cp before backward (read from the autograd graph: the convention of NeMo Automodel and SimpleTuner, which the mean over the CP ranks cancels)",
+            LossScale(1.0, f"a factor {cp:g} on the loss that has nothing to do with CP"),
+            confident=True,
+        )
     return LossScale(1.0, "")
 
 

@@ -221,9 +221,12 @@ class StepWatch:
     def _crash(self, tracebacks: dict[int, str], what: str) -> Finding:
         lines = "; ".join(f"rank {r}: {_last_line(t)}" for r, t in sorted(tracebacks.items()))
         return Finding(
-            self._subject(), Verdict.CRASH, f"{what} on rank {', '.join(map(str, sorted(tracebacks)))} ({lines})",
-            "read the traceback of that rank (in the JSON details)", failure=FailureEvidence(tracebacks=dict(tracebacks)),
-        )  # fmt: skip
+            self._subject(),
+            Verdict.CRASH,
+            f"{what} on rank {', '.join(map(str, sorted(tracebacks)))} ({lines})",
+            "read the traceback of that rank (in the JSON details)",
+            failure=FailureEvidence(tracebacks=dict(tracebacks)),
+        )
 
     def _report(self, findings: list[Finding]) -> Report:
         import torch
@@ -263,7 +266,7 @@ class StepWatch:
                     f"(rank {', '.join(str(a.rank) for a in seen if a is not None)} did): it is still inside the step, e.g. in a "
                     "collective of it that a rank which raised never joins",
                     "read the traceback of the rank that raised; otherwise make every rank run the same step",
-                )  # fmt: skip
+                )
             )
         if not findings:
             problem = self._count_problem([(a.index, a.forwards, a.backwards) for a in seen])
@@ -281,9 +284,14 @@ class StepWatch:
             return stopped
         silent = [r for r, f in zip(everyone, said) if f is None]
         if silent:
-            return [Finding(self._subject(), Verdict.HANG,
-                            f"rank {', '.join(map(str, silent))} did not say within {self.timeout_s:g} s whether it goes on",
-                            "make every rank run the same step")]  # fmt: skip
+            return [
+                Finding(
+                    self._subject(),
+                    Verdict.HANG,
+                    f"rank {', '.join(map(str, silent))} did not say within {self.timeout_s:g} s whether it goes on",
+                    "make every rank run the same step",
+                )
+            ]
         return None
 
     def _close(self, hooks: Hooks, roots: BackwardRoots, error: str | None) -> Report:
@@ -313,16 +321,32 @@ class StepWatch:
         posted = step_comm.exchange(f"cpdoctor/watch/{self.seq}/reference", ("done", failed, refused), leaders, self.timeout_s)
         refusals = [p[2] for p in posted if p is not None and p[2]]
         if refusals:
-            return self._report([Finding(self._subject(), Verdict.UNSUPPORTED, f"not examined: {refusals[0]}",
-                                         "use one of the ways that fit, named in the diagnosis", evidence=TooLarge(refusals[0]))])  # fmt: skip
+            return self._report(
+                [
+                    Finding(
+                        self._subject(),
+                        Verdict.UNSUPPORTED,
+                        f"not examined: {refusals[0]}",
+                        "use one of the ways that fit, named in the diagnosis",
+                        evidence=TooLarge(refusals[0]),
+                    )
+                ]
+            )
         crashed = {r: p[1] for r, p in zip(leaders, posted) if p is not None and p[1]}
         if crashed:
             return self._report([self._crash(crashed, f"cpdoctor's reference ({self.baseline.name}) raised")])
         late = [r for r, p in zip(leaders, posted) if p is None]
         if late:
-            return self._report([Finding(self._subject(), Verdict.HANG,
-                f"cpdoctor's reference on rank {', '.join(map(str, late))} did not finish within {self.timeout_s:g} s",
-                "give watch_step a longer timeout_s, or examine fewer blocks (`cpdoctor model --blocks N`)")])  # fmt: skip
+            return self._report(
+                [
+                    Finding(
+                        self._subject(),
+                        Verdict.HANG,
+                        f"cpdoctor's reference on rank {', '.join(map(str, late))} did not finish within {self.timeout_s:g} s",
+                        "give watch_step a longer timeout_s, or examine fewer blocks (`cpdoctor model --blocks N`)",
+                    )
+                ]
+            )
         finding = self._judge(hooks, roots, records, names, expected_mine)
         return self._report([f for f in step_comm.all_gather(finding) if f is not None])
 
@@ -341,12 +365,25 @@ class StepWatch:
             return None
         try:
             numbers = measure(
-                records, ring=self.ring, ulysses=self.ulysses, dp=n_groups, dtype=compute_dtype(self.module, [f.out_dtype for f in hooks.calls]),
-                gather_dim=compat.output_gather_dim(self.module), out=self.baseline.output(hooks), ref_out=self.baseline.ref_output,
-                expected=expected, own=own, param_names=[n for n, _ in names], param_numels=numels, loss=tuple(roots.readings),
-                loss_scale=self.loss_scale, reference=self.baseline.name, recomputed=self.baseline.needs_inputs, out_numel=hooks.calls[0].out_numel,
+                records,
+                ring=self.ring,
+                ulysses=self.ulysses,
+                dp=n_groups,
+                dtype=compute_dtype(self.module, [f.out_dtype for f in hooks.calls]),
+                gather_dim=compat.output_gather_dim(self.module),
+                out=self.baseline.output(hooks),
+                ref_out=self.baseline.ref_output,
+                expected=expected,
+                own=own,
+                param_names=[n for n, _ in names],
+                param_numels=numels,
+                loss=tuple(roots.readings),
+                loss_scale=self.loss_scale,
+                reference=self.baseline.name,
+                recomputed=self.baseline.needs_inputs,
+                out_numel=hooks.calls[0].out_numel,
                 native=getattr(self.baseline, "native", None),
-            )  # fmt: skip
+            )
             finding = step_finding(numbers)
             finding.subject = f"training step {self.index}, {finding.subject.removeprefix('training step, ')}"
             finding.evidence = _evidence(numbers, finding, self.baseline.name, getattr(self.baseline, "plan", None))
@@ -360,33 +397,52 @@ class StepWatch:
         """The run without CP fed the model other inputs than this CP group: its gradients answer another
         question, so nothing is judged (the step's data depends on the layout, not a CP defect)."""
         return Finding(
-            finding.subject, Verdict.UNSUPPORTED,
+            finding.subject,
+            Verdict.UNSUPPORTED,
             "no rank of the run without CP started from the weights and fed the model the inputs this CP group did (their "
             "fingerprints differ): the step's data or weights depend on the CP layout, so its gradients cannot be compared "
             "with one process's",
             "seed weights, noise and timesteps by the data-parallel rank (never the global rank or the world size), the "
-            "same way whatever the degrees", finding.tensors, evidence=finding.evidence,
-        )  # fmt: skip
+            "same way whatever the degrees",
+            finding.tensors,
+            evidence=finding.evidence,
+        )
 
     def _count_problem(self, counts: list[tuple[int, int, int]]) -> Finding | None:
         steps = {c[0] for c in counts}
         if len(steps) > 1:
             text = ", ".join(f"rank {r} at step {c[0]}" for r, c in enumerate(counts))
-            return Finding(self._subject(), Verdict.FAIL, f"the ranks disagree on the step count: {text}",
-                           "run the same number of steps on every rank (the same data length per rank; no rank-only steps)")  # fmt: skip
+            return Finding(
+                self._subject(),
+                Verdict.FAIL,
+                f"the ranks disagree on the step count: {text}",
+                "run the same number of steps on every rank (the same data length per rank; no rank-only steps)",
+            )
         no_fwd = [r for r, c in enumerate(counts) if c[1] == 0]
         if no_fwd:
-            return Finding(self._subject(), Verdict.UNSUPPORTED, f"the model was not called inside the watched step on rank {', '.join(map(str, no_fwd))}",
-                           "run the step's forward inside the `with cpdoctor.watch_step(model)` block")  # fmt: skip
+            return Finding(
+                self._subject(),
+                Verdict.UNSUPPORTED,
+                f"the model was not called inside the watched step on rank {', '.join(map(str, no_fwd))}",
+                "run the step's forward inside the `with cpdoctor.watch_step(model)` block",
+            )
         uneven = {c[1] for c in counts}
         if len(uneven) > 1:
             text = ", ".join(f"rank {r}: {c[1]}" for r, c in enumerate(counts))
-            return Finding(self._subject(), Verdict.FAIL, f"the ranks ran different numbers of forwards inside the watched step ({text})",
-                           "run the same micro-batches on every rank of a CP group")  # fmt: skip
+            return Finding(
+                self._subject(),
+                Verdict.FAIL,
+                f"the ranks ran different numbers of forwards inside the watched step ({text})",
+                "run the same micro-batches on every rank of a CP group",
+            )
         no_bwd = [r for r, c in enumerate(counts) if c[2] == 0]
         if no_bwd:
-            return Finding(self._subject(), Verdict.UNSUPPORTED, f"the step never called backward through the model's output on rank {', '.join(map(str, no_bwd))}: no gradient to examine",
-                           "call loss.backward() (and the gradient sync) inside the `with cpdoctor.watch_step(model)` block")  # fmt: skip
+            return Finding(
+                self._subject(),
+                Verdict.UNSUPPORTED,
+                f"the step never called backward through the model's output on rank {', '.join(map(str, no_bwd))}: no gradient to examine",
+                "call loss.backward() (and the gradient sync) inside the `with cpdoctor.watch_step(model)` block",
+            )
         return None
 
     def _grads(self) -> tuple[list[tuple[str, int]], Any, tuple[str, ...]]:
@@ -419,13 +475,24 @@ def _evidence(numbers: Any, finding: Finding, reference: str, plan: Any = None) 
     s = StepSignature(numbers)
     first = first_bad_param(s)
     return StepEvidence(
-        ranks=numbers.ranks, ring=numbers.ring, ulysses=numbers.ulysses, dp=numbers.dp,
-        inputs_differ={d.name: d.different for d in numbers.inputs_differ}, rng_after_groups=numbers.rng_after_groups,
-        out_grad_spread=numbers.out_grad_spread, peer_spread=numbers.peer_spread, cp_sum_rel_err=numbers.sum_rel_err,
-        factor=s.worst.factor, factor_residual=s.worst.residual, first_bad_param=None if first is None else first.name, reference=reference,
-        compute_dtype=numbers.dtype, forwards=max(numbers.forwards, default=1), loss_factors=tuple(f for r in numbers.loss for f in r.constants()),
+        ranks=numbers.ranks,
+        ring=numbers.ring,
+        ulysses=numbers.ulysses,
+        dp=numbers.dp,
+        inputs_differ={d.name: d.different for d in numbers.inputs_differ},
+        rng_after_groups=numbers.rng_after_groups,
+        out_grad_spread=numbers.out_grad_spread,
+        peer_spread=numbers.peer_spread,
+        cp_sum_rel_err=numbers.sum_rel_err,
+        factor=s.worst.factor,
+        factor_residual=s.worst.residual,
+        first_bad_param=None if first is None else first.name,
+        reference=reference,
+        compute_dtype=numbers.dtype,
+        forwards=max(numbers.forwards, default=1),
+        loss_factors=tuple(f for r in numbers.loss for f in r.constants()),
         reference_gib=None if plan is None else round(plan.total / 2**30, 3),
-    )  # fmt: skip
+    )
 
 
 def watch_step(
