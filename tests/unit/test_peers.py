@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -59,27 +60,34 @@ def test_head_tail_is_torchs_load_balancer():
         assert ours == order
 
 
-def _yunchang_stripe(value, rank, world_size, rd):
-    """yunchang/comm/extract_local.py stripe_extract_local, without its process-group asserts."""
-    b, s = value.shape[:2]
-    value = value.reshape(b, s // rd, rd, -1).transpose(1, 2).reshape(b, s, -1)
-    return value.chunk(world_size, dim=1)[rank]
+@needs_yunchang
+@pytest.mark.parametrize(("ring", "ulysses"), [(2, 1), (2, 2), (4, 1), (1, 2), (3, 2)])
+def test_stripe_and_zigzag_match_yunchangs_extract_functions(monkeypatch, ring, ulysses):
+    """Every yunchang variant's layout against yunchang's own `EXTRACT_FUNC_DICT` function, fed the process
+    groups its own `set_seq_parallel_pg` builds (torch.distributed answered by the rank lists: no processes)."""
+    import yunchang.comm.extract_local as extract
+    from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
 
+    from cpdoctor.peers.yunchang import SPEC
 
-def _yunchang_zigzag(value, r_rank, u_rank, rd, ud):
-    """yunchang/comm/extract_local.py zigzag_extract_local, its ring/Ulysses ranks given."""
-    chunks = value.chunk(2 * rd, dim=1)
-    return torch.cat([chunks[r_rank], chunks[2 * rd - r_rank - 1]], dim=1).chunk(ud, dim=1)[u_rank]
-
-
-@pytest.mark.parametrize(("ring", "ulysses"), [(2, 1), (2, 2), (4, 1), (1, 2)])
-def test_stripe_and_zigzag_match_yunchangs_extract_functions(ring, ulysses):
     seq, world = 48, ring * ulysses
+    monkeypatch.setattr(torch.distributed, "new_group", tuple)  # a group is its rank list
+    for name in ("RING_PG", "ULYSSES_PG"):
+        monkeypatch.setattr(PROCESS_GROUP, name, None)
     tokens = torch.arange(seq).view(1, seq, 1)
+    checked = set()
     for rank in range(world):
-        assert _yunchang_stripe(tokens, rank, world, ring).flatten().tolist() == token_indices(Layout.STRIPE, seq, ring, ulysses, rank)
-        r, u = divmod(rank, ulysses)
-        assert _yunchang_zigzag(tokens, r, u, ring, ulysses).flatten().tolist() == token_indices(Layout.ZIGZAG, seq, ring, ulysses, rank)
+        set_seq_parallel_pg(ulysses, ring, rank, world)
+        fake_dist = types.SimpleNamespace(
+            get_rank=lambda group=None, rank=rank: group.index(rank),
+            get_world_size=lambda group=None: len(group),
+        )
+        monkeypatch.setattr(extract, "dist", fake_dist)
+        for variant in SPEC.variants:
+            held = extract.EXTRACT_FUNC_DICT[variant.name](tokens, rank, world, ring, ulysses)
+            assert held.flatten().tolist() == token_indices(variant.layout, seq, ring, ulysses, rank), (variant.name, rank)
+            checked.add(variant.layout)
+    assert checked == {Layout.CONTIGUOUS, Layout.ZIGZAG, Layout.STRIPE}
 
 
 def test_varlen_lengths_are_uneven_and_sum_to_the_total():
