@@ -13,25 +13,44 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 ENV = "CPDOCTOR_PATCH"
 
-report = None
-"""The PatchReport of the patch applied at import, or None."""
+
+class AutoPatch:
+    """The patch this import hook applied. Lifetime: one instance, `AUTOPATCH`, created and run at this module's
+    first import (Python imports a module once per process, so the hook runs once); `run` reads the environment,
+    patches or not, and keeps the PatchReport (or None: not asked, or it failed). A second `run` (a test) does
+    the same again; what the patch itself put aside is `cpdoctor.fix.patch.STATE`'s, not this object's."""
+
+    def __init__(self) -> None:
+        self.report: Any = None
+        """The PatchReport of the patch applied at import, or None."""
+
+    def run(self, environ: Mapping[str, str] = os.environ) -> None:
+        self.report = None
+        value = environ.get(ENV, "").strip().lower()
+        if value not in ("1", "force"):
+            return
+        try:
+            from cpdoctor.fix import patch
+
+            self.report = patch.apply(force=value == "force")
+            print(self.report.summary(), file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - an import-time hook must not take the training script down
+            print(f"cpdoctor: {ENV}={value} but diffusers' CP attention was NOT patched: {exc}", file=sys.stderr)
 
 
-def _run() -> None:
-    global report
-    value = os.environ.get(ENV, "").strip().lower()
-    if value not in ("1", "force"):
-        return
-    try:
-        from cpdoctor.fix import patch
-
-        report = patch.apply(force=value == "force")
-        print(report.summary(), file=sys.stderr)
-    except Exception as exc:  # noqa: BLE001 - an import-time hook must not take the training script down
-        print(f"cpdoctor: {ENV}={value} but diffusers' CP attention was NOT patched: {exc}", file=sys.stderr)
+AUTOPATCH = AutoPatch()
 
 
-_run()
+def __getattr__(name: str) -> Any:
+    """`cpdoctor.autopatch.report`: the PatchReport of the patch applied at import, or None (read from AUTOPATCH)."""
+    if name == "report":
+        return AUTOPATCH.report
+    raise AttributeError(f"module 'cpdoctor.autopatch' has no attribute {name!r}")
+
+
+AUTOPATCH.run()

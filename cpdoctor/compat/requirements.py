@@ -14,7 +14,6 @@ and the ranks find out by trying, as before.
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -22,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
+from cpdoctor.memo import Memo
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,17 @@ def parse_requirements(source: str) -> dict[str, Requirement]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
+READ: Memo[dict[str, Requirement]] = Memo("backend -> the package diffusers' own check asks for")
+"""`installed_requirements`' memo. Lifetime: the process's (the installed diffusers' source does not change
+under it); cleared by tests only."""
+
+
 def installed_requirements() -> dict[str, Requirement]:
+    """What the installed diffusers requires per backend (read once per process; {} when it cannot be read)."""
+    return READ.get((), _read_requirements)
+
+
+def _read_requirements() -> dict[str, Requirement]:
     source = _dispatch_source()
     if source is None:
         return {}

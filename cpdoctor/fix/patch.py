@@ -12,9 +12,10 @@ whole revert:
 A ring class that does not look like the one the fix was written against (missing, another `forward`
 signature, nobody looking it up by name) is refused with `PatchRefused` unless `force=True`; a Ulysses class
 like that is left in place, `force` or not, and the report says why (`skipped`). The fixed Ulysses calls the
-original class wherever it has no fused kernel to run (`UlyssesAttention.original`). `dkv` names how the fixed ring's backward delivers
-dK/dV (`cpdoctor.fix.ring.DkvStrategy`); "ring" is the one strategy left (the reduce-scatter was measured and
-dropped, see ring.py), kept as a parameter so callers that name it keep working.
+original class wherever it has no fused kernel to run (`UlyssesAttention.original`, read from `STATE`).
+
+What the patch put aside lives in one owner, `STATE` (a `PatchState`): the originals to put back and the report
+of the apply that replaced them.
 
     from cpdoctor.fix import patch
     report = patch.apply()          # idempotent
@@ -73,9 +74,29 @@ class PatchReport:
         return f"cpdoctor: {state}replaced {names} with cpdoctor's fixed CP attention (diffusers {self.diffusers}){forced}{kept}"
 
 
-_originals: dict[tuple[str, str], Any] = {}
-"""(module name, attribute) -> the object the patch replaced; empty when not patched."""
-_last_report: PatchReport | None = None
+class PatchState:
+    """What the patch put aside in this process. Lifetime: one instance, `STATE`, created at this module's import;
+    entered by the `apply` that replaces diffusers' globals (it records the originals and that apply's report); an
+    `apply` while patched keeps it as it is; `revert` puts the originals back and empties it, so nothing survives a
+    revert and the next `apply` starts from diffusers' own classes again. diffusers' module global is the truth
+    for "patched?" (`is_patched`); this only knows what to put back."""
+
+    def __init__(self) -> None:
+        self.originals: dict[tuple[str, str], Any] = {}
+        """(module name, attribute) -> the object the patch replaced (None: the attribute was absent)."""
+        self.report: PatchReport | None = None
+        """The report of the apply that replaced the globals; None when not patched."""
+
+    def original(self, attribute: str) -> Any:
+        """The object the patch replaced under `attribute` (in whichever module), or None."""
+        return next((obj for (_, name), obj in self.originals.items() if name == attribute), None)
+
+    def clear(self) -> None:
+        self.originals.clear()
+        self.report = None
+
+
+STATE = PatchState()
 
 
 def _replacement() -> Any:
@@ -88,16 +109,6 @@ def _ulysses_replacement() -> Any:
     from cpdoctor.fix.ulysses import UlyssesAttention
 
     return UlyssesAttention
-
-
-def _dkv_strategy(dkv: str) -> Any:
-    """`dkv` as a `DkvStrategy`, or BadInput (exit code 2) naming the valid ones."""
-    from cpdoctor.fix.ring import DkvStrategy
-
-    try:
-        return DkvStrategy(dkv)
-    except ValueError as exc:
-        raise BadInput(f"unknown dK/dV strategy {dkv!r}: use one of {', '.join(s.value for s in DkvStrategy)}") from exc
 
 
 def _qualname(obj: Any) -> str:
@@ -113,12 +124,9 @@ def is_patched() -> bool:
     return getattr(mod, compat.RING_CLASS, None) is _replacement()
 
 
-def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
+def apply(force: bool = False) -> PatchReport:
     """Replace diffusers' ring and Ulysses templates with the fixed ones (idempotent). Raises PatchRefused for a ring it
-    does not recognise unless `force`, and when diffusers or its CP support is missing (force or not).
-    `dkv`: the fixed ring's dK/dV strategy ("ring", the only one; BadInput otherwise)."""
-    global _last_report
-    _dkv_strategy(dkv)
+    does not recognise unless `force`, and when diffusers or its CP support is missing (force or not)."""
     try:
         mod = compat.dispatch_module()
     except (BadInput, CannotExamine) as exc:
@@ -127,7 +135,7 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     report = PatchReport(diffusers=compat.diffusers_version(), callers=compat.callers_of_ring(mod))
     current = getattr(mod, compat.RING_CLASS, None)
     if current is replacement:
-        previous = _last_report
+        previous = STATE.report
         report.already_patched = True
         if previous is not None:
             report.replaced, report.forced, report.problem = previous.replaced, previous.forced, previous.problem
@@ -146,7 +154,7 @@ def apply(force: bool = False, dkv: str = "ring") -> PatchReport:
     report.reasons = _reasons(report)
     _replace(mod, compat.RING_CLASS, replacement, report)
     _replace_ulysses(mod, report)
-    _last_report = report
+    STATE.report = report
     return report
 
 
@@ -156,8 +164,8 @@ def _replace(mod: Any, name: str, replacement: Any, report: PatchReport) -> None
     key = (mod.__name__, name)
     current = getattr(mod, name, None)
     if current is not replacement:
-        _originals[key] = current
-    original = _originals.get(key)
+        STATE.originals[key] = current
+    original = STATE.originals.get(key)
     setattr(mod, name, replacement)
     report.replaced.append(
         Replacement(mod.__name__, name, _qualname(original) if original is not None else "(absent)", _qualname(replacement))
@@ -175,7 +183,6 @@ def _replace_ulysses(mod: Any, report: PatchReport) -> None:
         if problem:
             report.skipped.append(f"{compat.ULYSSES_CLASS} ({problem})")
             return
-        replacement.original = current
         if compat.backward_calls_backend_op(current):
             report.reasons.append(
                 "its Ulysses backward runs the backend's own backward op, so that op's defects (0.39.0's _native_flash and "
@@ -202,42 +209,38 @@ def _reasons(report: PatchReport) -> list[str]:
 
 def revert() -> bool:
     """Put the original objects back (identity). Returns True when something was restored."""
-    global _last_report
-    if not _originals:
+    if not STATE.originals:
         return False
     import importlib
 
-    for (module_name, attr), original in list(_originals.items()):
+    for (module_name, attr), original in list(STATE.originals.items()):
         mod = importlib.import_module(module_name)
         if original is None:
             with contextlib.suppress(AttributeError):
                 delattr(mod, attr)
         else:
             setattr(mod, attr, original)
-        del _originals[(module_name, attr)]
-    _last_report = None
-    _ulysses_replacement().original = None
+    STATE.clear()
     return True
 
 
-def set_patched(flag: bool, dkv: str | None = None) -> None:
-    """Patched or not, whatever the state was (used by the probes; idempotent). `dkv`: the dK/dV strategy
-    when patched (None: the default, "ring", the only one)."""
+def set_patched(flag: bool) -> None:
+    """Patched or not, whatever the state was (used by the probes; idempotent)."""
     if flag:
-        apply(dkv=dkv or "ring")
+        apply()
     else:
         revert()
 
 
 def last_report() -> PatchReport | None:
-    return _last_report
+    return STATE.report
 
 
 @contextlib.contextmanager
-def patched(force: bool = False, dkv: str = "ring") -> Iterator[PatchReport]:
+def patched(force: bool = False) -> Iterator[PatchReport]:
     """The fix in place for the duration of the block; the previous state afterwards."""
     was = is_patched()
-    report = apply(force=force, dkv=dkv)
+    report = apply(force=force)
     try:
         yield report
     finally:

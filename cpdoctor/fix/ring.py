@@ -40,7 +40,6 @@ backward would need its own RNG state); causal and GQA are refused by diffusers 
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -51,15 +50,6 @@ import torch.nn.functional as F
 from cpdoctor.compat import diffusers as compat
 from cpdoctor.fix import kernels
 from cpdoctor.fix.comm import GroupComm, all_gather_last
-
-
-class DkvStrategy(str, enum.Enum):
-    """How each KV chunk's dK/dV reach the rank that owns the chunk: one strategy is left (the module
-    docstring says why the reduce-scatter went); `cpdoctor.fix.patch.apply(dkv=...)` still names it."""
-
-    RING = "ring"
-    """One accumulator per chunk travels to rank r−1 after every step, then one final hop."""
-
 
 # ----------------------------------------------------------------------------------------------------------
 # What travels: K, V and the key mask of a chunk packed in one buffer

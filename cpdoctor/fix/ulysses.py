@@ -15,7 +15,7 @@ block, computed by the backend's fused kernel with explicit q, k, v, out and LSE
 
 When it steps aside. For a backend without a fused block kernel (`native`, `_native_math`, anything
 unknown) the fix's block would be exact fp32 math, O(S²) memory at the full sequence length: there the
-original class runs, untouched (`UlyssesAttention.original`, set by patch.py). Attention dropout also goes
+original class runs, untouched (`UlyssesAttention.original`, the class patch.py put aside). Attention dropout also goes
 to the original (a block recomputed in backward would need its forward's RNG state), and so does a fused
 kernel that cannot be found here (`KernelUnavailable`).
 """
@@ -101,11 +101,22 @@ class _FixedUlysses(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+class _PutAside:
+    """`UlyssesAttention.original`: read from the patch's own state (`cpdoctor.fix.patch.STATE`), so the class
+    holds no state of its own and a revert leaves nothing behind."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        from cpdoctor.compat.diffusers import ULYSSES_CLASS
+        from cpdoctor.fix.patch import STATE
+
+        return STATE.original(ULYSSES_CLASS)
+
+
 class UlyssesAttention:
     """cpdoctor's Ulysses attention with diffusers' `TemplatedUlyssesAttention.apply` signature."""
 
-    original: Any = None
-    """The class this one replaced (patch.py sets it): it runs wherever the fix has no fused kernel."""
+    original = _PutAside()
+    """The class this one replaced (None when the patch is not applied): it runs wherever the fix has no fused kernel."""
 
     @classmethod
     def apply(

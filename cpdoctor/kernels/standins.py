@@ -579,38 +579,58 @@ ATEN_OPS = {
 }
 """aten op -> its CPU stand-in."""
 
-_LIBRARY: Any = None
+
+class StandinLibrary:
+    """The aten stand-ins registered with torch's dispatcher in this process. Lifetime: one instance, `LIBRARY`,
+    created at this module's import, holding nothing; `install` registers the stand-ins once (a second install
+    is a no-op returning the same ops); `uninstall` destroys the registration, after which the CUDA-only ops are
+    missing on CPU again and the next `install` registers them afresh. Nothing survives an uninstall."""
+
+    def __init__(self) -> None:
+        self.library: Any = None
+        """The `torch.library.Library` holding the registrations, or None."""
+        self.ops: list[str] = []
+        """The aten ops registered (an op that already had a CPU kernel in this torch is left alone)."""
+
+    @property
+    def installed(self) -> bool:
+        return self.library is not None
+
+    def install(self) -> list[str]:
+        if self.library is None:
+            lib = torch.library.Library("aten", "IMPL")
+            done = []
+            for name, fn in ATEN_OPS.items():
+                packet = getattr(torch.ops.aten, name, None)
+                if packet is None or torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), "CPU"):
+                    continue
+                lib.impl(name, fn, "CPU")
+                done.append(name)
+            self.library, self.ops = lib, done
+        return list(self.ops)
+
+    def uninstall(self) -> None:
+        if self.library is not None:
+            self.library._destroy()
+            self.library, self.ops = None, []
+
+
+LIBRARY = StandinLibrary()
 
 
 def installed() -> bool:
-    return _LIBRARY is not None
+    return LIBRARY.installed
 
 
 def install() -> list[str]:
     """Register every aten stand-in for the CPU dispatch key (idempotent); returns the ops registered. An op
     that already has a CPU kernel in this torch is left alone."""
-    global _LIBRARY
-    if _LIBRARY is not None:
-        return list(_LIBRARY._cpdoctor_ops)
-    lib = torch.library.Library("aten", "IMPL")
-    done = []
-    for name, fn in ATEN_OPS.items():
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None or torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), "CPU"):
-            continue
-        lib.impl(name, fn, "CPU")
-        done.append(name)
-    lib._cpdoctor_ops = done
-    _LIBRARY = lib
-    return done
+    return LIBRARY.install()
 
 
 def uninstall() -> None:
     """Remove the registrations (the CUDA-only ops are again missing on CPU)."""
-    global _LIBRARY
-    if _LIBRARY is not None:
-        _LIBRARY._destroy()
-        _LIBRARY = None
+    LIBRARY.uninstall()
 
 
 def flash_attn_path() -> str:

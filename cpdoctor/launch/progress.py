@@ -123,26 +123,35 @@ def read_text(path: str) -> str | None:
 # Ticks from inside an examination: the rank's active log (set by the worker), no-op when there is none
 # ----------------------------------------------------------------------------------------------------------
 
-_active: StepLog | None = None
+
+class ActiveLog:
+    """The step log `tick` writes to in this process. Lifetime: set once per rank by the worker (`activate`)
+    before its first case, kept for the rank's life; None in every other process (the parent, a training
+    script), where `tick` is a no-op."""
+
+    def __init__(self) -> None:
+        self.log: StepLog | None = None
+
+
+ACTIVE = ActiveLog()
 
 
 def activate(log: StepLog | None) -> None:
     """Make `log` the one `tick` writes to (the worker does, once per rank)."""
-    global _active
-    _active = log
+    ACTIVE.log = log
 
 
 def tick(doing: str | None = None) -> None:
     """This rank is still computing (`doing`: what, for the report of a hang). Cheap; never a collective."""
-    if _active is not None:
-        _active.tick(doing)
+    if ACTIVE.log is not None:
+        ACTIVE.log.tick(doing)
 
 
 @contextlib.contextmanager
 def ticking(model: Any, what: str) -> Iterator[None]:
     """Tick at every module call of `model`, forward and backward, as `what: <block>` (the module's first two
     name segments, e.g. `transformer_blocks.3`): a long forward/backward moves layer by layer."""
-    if _active is None:
+    if ACTIVE.log is None:
         yield
         return
     handles = []

@@ -26,8 +26,38 @@ def is_reporting_rank() -> bool:
     return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
-_hold_group = False
-_held: DistContext | None = None
+class HeldGroup:
+    """The process group the CLI keeps under torchrun until every rank leaves together. Lifetime: one instance,
+    `HELD`, created at this module's import; armed by `hold_group_until_exit` (the CLI, before its command runs);
+    the first job that creates the group hands it over (`keep`) instead of destroying it; `leave_together` uses it
+    and ends the process. `release` (a test, or anything that must go on in this process) destroys the held group
+    and disarms: nothing survives it, and the next job creates its group afresh."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        """Keep the group the next job creates (set by the CLI under torchrun)."""
+        self.context: DistContext | None = None
+        """The kept group's context, or None."""
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def keep(self, ctx: DistContext) -> bool:
+        """Take `ctx` instead of its job closing it: only when armed, only a group the job created (a training
+        script's own group is never ours to keep), and only the first (later jobs join the kept one)."""
+        if not (self.armed and ctx.owns_group and self.context is None):
+            return False
+        self.context = ctx
+        return True
+
+    def release(self) -> None:
+        """Destroy the held group (if any) and disarm."""
+        ctx, self.context, self.armed = self.context, None, False
+        if ctx is not None:
+            ctx.close()
+
+
+HELD = HeldGroup()
 
 EXIT_DELAY_S = 0.5
 """Every rank exits at rank 0's clock time now + this: after the broadcast every rank is awake, and sleeping
@@ -39,8 +69,7 @@ def hold_group_until_exit() -> None:
     """The CLI under torchrun: keep the process group this rank created until `leave_together`, so that every
     rank leaves at the same moment with the same exit code (torchrun kills the others as soon as one rank
     exits non-zero, and reports a 40-line ChildFailedError of SIGTERMs)."""
-    global _hold_group
-    _hold_group = True
+    HELD.arm()
 
 
 def leave_together(code: int) -> None:
@@ -48,7 +77,8 @@ def leave_together(code: int) -> None:
     held group this is a plain exit."""
     import sys
 
-    if _held is None:
+    held = HELD.context
+    if held is None:
         sys.exit(code)
     import contextlib
     import time
@@ -57,7 +87,7 @@ def leave_together(code: int) -> None:
     sys.stderr.flush()
     deadline = time.time() + EXIT_DELAY_S
     with contextlib.suppress(Exception):  # one moment for all: rank 0's clock (one node shares it)
-        deadline = _held.broadcast_from_root(deadline)
+        deadline = held.broadcast_from_root(deadline)
     time.sleep(max(0.0, min(EXIT_DELAY_S * 4, deadline - time.time())))
     os._exit(code)
 
@@ -69,7 +99,6 @@ def _lost_peer(outcomes: list[CaseOutcome]) -> bool:
 def run_in_this_process(job: Job) -> LaunchResult:
     """Run the job as this rank. Cases after a failed one that every rank reported still run; a case whose
     collective timed out ends the job (nobody can relaunch under torchrun), and the rest are left out."""
-    global _held
     start = time.monotonic()
     ctx = DistContext.join(job.timeout_s, job.device)
     peer_lost = False
@@ -84,9 +113,7 @@ def run_in_this_process(job: Job) -> LaunchResult:
                 peer_lost = True
                 return LaunchResult([CaseOutcome(job.cases[0], failures=[failure])], wall_s=time.monotonic() - start, launches=1)
     finally:
-        if _hold_group and ctx.owns_group and not peer_lost:
-            _held = ctx
-        else:
+        if peer_lost or not HELD.keep(ctx):
             ctx.close(sync=not peer_lost)
     result = LaunchResult(list(outcomes or []), wall_s=time.monotonic() - start, launches=1)
     refused = next((o.refusal for o in result.outcomes if o.refusal is not None), None)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import inspect
 import json
 import os
@@ -23,6 +22,7 @@ from typing import Any
 
 from cpdoctor.compat.diffusers import cp_plan
 from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.memo import Memo
 from cpdoctor.models.inputs import family_builder_key
 from cpdoctor.models.names import short_name_for
 
@@ -57,8 +57,16 @@ def _import_models_package() -> Any:
     return models
 
 
-@functools.cache
+SCANNED: Memo[tuple[tuple[type, ModelEntry], ...]] = Memo("the diffusers model classes with a _cp_plan, and their entries")
+"""`_scan`'s memo. Lifetime: the process's (the imported diffusers does not change under it); cleared by tests only."""
+
+
 def _scan() -> tuple[tuple[type, ModelEntry], ...]:
+    """Every diffusers model class with a `_cp_plan`, with its entry (scanned once per process)."""
+    return SCANNED.get((), _scan_models)
+
+
+def _scan_models() -> tuple[tuple[type, ModelEntry], ...]:
     models = _import_models_package()
     from diffusers.models.modeling_utils import ModelMixin
 

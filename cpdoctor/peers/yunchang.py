@@ -12,8 +12,10 @@ strided), then `LongContextAttention(ring_impl_type=..., attn_type=AttnType...)(
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from cpdoctor.memo import Memo
 from cpdoctor.peers.base import Adapter, Impl, Kernel, PeerOutputs, PeerSpec, RunShape, Variant
 from cpdoctor.peers.layouts import Layout
 from cpdoctor.peers.source import SourceLine
@@ -73,9 +75,27 @@ SPEC = PeerSpec(
     has_ulysses=True,
 )
 
-_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
-"""(ring, ulysses) -> yunchang's (Ulysses, ring) groups, made once per process: its set_seq_parallel_pg makes
-new groups on every call."""
+
+class YunchangGroups:
+    """yunchang's (Ulysses, ring) process groups per (ring, ulysses), made once per world: its set_seq_parallel_pg
+    makes new groups on every call (a collective every rank must join alike). Lifetime: one instance, `GROUPS`,
+    created empty at this module's import; filled on a layout's first run; emptied when the default process
+    group is no longer the one they were made in (a later job's new world), so no group of a destroyed world
+    is handed to yunchang."""
+
+    def __init__(self) -> None:
+        self.world: Any = None
+        """The default process group the kept groups belong to."""
+        self.made: Memo[tuple[Any, Any]] = Memo("(ring, ulysses) -> yunchang's (Ulysses, ring) process groups")
+
+    def get(self, world: Any, ring: int, ulysses: int, make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        if world is not self.world:
+            self.made.clear()
+            self.world = world
+        return self.made.get((ring, ulysses), make)
+
+
+GROUPS = YunchangGroups()
 
 
 class Yunchang(Adapter):
@@ -93,17 +113,18 @@ class Yunchang(Adapter):
         return None
 
     def run(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, mesh: Any = None, extra: Any = None) -> PeerOutputs:
+        import torch.distributed as dist
         from yunchang import LongContextAttention
         from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
         from yunchang.kernels import AttnType
 
         from cpdoctor.peers.shims import self_send_shim, self_sends_as_copies
 
-        key = (shape.ring, shape.ulysses)
-        if key not in _GROUPS:
+        def make() -> tuple[Any, Any]:
             set_seq_parallel_pg(shape.ulysses, shape.ring, shape.rank, shape.world)
-            _GROUPS[key] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
-        PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _GROUPS[key]
+            return PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG
+
+        PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = GROUPS.get(dist.group.WORLD, shape.ring, shape.ulysses, make)
         attn = LongContextAttention(ring_impl_type=shape.variant, attn_type=AttnType.from_string(shape.kernel))
         q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         with self_sends_as_copies() as copies:

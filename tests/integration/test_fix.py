@@ -296,18 +296,6 @@ def test_apply_revert_identity_and_idempotence(clean_patch):
     assert mod.TemplatedRingAttention is original
 
 
-def test_dkv_names_the_one_strategy(clean_patch):
-    """`dkv="ring"` is accepted (callers that name it keep working); the dropped reduce-scatter is bad input."""
-    from cpdoctor.errors import BadInput
-
-    patch = clean_patch
-    assert patch.apply(dkv="ring").replaced and patch.is_patched()
-    patch.revert()
-    with pytest.raises(BadInput, match="unknown dK/dV strategy 'reduce_scatter'"):
-        patch.apply(dkv="reduce_scatter")
-    assert not patch.is_patched()
-
-
 def test_refuses_unrecognised_ring(clean_patch, monkeypatch):
     from cpdoctor.compat import diffusers as compat
 

@@ -373,3 +373,194 @@ def test_the_layering_rule_catches_an_offender(tmp_path):
         "launch/worker.py:2 imports cpdoctor.examinations",
         "launch/worker.py:3 imports cpdoctor.fix",
     ]
+
+
+# ------------------------------------------------------------------------------------------ state owners
+
+CONTAINER_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "bytearray"}
+MUTATORS = {
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
+    "appendleft", "extendleft", "popleft", "sort", "reverse", "difference_update", "intersection_update",
+    "symmetric_difference_update",
+}  # fmt: skip
+CACHE_DECORATORS = {"cache", "lru_cache"}
+
+STATE_OWNERS = {
+    "fix/patch.py": "STATE",
+    "launch/torchrun.py": "HELD",
+    "launch/progress.py": "ACTIVE",
+    "kernels/standins.py": "LIBRARY",
+    "examinations/step/watch.py": "WATCHED",
+    "autopatch.py": "AUTOPATCH",
+    "peers/yunchang.py": "GROUPS",
+    "examinations/model/spec.py": "SURVEYS",
+    "models/catalog.py": "SCANNED",
+    "compat/requirements.py": "READ",
+}
+"""The owners of cpdoctor's process-wide state (module -> its module-level owner instance), each listed with its
+lifetime in docs/ARCHITECTURE.md. State lives inside them (their own methods change it), nowhere else."""
+
+ALLOWED_STATE: dict[str, dict[str, str]] = {}
+"""module -> {what the state rule reports there (without its line, e.g. "global _x"): why it is allowed}. Empty:
+every piece of state has its owner (STATE_OWNERS)."""
+
+
+def _is_mutable_value(value: ast.expr) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+        return True
+    func = value.func if isinstance(value, ast.Call) else None
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    return name in CONTAINER_CALLS
+
+
+def _locally_bound(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> set[str]:
+    """Names a function binds itself (its parameters, assignments, loops, imports): they shadow module names."""
+    args = fn.args
+    bound = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+    bound |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+    body = fn.body if isinstance(fn.body, list) else [fn.body]
+    for node in (n for stmt in body for n in ast.walk(stmt)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+    return bound
+
+
+def module_state_offences(source: str) -> list[str]:
+    """Process-wide state held outside an owner object, as `line: what`: a `global` statement; a module-level
+    dict/list/set (display, comprehension or constructor) that the module changes (item assignment or `del`,
+    a mutating method, an attribute set on it); `functools.cache` / `lru_cache` on a function (a cache no one
+    owns); a class attribute set through `cls.` or the class's name (class-level state). Constant tables (never
+    changed) and owner instances (changed only by their own methods, through `self`) are what is left."""
+    tree = ast.parse(source)
+    found: list[str] = []
+    tables = {
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _is_mutable_value(node.value)
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+    def scan(node: ast.AST, shadowed: set[str], cls_name: str | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            first = node.args.args[0].arg if node.args.args else None
+            for deco in getattr(node, "decorator_list", []):
+                target = deco.func if isinstance(deco, ast.Call) else deco
+                name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)
+                if name in CACHE_DECORATORS:
+                    found.append(f"{node.lineno}: @{name} on {node.name}")
+            inner = shadowed | _locally_bound(node)
+            body = node.body if isinstance(node.body, list) else [node.body]
+            for child in body:
+                scan(child, inner, first if first == "cls" else None)
+            return
+        if isinstance(node, ast.Global):
+            found.append(f"{node.lineno}: global {', '.join(node.names)}")
+        live = tables - shadowed
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in (e for target in targets for e in ast.walk(target)):
+            if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name) and isinstance(t.ctx, (ast.Store, ast.Del)):
+                base = t.value.id
+                if base in live:
+                    found.append(f"{node.lineno}: {base} changed")
+                elif isinstance(t, ast.Attribute) and (base == cls_name or (base in classes and base not in shadowed)):
+                    found.append(f"{node.lineno}: class attribute {base}.{t.attr} set")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            base = node.func.value
+            if isinstance(base, ast.Name) and base.id in live:
+                found.append(f"{node.lineno}: {base.id}.{node.func.attr}()")
+        for child in ast.iter_child_nodes(node):
+            scan(child, shadowed, cls_name)
+
+    scan(tree, set(), None)
+    return sorted(set(found), key=lambda s: int(s.split(":")[0]))
+
+
+def test_no_module_level_state_outside_its_owner():
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        allowed = ALLOWED_STATE.get(rel, {})
+        found = [f for f in module_state_offences(path.read_text()) if f.split(": ", 1)[1] not in allowed]
+        if found:
+            offenders[rel] = found
+    assert not offenders, "process-wide state outside an owner (see docs/ARCHITECTURE.md, state owners):\n" + "\n".join(
+        f"{rel}:{line}" for rel, lines in offenders.items() for line in lines
+    )
+
+
+def test_the_state_rule_catches_an_offender():
+    planted = """
+import functools
+
+_SEEN = {}
+_ORDER: list = []
+TABLE = {"a": 1}
+_count = 0
+
+
+class Counter:
+    n = 0
+
+    @classmethod
+    def next(cls):
+        cls.n += 1
+        return cls.n
+
+
+def remember(key, value):
+    global _count
+    _count += 1
+    _SEEN[key] = value
+    _ORDER.append(key)
+    Counter.n = 0
+    return TABLE[key]
+
+
+def local_only():
+    _SEEN = {}
+    _SEEN["x"] = 1
+
+
+@functools.lru_cache(maxsize=1)
+def scan():
+    return TABLE
+"""
+    assert module_state_offences(planted) == [
+        "15: class attribute cls.n set",
+        "20: global _count",
+        "22: _SEEN changed",
+        "23: _ORDER.append()",
+        "24: class attribute Counter.n set",
+        "34: @lru_cache on scan",
+    ]
+
+
+def test_every_state_owner_is_documented():
+    """Each owner instance exists at module level, its class's docstring states its lifetime, and
+    docs/ARCHITECTURE.md lists it."""
+    text = ARCHITECTURE.read_text()
+    for rel, name in STATE_OWNERS.items():
+        tree = ast.parse((PACKAGE / rel).read_text())
+        value = next(
+            (n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and name in [getattr(t, "id", None) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]),
+            None,
+        )  # fmt: skip
+        assert isinstance(value, ast.Call) and isinstance(value.func, ast.Name), f"{rel}: no module-level owner {name} = Owner(...)"
+        docs = [
+            ast.get_docstring(node) or ""
+            for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.name == value.func.id
+        ]
+        assert docs and all("Lifetime:" in d for d in docs), f"{rel}: {value.func.id}'s docstring does not state its lifetime"
+        assert f"`{name}`" in text and rel in text, f"docs/ARCHITECTURE.md does not list {rel}'s {name}"

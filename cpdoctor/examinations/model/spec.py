@@ -10,6 +10,7 @@ from typing import Any
 from cpdoctor.compat.diffusers import forward_params
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
+from cpdoctor.memo import Memo
 from cpdoctor.models.tiny import TINY_CONFIGS
 
 TINY_SOURCE = "tiny config"
@@ -98,8 +99,8 @@ def text_mask_param(spec: ModelSpec) -> str | None:
     return name if name and name in forward_params(spec.cls) else None
 
 
-_SURVEYS: dict[tuple[str, str], Any] = {}
-"""Memo of `model_survey` (one meta-device build per class and config per process)."""
+SURVEYS: Memo[Any] = Memo("(model class, config) -> its survey (one meta-device build per class and config per process)")
+"""`model_survey`'s memo. Lifetime: the process's (a class and config survey alike every time); cleared by tests only."""
 
 
 def model_survey(spec: ModelSpec) -> Any:
@@ -107,9 +108,7 @@ def model_survey(spec: ModelSpec) -> Any:
     from cpdoctor.models.slicing import survey
 
     key = (spec.cls.__name__, repr(sorted(spec.config.items())))
-    if key not in _SURVEYS:
-        _SURVEYS[key] = survey(spec.cls, spec.config)
-    return _SURVEYS[key]
+    return SURVEYS.get(key, lambda: survey(spec.cls, spec.config))
 
 
 def sliced_config(spec: ModelSpec, blocks: int | None) -> dict[str, Any]:

@@ -88,10 +88,10 @@ class RecordingWatch:
     def __enter__(self) -> RecordingWatch:
         from cpdoctor.examinations.step.record import Hooks, weights_digest
         from cpdoctor.examinations.step.reference import canonical
-        from cpdoctor.examinations.step.watch import WatchCounter
+        from cpdoctor.examinations.step.watch import WATCHED
         from cpdoctor.launch import step_comm
 
-        self.seq = WatchCounter.next()
+        self.seq = WATCHED.next()
         self.weights = weights_digest(self.module, canonical, step_comm.full_tensor)
         self._hooks = Hooks(self.module, keep_full=False, snapshot_weights=dict).install()
         return self

@@ -47,14 +47,22 @@ GO = "go"
 
 class WatchCounter:
     """How many steps this process has watched (every rank must be at the same one when a watcher exits): the
-    store keys of one watched step are named by it. One per process, owned here."""
+    store keys of one watched step are named by it. Lifetime: one instance, `WATCHED`, created at this module's
+    import at 0; every watcher's entry (`watch_step`, `cpdoctor step`'s run) takes the next number; it counts for
+    the life of the process (every rank of a job counts alike), and only `reset` (a test) starts it again."""
 
-    count = 0
+    def __init__(self) -> None:
+        self.count = 0
 
-    @classmethod
-    def next(cls) -> int:
-        cls.count += 1
-        return cls.count
+    def next(self) -> int:
+        self.count += 1
+        return self.count
+
+    def reset(self) -> None:
+        self.count = 0
+
+
+WATCHED = WatchCounter()
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,7 @@ class StepWatch:
         self.ranks = step_comm.group_ranks(self.group)
         self.rank, self.world = rank, world
         self.leader = rank == self.ranks[0]
-        self.seq = WatchCounter.next()
+        self.seq = WATCHED.next()
         self.index = self.step if self.step is not None else self.seq
         self._t0 = time.perf_counter()
         self.rng_before = rng_digest()

@@ -1,0 +1,277 @@
+"""Every owner of process-wide state (docs/ARCHITECTURE.md, "State with an owner") entered twice, its state
+checked after each entry and each exit: what one use leaves behind must not change the next one.
+The held process group's real entry needs a process group: tests/integration/test_state_owners.py."""
+
+from __future__ import annotations
+
+import pytest
+
+# ------------------------------------------------------------------------------------------------ the patch
+
+
+@pytest.fixture
+def dispatch():
+    """diffusers' attention_dispatch, unpatched before and after the test."""
+    pytest.importorskip("diffusers")
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.fix import patch
+
+    patch.revert()
+    yield compat.dispatch_module()
+    patch.revert()
+
+
+def test_the_patch_state_applied_and_reverted_twice(dispatch):
+    from cpdoctor.fix import patch
+    from cpdoctor.fix.ring import RingAttention
+    from cpdoctor.fix.ulysses import UlyssesAttention
+
+    ring, ulysses = dispatch.TemplatedRingAttention, dispatch.TemplatedUlyssesAttention
+    assert not patch.STATE.originals and patch.STATE.report is None and UlyssesAttention.original is None
+    for _ in range(2):
+        report = patch.apply()
+        assert not report.already_patched and patch.last_report() is report and patch.STATE.report is report
+        assert patch.STATE.originals == {
+            (dispatch.__name__, "TemplatedRingAttention"): ring,
+            (dispatch.__name__, "TemplatedUlyssesAttention"): ulysses,
+        }
+        assert dispatch.TemplatedRingAttention is RingAttention and dispatch.TemplatedUlyssesAttention is UlyssesAttention
+        assert UlyssesAttention.original is ulysses
+        again = patch.apply()  # while patched: the state is kept as it is, the report says so
+        assert again.already_patched and again.replaced == report.replaced and patch.STATE.report is report
+        assert patch.revert() is True
+        assert dispatch.TemplatedRingAttention is ring and dispatch.TemplatedUlyssesAttention is ulysses
+        assert not patch.STATE.originals and patch.last_report() is None and UlyssesAttention.original is None
+        assert patch.revert() is False
+
+
+def test_patched_block_leaves_the_state_as_it_found_it(dispatch):
+    from cpdoctor.fix import patch
+
+    for _ in range(2):
+        with patch.patched() as report:
+            assert patch.is_patched() and patch.STATE.report is report
+        assert not patch.is_patched() and not patch.STATE.originals and patch.STATE.report is None
+    patch.apply()
+    with patch.patched() as report:
+        assert report.already_patched
+    assert patch.is_patched() and patch.STATE.originals  # it was patched before the block: it stays so
+
+
+def test_apply_takes_no_dkv_strategy(dispatch):
+    """The dK/dV strategy had one member left ("ring"): the parameter and its enum are gone."""
+    from cpdoctor.fix import patch, ring
+
+    assert not hasattr(ring, "DkvStrategy")
+    with pytest.raises(TypeError):
+        patch.apply(dkv="ring")  # type: ignore[call-arg]
+    assert not patch.is_patched()
+
+
+# ------------------------------------------------------------------------------------------------ autopatch
+
+
+def test_autopatch_run_twice(dispatch, capsys):
+    import cpdoctor.autopatch as autopatch
+    from cpdoctor.fix import patch
+
+    hook = autopatch.AutoPatch()
+    for _ in range(2):
+        hook.run({autopatch.ENV: "1"})
+        assert hook.report is not None and not hook.report.already_patched and patch.is_patched()
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("cpdoctor: replaced") and "TemplatedRingAttention" in line
+        patch.revert()
+    hook.run({autopatch.ENV: "force"})
+    assert hook.report is not None and patch.is_patched()
+    patch.revert()
+    capsys.readouterr()
+    for value in ("", "0", "yes"):  # anything else: nothing, silently, and no report left from the last run
+        hook.run({autopatch.ENV: value})
+        assert hook.report is None and not patch.is_patched() and capsys.readouterr().err == ""
+
+
+def test_autopatch_module_report_reads_its_owner(monkeypatch):
+    import cpdoctor.autopatch as autopatch
+
+    monkeypatch.setattr(autopatch.AUTOPATCH, "report", "a report")
+    assert autopatch.report == "a report"
+    monkeypatch.setattr(autopatch.AUTOPATCH, "report", None)
+    assert autopatch.report is None
+    with pytest.raises(AttributeError):
+        autopatch.reports  # noqa: B018
+
+
+def test_autopatch_that_cannot_patch_says_so_and_keeps_nothing(dispatch, capsys, monkeypatch):
+    import cpdoctor.autopatch as autopatch
+    from cpdoctor.fix import patch
+
+    def refuse(force: bool = False):
+        raise patch.PatchRefused("not this diffusers")
+
+    monkeypatch.setattr(patch, "apply", refuse)
+    hook = autopatch.AutoPatch()
+    for _ in range(2):
+        hook.run({autopatch.ENV: "1"})
+        assert hook.report is None and "was NOT patched: not this diffusers" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- held group
+
+
+class FakeContext:
+    def __init__(self, owns_group: bool = True) -> None:
+        self.owns_group = owns_group
+        self.closed = 0
+
+    def close(self, sync: bool = True) -> None:
+        self.closed += 1
+
+
+def test_the_held_group_armed_kept_and_released_twice():
+    from cpdoctor.launch.torchrun import HeldGroup
+
+    held = HeldGroup()
+    assert not held.keep(FakeContext())  # not armed: the job closes its own group
+    for _ in range(2):
+        held.arm()
+        scripts = FakeContext(owns_group=False)
+        assert not held.keep(scripts) and held.context is None  # a training script's group is never kept
+        first, second = FakeContext(), FakeContext()
+        assert held.keep(first) and held.context is first
+        assert not held.keep(second) and held.context is first  # later jobs join the kept one
+        held.release()
+        assert first.closed == 1 and held.context is None and not held.armed
+        held.release()
+        assert first.closed == 1
+
+
+# ---------------------------------------------------------------------------------------- stand-in library
+
+
+@pytest.fixture
+def standins():
+    from cpdoctor.kernels import standins
+
+    was = standins.installed()
+    standins.uninstall()
+    yield standins
+    standins.uninstall()
+    if was:
+        standins.install()
+
+
+def test_the_standin_library_installed_and_uninstalled_twice(standins):
+    import torch
+
+    def has_cpu_kernel(op: str) -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(getattr(torch.ops.aten, op).default.name(), "CPU")
+
+    assert not standins.installed() and standins.LIBRARY.library is None
+    first = None
+    for _ in range(2):
+        ops = standins.install()
+        assert ops and standins.installed() and all(has_cpu_kernel(op) for op in ops)
+        assert first is None or ops == first
+        first = ops
+        assert standins.install() == ops  # idempotent while installed
+        standins.uninstall()
+        assert not standins.installed() and standins.LIBRARY.ops == [] and not any(has_cpu_kernel(op) for op in ops)
+
+
+# ------------------------------------------------------------------------------------------- step counter
+
+
+def test_the_watch_counter_reset_and_counted_twice(monkeypatch):
+    pytest.importorskip("torch")
+    from cpdoctor.examinations.step.watch import WATCHED
+
+    monkeypatch.setattr(WATCHED, "count", WATCHED.count)  # the process's own count, put back afterwards
+    for _ in range(2):
+        WATCHED.reset()
+        assert WATCHED.count == 0
+        assert [WATCHED.next(), WATCHED.next(), WATCHED.next()] == [1, 2, 3] and WATCHED.count == 3
+
+
+# ------------------------------------------------------------------------------------------------- caches
+
+
+def test_a_memo_computes_once_per_key_until_cleared():
+    from cpdoctor.memo import Memo
+
+    calls: list[str] = []
+
+    def compute(key: str):
+        return lambda: calls.append(key) or object()
+
+    memo: Memo[object] = Memo("test values")
+    for _ in range(2):
+        a = memo.get("a", compute("a"))
+        assert memo.get("a", compute("a")) is a and memo.get("b", compute("b")) is not a
+        assert calls == ["a", "b"] and len(memo) == 2 and "a" in memo
+        memo.clear()
+        assert len(memo) == 0 and "a" not in memo
+        calls.clear()
+
+    def fails():
+        raise ValueError("not now")
+
+    with pytest.raises(ValueError):
+        memo.get("c", fails)
+    assert "c" not in memo  # a failure is not kept
+
+
+def _filled_twice(memo, fill):
+    """fill() twice: the second is the kept value; clear; twice again: a fresh value, kept again."""
+    memo.clear()
+    first = fill()
+    assert fill() is first and len(memo) == 1
+    memo.clear()
+    assert len(memo) == 0
+    second = fill()
+    assert fill() is second and second is not first and len(memo) == 1
+    return first, second
+
+
+def test_the_survey_memo_filled_twice():
+    pytest.importorskip("diffusers")
+    from cpdoctor.examinations.model.spec import SURVEYS, ModelSpec, model_survey
+    from cpdoctor.models.catalog import resolve_model
+    from cpdoctor.models.tiny import TINY_CONFIGS
+
+    resolved = resolve_model("flux")
+    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_CONFIGS["flux"]), "test", None)
+    first, second = _filled_twice(SURVEYS, lambda: model_survey(spec))
+    assert first.stacks == second.stacks
+
+
+def test_the_model_scan_memo_filled_twice():
+    pytest.importorskip("diffusers")
+    from cpdoctor.models import catalog
+
+    first, second = _filled_twice(catalog.SCANNED, catalog._scan)
+    assert [e for _, e in first] == [e for _, e in second] == catalog.list_models() and first
+
+
+def test_the_requirements_memo_filled_twice():
+    pytest.importorskip("diffusers")
+    from cpdoctor.compat import requirements
+
+    first, second = _filled_twice(requirements.READ, requirements.installed_requirements)
+    assert first == second and first  # the installed diffusers' own checks were read
+
+
+def test_the_yunchang_groups_made_once_per_world():
+    from cpdoctor.peers.yunchang import YunchangGroups
+
+    made: list[tuple[int, int]] = []
+
+    def make(ring: int, ulysses: int):
+        return lambda: made.append((ring, ulysses)) or (object(), object())
+
+    groups = YunchangGroups()
+    for world in (object(), object()):  # a second world (a later job's new default group): made afresh
+        made.clear()
+        a = groups.get(world, 2, 1, make(2, 1))
+        assert groups.get(world, 2, 1, make(2, 1)) is a and groups.get(world, 1, 2, make(1, 2)) is not a
+        assert made == [(2, 1), (1, 2)] and groups.world is world and len(groups.made) == 2
