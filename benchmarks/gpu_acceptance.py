@@ -9,7 +9,8 @@ working tree. gpu_carry.sh measures the tracked and untracked files plus .carry 
 48 MiB (the limit is 64 MiB). flash-attn cannot be installed there: every kernel below is torch's own.
 
 Locally (CI, tests/integration/test_gpu_acceptance_dry_run.py):
-    python benchmarks/gpu_acceptance.py --dry-run    # every section on the CPU stand-ins, tiny shapes, ~50 s
+    python benchmarks/gpu_acceptance.py --dry-run    # every section on the CPU stand-ins, tiny shapes: ~60 s of
+                                                     # CPU in all (4 min wall on 2 cores at load 25)
 
 Sections, in order, each with a time budget (s) that caps it and an estimate (s) of what it takes on one H200;
 a section that fails or runs out of budget is rows with its error, never an abort. Budgets sum to 520 s, so even
@@ -521,8 +522,9 @@ TITLES = {
     "standins": "the same unpatched checks on the CPU stand-ins",
     "peers": "torch's context_parallel on the SDPA kernels (cpdoctor check --impl torch), bf16",
     "step": "the step examination on a bf16 Flux block, ring 2 (cpdoctor step)",
-    "ring": f"the fixed ring against diffusers' ring, {RING_BACKEND}, B1 H24 D128 bf16, fwd+bwd (time_x, memory_x = fixed / diffusers')",
-    "speed": "the fix's block kernels against the single-GPU kernel (fwd + bwd, B1 H24 D128, 4 KV blocks)",
+    "ring": f"the fixed ring against diffusers' ring, {RING_BACKEND}, B1 H24 D128 bf16 (dry run: the CPU op, H4 D32), fwd+bwd "
+    "(time_x, memory_x = fixed / diffusers')",
+    "speed": "the fix's block kernels against the single-GPU kernel (fwd + bwd, B1 H24 D128, dry run H4 D32; 4 KV blocks)",
 }
 
 

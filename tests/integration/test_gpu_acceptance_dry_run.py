@@ -1,6 +1,6 @@
 """benchmarks/gpu_acceptance.py --dry-run: every section of the GPU acceptance run on the CPU kernel stand-ins, so
-the script a lent GPU machine runs cannot rot (its figures here mean nothing; its verdicts do). One run, ~50 s
-on two idle cores."""
+the script a lent GPU machine runs cannot rot (its figures here mean nothing; its verdicts do). One run of the
+script: ~60 s of CPU across its processes (4 min wall on 2 cores at load 25)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,11 @@ def test_torch_context_parallel_on_the_standins(dry_run):
     assert question["verdict"] == "CRASH" and "must match" in question["diagnosis"], question
 
 
-def test_the_step_examination_passes(dry_run):
+def test_the_step_examination_judges_the_bf16_flux_block(dry_run, has_stale_kv_backward):
     (row,) = _rows(dry_run, "step")
-    assert row["verdict"] == "PASS" and "bf16" in row["probe"], row
+    assert "bf16" in row["probe"], row
+    # diffusers' ring at ring 2 is right in 0.42.1; before it, its backward uses the iteration-0 K/V (docs/FACTS.md)
+    assert row["verdict"] == ("FAIL" if has_stale_kv_backward else "PASS"), row
 
 
 def test_the_ring_and_the_kernels_are_measured(dry_run):
