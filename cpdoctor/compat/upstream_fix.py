@@ -359,10 +359,22 @@ _EDITORS = {
 }
 
 
+def _recomputes_stale(tree: ast.Module) -> bool:
+    """Does the ring backward call its backend op without the rotated chunk (`backward_op(ctx, grad_out)`)?"""
+    fn = _function(_class(tree, RING_CLASS).body, "backward", RING_CLASS)
+    loop, _, _ = _ring_loop(fn, f"{RING_CLASS}.backward")
+    for node in ast.walk(_statement_calling(loop, "backward_op", f"{RING_CLASS}.backward")):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward_op":
+            return not any(k.arg == "key" for k in node.keywords)
+    return False
+
+
 def present(source: SourceFile, defect: UpstreamDefect) -> bool:
-    """Does the installed source show the structure of this defect (its fix would apply)?"""
+    """Does the installed source show the structure of this defect (for a fixable one: its fix would apply)?"""
     try:
         tree = ast.parse(source.text)
+        if defect is UpstreamDefect.STALE_KV:
+            return _recomputes_stale(tree)
         _EDITORS[defect](tree, source.text.split("\n"))
     except (FixRefused, SyntaxError):
         return False

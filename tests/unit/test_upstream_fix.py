@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from cpdoctor.compat.diffusers import gathers_mask, sends_dkv_to_next
+from cpdoctor.compat.diffusers import gathers_mask, passes_rotated_tensors, sends_dkv_to_next
 from cpdoctor.compat.upstream_fix import (
     FixRefused,
     SourceFile,
@@ -151,9 +151,12 @@ def test_a_ring_that_already_gathers_its_mask_is_refused():
         make_fix(planted(gathered), (M,))
 
 
-def test_stale_kv_is_refused_with_why():
+def test_stale_kv_is_seen_and_refused_with_why():
+    stale = RING.replace("ctx.backward_op(ctx, grad_out, query=query, key=key, value=value)", "ctx.backward_op(ctx, grad_out)")
+    assert stale != RING
+    assert present(planted(stale), UpstreamDefect.STALE_KV) and not present(planted(), UpstreamDefect.STALE_KV)
     with pytest.raises(FixRefused, match="no minimal fix in the ring"):
-        make_fix(planted(), (UpstreamDefect.STALE_KV,))
+        make_fix(planted(stale), (UpstreamDefect.STALE_KV,))
 
 
 def test_double_transpose_drops_the_second_transpose_of_saved_k_v():
@@ -198,6 +201,7 @@ def test_the_installed_source_gets_a_diff_exactly_where_it_shows_the_defect():
     assert present(source, M) is not gathers_mask(ring)
     has_final_hop = "One final rotation" in ring or ring.count("permute_tensor(") >= 2
     assert present(source, D) is (sends_dkv_to_next(ring) and has_final_hop)
+    assert present(source, UpstreamDefect.STALE_KV) is not passes_rotated_tensors(ring)
 
 
 def _finding(req: AttentionRequest, **errors: float) -> Finding:
@@ -216,7 +220,8 @@ def test_the_defects_a_fail_names():
     masked = AttentionRequest(ring=3, seq=513, mask_pad=40)
     fail = _finding(masked, out=0.35, dq=0.35, dk=1.17, dv=0.96)
     assert defects_of(masked.to_dict(), fail) == (M,)  # the diagnosis names the mask only ...
-    assert defects_of(masked.to_dict(), fail, has=lambda d: True) == (D, M)  # ... but ring 3 runs through the direction
+    assert defects_of(masked.to_dict(), fail, has=lambda d: d is not UpstreamDefect.STALE_KV) == (D, M)  # ring 3 runs through the direction
+    assert UpstreamDefect.STALE_KV in defects_of(masked.to_dict(), fail, has=lambda d: True)
     assert defects_of(masked.to_dict(), fail, has=lambda d: False) == (M,)
     ring2 = AttentionRequest(ring=2, seq=512)
     assert defects_of(ring2.to_dict(), _finding(ring2, dq=2.19, dk=1.7, dv=1.5), has=lambda d: True) == (UpstreamDefect.STALE_KV,)

@@ -82,8 +82,8 @@ class UpstreamOutcome:
 
 def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[UpstreamDefect, ...]:
     """The defects of diffusers' code behind a FAIL: those the diagnosis named, plus the known ones the FAIL's
-    own layout runs through (the dK/dV direction at ring ≥ 3 hides behind a wrong forward under a mask), where
-    the installed source shows them (`has(defect)`)."""
+    own layout runs through where the installed source shows them (`has(defect)`): the dK/dV direction at ring
+    ≥ 3 hides behind a wrong forward under a mask, and a stale-K/V backward behind anything the ring does."""
     from types import SimpleNamespace
 
     from cpdoctor.examinations.attention import judge
@@ -94,6 +94,8 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     named = set(diagnose(judge.RULES, sig)[2])
     found = [d for d in UpstreamDefect if d.value in named]
     if has is not None:
+        if r.ring > 1 and UpstreamDefect.STALE_KV not in found and has(UpstreamDefect.STALE_KV):
+            found.append(UpstreamDefect.STALE_KV)
         if r.ring >= 3 and UpstreamDefect.DKV_DIRECTION not in found and has(UpstreamDefect.DKV_DIRECTION):
             found.append(UpstreamDefect.DKV_DIRECTION)
         if r.mask_pad and r.ring > 1 and UpstreamDefect.MASK_NOT_ROTATED not in found and has(UpstreamDefect.MASK_NOT_ROTATED):
