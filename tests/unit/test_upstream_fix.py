@@ -239,3 +239,35 @@ def test_issue_section_carries_the_diff_and_the_before_after_table():
     assert issue.index("### Logs") < issue.index("### Proposed fix") < issue.index("### System Info")
     v.verified, v.reason = False, "on the patched copy ring 4 still does not PASS"
     assert "Not verified: on the patched copy ring 4" in issue_section(fix, v, {})
+
+
+def test_the_cases_a_fix_is_verified_on():
+    from cpdoctor.examinations.attention.upstream import _cases
+
+    ring3 = AttentionRequest(ring=3, seq=513).to_dict()
+    layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(ring3, (D,))]
+    assert layouts == [(3, 1, 0), (2, 1, 0), (4, 1, 0), (1, 2, 0)]  # the FAIL's own case first, ring 2-4, the guard
+    masked = AttentionRequest(ring=3, seq=513, mask_pad=40).to_dict()
+    layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(masked, (M,))]
+    assert layouts == [(3, 1, 40), (2, 1, 0), (1, 2, 0)]
+
+
+@pytest.mark.parametrize(
+    ("returncode", "stdout", "reason"),
+    [
+        (0, "   out 4.1e-07 1 2 3\n    dk 4.2e-07 1 2 3\nNOT REPRODUCED: every tensor within tolerance\n", ""),
+        (0, "    dk 1.16 1 2 3\nREPRODUCED: dk outside tolerance\n", "still reproduces"),
+        (1, "", "exited 1"),
+        (None, "", "ran past"),
+    ],
+)
+def test_the_repro_on_the_patched_copy_decides(monkeypatch, returncode, stdout, reason):
+    from cpdoctor.examinations.attention import upstream
+    from cpdoctor.launch import script
+
+    monkeypatch.setattr(script, "run_under_torchrun", lambda *a, **k: script.ScriptRun(returncode, stdout, "Traceback\nValueError: x"))
+    result = Verification(False, "", {"dk": 1.16})
+    upstream._run_repro(result, "repro.py", 3, "/nowhere", 60.0)
+    assert (reason in result.reason) if reason else result.reason == ""
+    if not reason:
+        assert result.repro_after == {"out": 4.1e-07, "dk": 4.2e-07}

@@ -227,12 +227,16 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
     with ranks_import_first(root):
         for world, requests in sorted(by_world.items()):
             cases = tuple(Case(r) for r in requests)
-            outcomes = launch.run(Job(entry, cases, entry.device(requests[0]), timeout_s), world).outcomes
+            ran = launch.run(Job(entry, cases, entry.device(requests[0]), timeout_s), world)
+            outcomes = ran.outcomes
             for n, request in enumerate(requests):
                 key = (request.ring, request.ulysses, request.mask_pad)
                 before = result.repro_before if key == own else {}
                 if n >= len(outcomes):
-                    result.cases.append(CaseCheck(*key, Verdict.HANG, {}, before, "not examined: the launch stopped earlier"))
+                    refused = ran.bad_input or ran.cannot_examine
+                    verdict = Verdict.CRASH if refused else Verdict.HANG
+                    note = f"the ranks refused: {refused}" if refused else "not examined: the launch stopped earlier"
+                    result.cases.append(CaseCheck(*key, verdict, {}, before, note))
                     continue
                 outcome = outcomes[n]
                 found = (
