@@ -419,8 +419,9 @@ def list_models() -> list[Any]:
     return scan()
 
 
-def write_repro(report: Report, directory: str, command: str) -> list[str]:
-    """For an op-level FAIL: DIR/repro.py (torch + diffusers only) and DIR/ISSUE.md; the paths written."""
+def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
+    """For an op-level FAIL: DIR/repro.py (torch + diffusers only) and DIR/ISSUE.md; with `fix_timeout_s`, also
+    DIR/fix.diff for a known defect of diffusers' code, once verified on a patched copy; the paths written."""
     from cpdoctor.examinations.attention.repro import write_repro as write
 
-    return write(report, directory, command)
+    return write(report, directory, command, fix_timeout_s)

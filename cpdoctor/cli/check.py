@@ -57,7 +57,7 @@ def check(
         Optional[str],
         typer.Option(
             "--repro",
-            help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun) and DIR/ISSUE.md (diffusers' bug-report shape).",
+            help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun), DIR/ISSUE.md (diffusers' bug-report shape) and, for a defect of diffusers' code cpdoctor knows, DIR/fix.diff once verified on a patched copy.",
         ),
     ] = None,
 ) -> NoReturn:
@@ -83,7 +83,8 @@ def check(
     with waiting(f"examining CP attention on {request.world_size} ranks", quiet=quiet):
         report = api.check_attention(request, timeout_s=timeout)
     if repro_dir:
-        write_repro_files(report, repro_dir)
+        with waiting("writing the repro; a known defect of diffusers' code: verifying its fix on a patched copy", quiet=quiet):
+            write_repro_files(report, repro_dir, timeout)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
 
 
@@ -94,8 +95,9 @@ def _refuse_diffusers_options(impl: str, **given: object) -> None:
         raise BadInput(f"{', '.join(named)} appl{'ies' if len(named) == 1 else 'y'} to --impl diffusers only, not to {impl}")
 
 
-def write_repro_files(report: object, directory: str) -> None:
-    """Write the upstream repro and issue text for a FAIL (rank 0 only), and say where (on stderr)."""
+def write_repro_files(report: object, directory: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Write the upstream repro, issue text and (verified) fix for a FAIL (rank 0 only), and say where and
+    whether the fix was verified (on stderr)."""
     import sys
 
     from cpdoctor.api import is_reporting_rank, write_repro
@@ -103,10 +105,13 @@ def write_repro_files(report: object, directory: str) -> None:
     if not is_reporting_rank():
         return
     try:
-        paths = write_repro(report, directory, "cpdoctor check")  # type: ignore[arg-type]
+        paths = write_repro(report, directory, "cpdoctor check", fix_timeout_s=timeout_s)  # type: ignore[arg-type]
     except OSError as exc:
         raise BadInput(f"cannot write --repro {directory}: {exc.strerror}") from exc
     if paths:
-        print(f"cpdoctor: wrote {' and '.join(paths)}", file=sys.stderr)
+        print(f"cpdoctor: wrote {', '.join(paths)}", file=sys.stderr)
+        fix = getattr(report, "extra", {}).get("upstream_fix")
+        if fix:
+            print(f"cpdoctor: --repro: {fix['message']}", file=sys.stderr)
     else:
         print("cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors)", file=sys.stderr)

@@ -73,6 +73,38 @@ def _backward_other(s: Signature) -> str:
     return f"{s.fwd}backward wrong {s.where}: {labels} wrong ({errs}) through {s.layout}"
 
 
+MASK_NOT_ROTATED: Rule[Signature] = Rule(
+    Aspect.FORWARD,
+    "mask not rotated",
+    lambda s: "out" in s.bad and s.mask_pad > 0 and s.ring > 1,
+    lambda s: (
+        f"forward wrong {s.where} only with a padding mask (out rel err {s.errors['out']:.2g}): {s.layout} applies each rank's "
+        "local key mask to every rotated KV chunk instead of rotating the mask with its keys"
+    ),
+    (f"{PATCH} (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"),
+)
+
+DKV_DIRECTION: Rule[Signature] = Rule(
+    Aspect.BACKWARD,
+    "dK/dV direction",
+    lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" not in s.grads_bad and s.ring >= 3,
+    _direction,
+    (PATCH, "keep ring_degree ≤ 2 and scale with Ulysses"),
+)
+
+STALE_KV: Rule[Signature] = Rule(
+    Aspect.BACKWARD,
+    "stale K/V",
+    lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" in s.grads_bad and s.ring > 1,
+    _stale_kv,
+    (
+        PATCH,
+        "upgrade diffusers to a release whose ring backward passes the rotated key/value (then re-check ring ≥ 3)",
+        "Ulysses-only CP",
+    ),
+)
+"""The rules that name a defect of diffusers' own code (`--repro` writes its upstream fix: attention/upstream.py)."""
+
 RULES: tuple[Rule[Signature], ...] = (
     Rule(
         Aspect.NONFINITE,
@@ -82,16 +114,7 @@ RULES: tuple[Rule[Signature], ...] = (
         ("check the backend's dtype support; try --dtype fp32 to separate overflow from a CP defect",),
     ),
     Rule(Aspect.FORWARD, "backend ignores CP", lambda s: "out" in s.bad and s.routes_cp is False, _ignores_cp, (CP_BACKEND_REMEDY,)),
-    Rule(
-        Aspect.FORWARD,
-        "mask not rotated",
-        lambda s: "out" in s.bad and s.mask_pad > 0 and s.ring > 1,
-        lambda s: (
-            f"forward wrong {s.where} only with a padding mask (out rel err {s.errors['out']:.2g}): {s.layout} applies each rank's "
-            "local key mask to every rotated KV chunk instead of rotating the mask with its keys"
-        ),
-        (f"{PATCH} (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)"),
-    ),
+    MASK_NOT_ROTATED,
     Rule(
         Aspect.FORWARD,
         "forward wrong",
@@ -99,24 +122,8 @@ RULES: tuple[Rule[Signature], ...] = (
         lambda s: f"forward wrong {s.where} through {s.layout} (out rel err {s.errors['out']:.2g})",
         (REPORT_IT,),
     ),
-    Rule(
-        Aspect.BACKWARD,
-        "dK/dV direction",
-        lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" not in s.grads_bad and s.ring >= 3,
-        _direction,
-        (PATCH, "keep ring_degree ≤ 2 and scale with Ulysses"),
-    ),
-    Rule(
-        Aspect.BACKWARD,
-        "stale K/V",
-        lambda s: bool(s.grads_bad) and s.routes_cp is not False and "dq" in s.grads_bad and s.ring > 1,
-        _stale_kv,
-        (
-            PATCH,
-            "upgrade diffusers to a release whose ring backward passes the rotated key/value (then re-check ring ≥ 3)",
-            "Ulysses-only CP",
-        ),
-    ),
+    DKV_DIRECTION,
+    STALE_KV,
     Rule(Aspect.BACKWARD, "backward wrong", lambda s: bool(s.grads_bad) and s.routes_cp is not False, _backward_other, (REPORT_IT,)),
 )
 

@@ -185,9 +185,11 @@ def _failing(report: Report) -> Any:
     return finding
 
 
-def write_repro(report: Report, directory: str, command: str) -> list[str]:
+def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
     """Write `repro.py` and `ISSUE.md` for the report's (first) op-level FAIL into `directory`; returns the
-    paths, or [] when there is no op-level FAIL to reproduce."""
+    paths, or [] when there is no op-level FAIL to reproduce. With `fix_timeout_s`, also the upstream fix
+    (`fix.diff`, written only once verified on a patched copy, each launch within that timeout: upstream.py);
+    the outcome's line goes to `report.extra["upstream_fix"]`."""
     finding = _failing(report)
     req = report.request
     if finding is None or "seq" not in req:
@@ -201,10 +203,22 @@ def write_repro(report: Report, directory: str, command: str) -> list[str]:
     script = os.path.join(directory, "repro.py")
     with open(script, "w") as fh:
         fh.write(_script(req, finding, backend, title))
+    issue = _issue(report, finding, backend, title, layout, command)
     issue_path = os.path.join(directory, "ISSUE.md")
     with open(issue_path, "w") as fh:
-        fh.write(_issue(report, finding, backend, title, layout, command))
-    return [script, issue_path]
+        fh.write(issue)
+    paths = [script, issue_path]
+    if fix_timeout_s is not None:
+        from cpdoctor.examinations.attention import upstream
+
+        outcome = upstream.propose(report, finding, directory, script, fix_timeout_s)
+        report.extra["upstream_fix"] = {"verified": outcome.diff_path is not None, "message": outcome.message, "diff": outcome.diff_path}
+        if outcome.section:
+            with open(issue_path, "w") as fh:
+                fh.write(upstream.with_section(issue, outcome.section))
+        if outcome.diff_path:
+            paths.append(outcome.diff_path)
+    return paths
 
 
 def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:

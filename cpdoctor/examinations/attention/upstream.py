@@ -1,0 +1,306 @@
+"""`--repro DIR`'s fix.diff: which defects of diffusers' own code an op-level FAIL shows, the minimal diff for
+them against the installed file (compat/upstream_fix.py), and its proof.
+
+Nothing is written before it is verified: the installed diffusers package is copied to a temporary folder, the
+diff is applied to the copy (never to the user's install), and with the copy first on PYTHONPATH the written
+repro.py runs under torchrun and the same examination runs on its cases: the FAIL's own case, ring 2–4 when the
+dK/dV direction is fixed, ring 2 and Ulysses 2 as a guard. Cases share one launch per world size (a launch costs
+seconds of imports; a case a tenth of one). The fix is verified when the repro no longer reproduces and every
+case PASSes; the issue text then carries the diff and a before/after table.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpdoctor.compat.upstream_fix import (
+    FixRefused,
+    UpstreamDefect,
+    UpstreamFix,
+    apply_diff,
+    dispatch_source,
+    make_fix,
+    package_folder,
+    present,
+)
+from cpdoctor.errors import BadInput
+from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
+
+TENSORS = ("out", "dq", "dk", "dv")
+GUARD = ((2, 1), (1, 2))
+"""Ring 2 and Ulysses 2: the layouts every fix must leave exact."""
+DIRECTION_RINGS = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class CaseCheck:
+    """One examined case on the patched copy: its layout, verdict, rel err per tensor and, when this run
+    measured the same case on the installed code, those errors too."""
+
+    ring: int
+    ulysses: int
+    mask_pad: int
+    verdict: Verdict
+    after: dict[str, float]
+    before: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        parts = [f"ring {self.ring}" if self.ring > 1 else "", f"Ulysses {self.ulysses}" if self.ulysses > 1 else ""]
+        return " × ".join(p for p in parts if p) + (f", last {self.mask_pad} keys masked" if self.mask_pad else "")
+
+
+@dataclass
+class Verification:
+    """The proof of a fix: whether it holds, and if not why; the repro's errors before (the FAIL) and after."""
+
+    verified: bool
+    reason: str
+    repro_before: dict[str, float]
+    repro_after: dict[str, float] = field(default_factory=dict)
+    cases: list[CaseCheck] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+@dataclass
+class UpstreamOutcome:
+    """What `--repro` adds: the diff written (None when refused or not verified), one line for the user, and the
+    issue text's section."""
+
+    diff_path: str | None
+    message: str
+    section: str = ""
+    fix: UpstreamFix | None = None
+    verification: Verification | None = None
+
+
+def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[UpstreamDefect, ...]:
+    """The defects of diffusers' code behind a FAIL: those the diagnosis named, plus the known ones the FAIL's
+    own layout runs through where the installed source shows them (`has(defect)`): the dK/dV direction at ring
+    ≥ 3 hides behind a wrong forward under a mask, and a stale-K/V backward behind anything the ring does."""
+    from types import SimpleNamespace
+
+    from cpdoctor.examinations.attention import judge
+    from cpdoctor.examinations.judging import diagnose
+
+    r = SimpleNamespace(**req)
+    sig = judge.signature(r, getattr(finding.evidence, "facts", None), finding.tensors)
+    spoken = diagnose(judge.RULES, sig)[2]
+    rule_of = {
+        UpstreamDefect.DKV_DIRECTION: judge.DKV_DIRECTION,
+        UpstreamDefect.MASK_NOT_ROTATED: judge.MASK_NOT_ROTATED,
+        UpstreamDefect.STALE_KV: judge.STALE_KV,
+    }  # the double transpose is a CRASH: no rule of this table names it
+    found = [d for d, rule in rule_of.items() if any(r is rule for r in spoken)]
+    if has is not None:
+        if r.ring > 1 and UpstreamDefect.STALE_KV not in found and has(UpstreamDefect.STALE_KV):
+            found.append(UpstreamDefect.STALE_KV)
+        if r.ring >= 3 and UpstreamDefect.DKV_DIRECTION not in found and has(UpstreamDefect.DKV_DIRECTION):
+            found.append(UpstreamDefect.DKV_DIRECTION)
+        if r.mask_pad and r.ring > 1 and UpstreamDefect.MASK_NOT_ROTATED not in found and has(UpstreamDefect.MASK_NOT_ROTATED):
+            found.append(UpstreamDefect.MASK_NOT_ROTATED)
+    return tuple(d for d in UpstreamDefect if d in found)
+
+
+def propose(report: Any, finding: Finding, directory: str, script: str, timeout_s: float) -> UpstreamOutcome:
+    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL; the outcome says what happened."""
+    from cpdoctor.launch import under_torchrun
+
+    req = report.request
+    try:
+        source = dispatch_source()
+        defects = defects_of(req, finding, lambda d: present(source, d))
+        if not defects:
+            return UpstreamOutcome(None, "no fix.diff: the FAIL's cause is not a defect of diffusers' code that cpdoctor knows")
+        fix = make_fix(source, defects)
+    except FixRefused as exc:
+        return UpstreamOutcome(None, f"no fix.diff: {exc}")
+    if under_torchrun():
+        return UpstreamOutcome(
+            None, "no fix.diff: under torchrun cpdoctor cannot launch the patched copy's ranks to verify it; run without torchrun", fix=fix
+        )
+    verification = verify(fix, req, finding, script, timeout_s)
+    section = issue_section(fix, verification, req)
+    if not verification.verified:
+        return UpstreamOutcome(None, f"fix not verified, no fix.diff written: {verification.reason}", section, fix, verification)
+    path = os.path.join(directory, "fix.diff")
+    with open(path, "w") as fh:
+        fh.write(fix.diff)
+    names = ", ".join(d.value for d in fix.defects)
+    return UpstreamOutcome(path, f"fix verified ({names}; {verification.wall_s:.0f} s): wrote {path}", section, fix, verification)
+
+
+def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...]) -> list[dict[str, Any]]:
+    """The layouts to examine on the patched copy: the FAIL's own case first, then ring 2–4 for the direction,
+    then the guard; duplicates dropped."""
+    own = dict(req, patch=False)
+    layouts = [own]
+    if UpstreamDefect.DKV_DIRECTION in defects:
+        layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None) for r in DIRECTION_RINGS]
+    layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None) for r, u in GUARD]
+    seen, unique = set(), []
+    for fields in layouts:
+        key = (fields["ring"], fields["ulysses"], fields["mask_pad"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(fields)
+    return unique
+
+
+def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float) -> Verification:
+    """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there."""
+    start = time.monotonic()
+    before = {n: t.rel_err for n, t in finding.tensors.items()}
+    result = Verification(False, "", before)
+    with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
+        try:
+            _patched_copy(fix, root)
+        except (OSError, ValueError) as exc:
+            result.reason = f"cannot apply the diff to a copy of the installed diffusers ({exc})"
+            return result
+        _run_repro(result, script, req["ring"] * req["ulysses"], root, timeout_s)
+        _run_cases(result, req, fix.defects, root, timeout_s)
+    result.wall_s = time.monotonic() - start
+    failed = [c.label for c in result.cases if c.verdict not in (Verdict.PASS, Verdict.UNSUPPORTED)]
+    if not result.reason and failed:
+        result.reason = f"on the patched copy {', '.join(failed)} still do{'es' if len(failed) == 1 else ''} not PASS"
+    result.verified = not result.reason
+    if result.verified:
+        result.reason = "fix verified"
+    return result
+
+
+def _patched_copy(fix: UpstreamFix, root: str) -> None:
+    """Copy the installed diffusers package (bytecode caches too, so the ranks import it as fast) under `root`
+    and apply the diff to the copy's file."""
+    package = package_folder()
+    copy = os.path.join(root, os.path.basename(package))
+    shutil.copytree(package, copy, symlinks=True)
+    target = os.path.join(root, fix.source.repo_path.split("/", 1)[1])
+    with open(target, encoding="utf-8") as fh:
+        text = fh.read()
+    if text != fix.source.text:
+        raise ValueError(f"the copy's {fix.source.repo_path} differs from the file the diff was made from")
+    with open(target, "w", encoding="utf-8") as fh:
+        fh.write(apply_diff(text, fix.diff))
+
+
+def _run_repro(result: Verification, script: str, world: int, root: str, timeout_s: float) -> None:
+    """repro.py under torchrun against the copy: its errors after the fix, and whether it still reproduces."""
+    from cpdoctor.launch.script import run_under_torchrun
+
+    run = run_under_torchrun(script, world, root, cwd=root, timeout_s=timeout_s)
+    for line in run.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in TENSORS:
+            try:
+                result.repro_after[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    if run.returncode is None:
+        result.reason = f"repro.py on the patched copy ran past {timeout_s:.0f} s"
+    elif run.returncode != 0:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        result.reason = f"repro.py on the patched copy exited {run.returncode}: {tail}"
+    elif "NOT REPRODUCED" not in run.stdout:
+        result.reason = "repro.py on the patched copy still reproduces the FAIL"
+
+
+def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float) -> None:
+    """The examination's cases on the copy, one launch per world size."""
+    from cpdoctor import launch
+    from cpdoctor.examinations import registry
+    from cpdoctor.launch.jobs import Case, Job
+    from cpdoctor.launch.script import ranks_import_first
+
+    entry = registry.get("attention")
+    by_world: dict[int, list[Any]] = {}
+    for fields in _cases(req, defects):
+        try:
+            request = entry.prepare(entry.build_request(**fields))
+        except BadInput as exc:  # e.g. heads that Ulysses 2 cannot split: that guard does not apply
+            result.cases.append(CaseCheck(fields["ring"], fields["ulysses"], fields["mask_pad"], Verdict.UNSUPPORTED, {}, note=str(exc)))
+            continue
+        by_world.setdefault(request.world_size, []).append(request)
+    own = (req["ring"], req["ulysses"], req["mask_pad"])
+    with ranks_import_first(root):
+        for world, requests in sorted(by_world.items()):
+            cases = tuple(Case(r) for r in requests)
+            ran = launch.run(Job(entry, cases, entry.device(requests[0]), timeout_s), world)
+            outcomes = ran.outcomes
+            for n, request in enumerate(requests):
+                key = (request.ring, request.ulysses, request.mask_pad)
+                before = result.repro_before if key == own else {}
+                if n >= len(outcomes):
+                    refused = ran.bad_input or ran.cannot_examine
+                    verdict = Verdict.CRASH if refused else Verdict.HANG
+                    note = f"the ranks refused: {refused}" if refused else "not examined: the launch stopped earlier"
+                    result.cases.append(CaseCheck(*key, verdict, {}, before, note))
+                    continue
+                outcome = outcomes[n]
+                found = (
+                    entry.findings(outcome.case, outcome.evaluated)
+                    if outcome.completed
+                    else entry.failure_findings(outcome.case, outcome.failures, timeout_s)
+                )
+                f = found[0]
+                result.cases.append(
+                    CaseCheck(
+                        *key,
+                        f.verdict,
+                        {t: row.rel_err for t, row in f.tensors.items()},
+                        before,
+                        f.diagnosis if f.verdict is not Verdict.PASS else "",
+                    )
+                )
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
+
+
+def issue_section(fix: UpstreamFix, v: Verification, req: dict[str, Any]) -> str:
+    """The issue text's "Proposed fix": the diff, the repro before and after, every case examined on the copy."""
+    names = " and ".join(f"the {d.value}" for d in fix.defects)
+    lines = [
+        "### Proposed fix",
+        "",
+        f"A minimal change to `{fix.source.repo_path}` for {names} (attached as `fix.diff`; `patch -p1 < fix.diff` in a",
+        "diffusers checkout of the release named under System Info):",
+        "",
+        "```diff",
+        fix.diff.rstrip("\n"),
+        "```",
+        "",
+        f"{'Verified' if v.verified else 'NOT verified'} by cpdoctor on a copy of the installed diffusers with this diff applied: "
+        f"`repro.py` and the same examination (rel L2 error against the fp64 reference; tolerance as above).",
+        "",
+        "| tensor | before (installed) | after (patched copy) |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {TENSOR_LABELS.get(n, n)} | {_fmt(v.repro_before.get(n))} | {_fmt(v.repro_after.get(n))} |" for n in TENSORS]
+    lines += ["", "| case on the patched copy | verdict | out / dQ / dK / dV after | before |", "|---|---|---|---|"]
+    for c in v.cases:
+        after = " / ".join(_fmt(c.after.get(n)) for n in TENSORS) if c.after else c.note or "–"
+        before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else "not run"
+        lines.append(f"| {c.label} | {c.verdict.value} | {after} | {before} |")
+    if not v.verified:
+        lines += ["", f"Not verified: {v.reason}."]
+    return "\n".join(lines) + "\n"
+
+
+def with_section(issue: str, section: str) -> str:
+    """The issue text with the fix section before its System Info (after the logs it fixes)."""
+    marker = "### System Info"
+    if not section:
+        return issue
+    return issue.replace(marker, section + "\n" + marker, 1) if marker in issue else issue + "\n" + section
+
+
+__all__ = ["CaseCheck", "UpstreamOutcome", "Verification", "defects_of", "issue_section", "propose", "with_section"]
