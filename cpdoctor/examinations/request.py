@@ -9,9 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from cpdoctor.errors import BadInput
-
-DTYPES = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
+from cpdoctor.vocabulary import Device, DType, Word, parse
 
 R = TypeVar("R", bound="LayoutRequest")
 
@@ -30,8 +28,24 @@ def require_ints(obj: object, names: tuple[str, ...]) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
 
 
-def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
-    """The checks every request shares: CP degrees, dtype and device names (BadInput, one line)."""
+def word(cls: type[Word], value: object, what: str) -> Any:
+    """`value` as a member of the vocabulary enum `cls` (a member, or its string from a suite or the API);
+    BadInput, one line, for any other word."""
+    try:
+        return parse(cls, value, what)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def typed_words(obj: object, **enums: tuple[type[Word], str]) -> None:
+    """In a frozen request's `__post_init__`: turn the named fields into their vocabulary members (the strings of
+    a suite or a keyword call become enums once, here), BadInput for an unknown word."""
+    for name, (cls, what) in enums.items():
+        object.__setattr__(obj, name, word(cls, getattr(obj, name), what))
+
+
+def validate_layout(ring: int, ulysses: int, dtype: DType, device: Device) -> None:
+    """The checks every request shares: CP degrees, and a dtype an examination computes in (BadInput, one line)."""
     for name, value in (("ring", ring), ("ulysses", ulysses)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise BadInput(f"--{name} must be an integer, got {value!r}")
@@ -39,10 +53,9 @@ def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
             raise BadInput(f"--{name} must be at least 1, got {value}")
     if ring * ulysses < 2:
         raise BadInput("context parallelism needs ring × ulysses ≥ 2 (got ring 1 × ulysses 1)")
-    if dtype not in DTYPES:
-        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if device not in DEVICES:
-        raise BadInput(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    if word(DType, dtype, "dtype") not in DType.examined():
+        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DType.examined())}")
+    word(Device, device, "device")
 
 
 def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
@@ -64,11 +77,14 @@ class LayoutRequest:
     ring: int = 2
     ulysses: int = 1
     backend: str = "auto"
-    dtype: str = "fp32"
+    dtype: DType = DType.FP32
     seed: int = 0
     mask_pad: int = 0
-    device: str = "auto"
+    device: Device = Device.AUTO
     patch: bool = False
+
+    def __post_init__(self) -> None:
+        typed_words(self, dtype=(DType, "dtype"), device=(Device, "device"))
 
     @property
     def world_size(self) -> int:

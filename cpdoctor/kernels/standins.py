@@ -35,12 +35,14 @@ from typing import Any
 
 import torch
 
+from cpdoctor.vocabulary import HALF
+
 __all__ = ["install", "uninstall", "installed", "flash_attn_path", "activate", "ATEN_OPS", "FLASH_ATTN_VERSION"]
 
 FLASH_ATTN_VERSION = "2.6.3+cpdoctor.standin"
 """What `importlib.metadata.version("flash_attn")` says with the stand-in on sys.path (diffusers requires >= 2.6.3)."""
 
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = tuple(dtype.torch for dtype in HALF)
 
 
 # --------------------------------------------------------------------------------------------------------
