@@ -100,6 +100,17 @@ ALL = (DType.FP32, DType.BF16, DType.FP16)
 """Every dtype an examination computes in."""
 
 
+class Kind(Word):
+    """Which launched examination a request is for (examinations/registry.py maps each to its entry); the word
+    a suite's check is keyed by."""
+
+    ATTENTION = "attention"
+    MODEL = "model"
+    PEER = "peer"
+    STEP = "step"
+    FIX_TRAINING = "fix_training"
+
+
 class Device(Word):
     """Where the ranks run: `auto` (a GPU per rank when there are enough, else the CPU), or forced."""
 
@@ -160,3 +171,11 @@ def parse(cls: type[Word], value: Any, what: str) -> Any:
         return cls(value)
     except ValueError:
         raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(cls.names())}") from None
+
+
+ExaminedDType = Word("ExaminedDType", {d.name: d.value for d in DType.examined()})
+"""`--dtype` of `check` and `model`: the dtypes an examination computes in (a member equals its `DType`)."""
+ProbeDType = Word("ProbeDType", {"AUTO": "auto", **{d.name: d.value for d in DType.examined()}})
+"""`cpdoctor env --dtype`: auto (bf16 on CUDA, fp32 on the CPU) or a dtype an examination computes in."""
+Reference = Word("Reference", {d.name: d.value for d in DType.references()})
+"""`--reference`: the precision of a one-process recomputation (fp64, or fp32 where fp64 does not fit)."""

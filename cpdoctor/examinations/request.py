@@ -58,14 +58,14 @@ def validate_layout(ring: int, ulysses: int, dtype: DType, device: Device) -> No
     word(Device, device, "device")
 
 
-def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
-    """Fill ring/ulysses left unset: ring 2, or ring 1 when only a Ulysses degree is given; Ulysses 1."""
-    ring, ulysses = fields.get("ring"), fields.get("ulysses")
+def default_degrees(obj: object) -> None:
+    """In a frozen request's `__post_init__`, the one place the degrees' defaults live: ring 2, or ring 1 when
+    only a Ulysses degree is given; Ulysses 1."""
+    ring, ulysses = obj.ring, obj.ulysses
     if ring is None:
-        fields["ring"] = 1 if ulysses not in (None, 1) else 2
+        object.__setattr__(obj, "ring", 1 if ulysses not in (None, 1) else 2)
     if ulysses is None:
-        fields["ulysses"] = 1
-    return fields
+        object.__setattr__(obj, "ulysses", 1)
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ class LayoutRequest:
 
     label = "request"  # "attention-request", "model-request": named in the unknown-keys error
 
-    ring: int = 2
-    ulysses: int = 1
+    ring: int = None  # type: ignore[assignment]  # None: 2, or 1 when only ulysses is given (default_degrees)
+    ulysses: int = None  # type: ignore[assignment]  # None: 1
     backend: str = "auto"
     dtype: DType = DType.FP32
     seed: int = 0
@@ -85,6 +85,18 @@ class LayoutRequest:
 
     def __post_init__(self) -> None:
         typed_words(self, dtype=(DType, "dtype"), device=(Device, "device"))
+        default_degrees(self)
+
+    @classmethod
+    def of(cls: type[R], **given: Any) -> R:
+        """The validated request from keyword fields, None meaning the default: how the CLI, the API and suites
+        build one (validated here, once; the ranks and the registry take it as it is)."""
+        return cls.from_dict({k: v for k, v in given.items() if v is not None}).validate()
+
+    def validate(self: R) -> R:
+        """BadInput (one line, exit 2) for anything wrong with the fields; returns the request."""
+        self.validate_common()
+        return self
 
     @property
     def world_size(self) -> int:

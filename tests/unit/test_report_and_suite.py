@@ -100,5 +100,5 @@ def test_attention_checks_validate_without_launching(tmp_path):
     with pytest.raises(BadInput, match="check 1 \\(attention\\): --seq 511 does not divide"):
         suite.build_requests(loaded, patch=False)
     loaded = suite.load(_suite(tmp_path, "checks:\n  - attention: {ring: 3, mask_pad: 3}\n"))
-    ((kind, req),) = suite.build_requests(loaded, patch=True)
-    assert kind == "attention" and req.seq == 513 and req.patch is True
+    (req,) = suite.build_requests(loaded, patch=True)
+    assert req.kind == "attention" and req.seq == 513 and req.patch is True

@@ -17,10 +17,11 @@ from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.request import default_degrees
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Finding
+from cpdoctor.vocabulary import Kind
 
 
 class ModelExamination(Examination):
-    kind = "model"
+    kind = Kind.MODEL
     request_type = ModelRequest
 
     def build_request(self, **fields: Any) -> ModelRequest:

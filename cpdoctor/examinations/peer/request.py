@@ -13,7 +13,7 @@ from cpdoctor.examinations.request import default_degrees, require_ints, typed_w
 from cpdoctor.peers import Adapter, adapter
 from cpdoctor.peers.base import Kernel, Variant, parse_impl
 from cpdoctor.peers.layouts import Layout
-from cpdoctor.vocabulary import Device, DType, Impl
+from cpdoctor.vocabulary import Device, DType, Impl, Kind
 from cpdoctor.vocabulary import Kernel as KernelName
 from cpdoctor.vocabulary import Variant as VariantName
 
@@ -26,14 +26,16 @@ targets use without choosing a length (docs/FACTS.md measured the peers at S 240
 class PeerRequest:
     """One CP parity examination of a peer implementation's attention, forward and backward."""
 
+    kind = Kind.PEER  # the examination this request is for (registry.of)
+
     label = "peer-request"
 
     impl: Impl = Impl.RING_FLASH_ATTN
     variant: VariantName | None = None  # None = the implementation's first
     kernel: KernelName | None = None  # None = the implementation's first
     causal: bool = False
-    ring: int = 2
-    ulysses: int = 1
+    ring: int = None  # type: ignore[assignment]  # None: 2, or 1 when only ulysses is given (default_degrees)
+    ulysses: int = None  # type: ignore[assignment]  # None: 1
     dtype: DType = DType.BF16
     batch: int = 1
     seq: int = DEFAULT_SEQ
@@ -48,6 +50,7 @@ class PeerRequest:
         """The words become the vocabulary's members once, here: the implementation (a peer's), its variant and
         kernel (the peer's first when not given; BadInput naming the peer's own when it has none such)."""
         typed_words(self, dtype=(DType, "dtype"), device=(Device, "device"))
+        default_degrees(self)
         spec = adapter(parse_impl(self.impl)).spec
         object.__setattr__(self, "impl", spec.impl)
         object.__setattr__(self, "variant", spec.variant(self.variant).name if self.variant else spec.variants[0].name)
@@ -92,6 +95,11 @@ class PeerRequest:
         return asdict(self)
 
     @classmethod
+    def of(cls, **given: Any) -> PeerRequest:
+        """The validated request from keyword fields, None meaning the default (validated here, once)."""
+        return cls.from_dict({k: v for k, v in given.items() if v is not None}).validate()
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerRequest:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -101,6 +109,5 @@ class PeerRequest:
 
 
 def build_request(**given: Any) -> PeerRequest:
-    """A validated PeerRequest from keyword fields (None = default): the implementation's first variant and
-    kernel, ring 2 (1 when only a Ulysses degree is given)."""
-    return PeerRequest.from_dict(default_degrees({k: v for k, v in given.items() if v is not None})).validate()
+    """A validated PeerRequest from keyword fields (None = default): `PeerRequest.of`."""
+    return PeerRequest.of(**given)
