@@ -128,13 +128,21 @@ def outcome_findings(kind: Kind, outcome: CaseOutcome, timeout_s: float) -> list
     return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
-def case_findings(kind: Kind, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
+def case_findings(
+    kind: Kind, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float, *, with_environment: bool = False
+) -> list[Finding]:
     """One finding per case, in order. A case without an outcome (under torchrun a job ends at a collective
-    that timed out: nobody can relaunch the rest) says so instead of disappearing."""
+    that timed out: nobody can relaunch the rest) says so instead of disappearing. `with_environment`: each
+    finding keeps the environment its ranks reported (what the parent knows when they reported none)."""
     findings = []
     for n, case in enumerate(cases):
         if n < len(outcomes):
-            findings.append(outcome_findings(kind, outcomes[n], timeout_s)[0])
+            finding = outcome_findings(kind, outcomes[n], timeout_s)[0]
+            if with_environment:
+                ran = getattr(outcomes[n].evaluated, "environment", None)
+                world = registry.get(kind).world_size(case.request)
+                finding.environment = dict(ran) if ran else fallback_environment(world, case.request)
+            findings.append(finding)
         else:
             reason = Unsupported(UnsupportedKind.NOT_EXAMINED, "not examined: an earlier case of the same launch timed out in a collective")
             findings.append(unsupported_finding(registry.get(kind).describe(case.request), reason))
@@ -156,6 +164,10 @@ def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
         for message, n in outcome.warnings.items():
             counts[message] = counts.get(message, 0) + n
     return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
+
+
+PER_CHECK = ("world_size", "ring", "ulysses", "backend", "dtype", "model", "impl", "variant", "kernel", "layout", "emulated")
+"""The environment keys that belong to one check of a suite, not to the machine it ran on."""
 
 
 def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -252,7 +264,8 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
         result = run_cases(kind, [case for _, case in owned], world, device, timeout_s, on_tick)
         wall += result.wall_s
         outcomes_seen += result.outcomes
-        for (i, case), finding in zip(owned, case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s)):
+        judged = case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s, with_environment=True)
+        for (i, case), finding in zip(owned, judged):
             if case.patched:
                 final[i] = finding
             else:
@@ -260,8 +273,9 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
                 final[i] = final[i] or finding
     widest = max(requests, key=lambda r: registry.of(r).world_size(r))
     environment = _environment(outcomes_seen, lambda: fallback_environment(registry.of(widest).world_size(widest), widest))
-    for varying in ("world_size", "ring", "ulysses", "backend", "dtype", "model"):  # per check, not per suite
+    for varying in PER_CHECK:  # each finding keeps its own (Finding.environment); the suite's is the machine's
         environment.pop(varying, None)
+    environment.setdefault("diffusers", installed_version("diffusers"))  # a peer's ranks do not report it
     findings = [f for f in final if f is not None]
     before_run = None
     if patch or any(getattr(r, "patch", False) for r in requests):
