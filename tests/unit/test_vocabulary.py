@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from cpdoctor.cli import app
 from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
+from cpdoctor.examinations import registry
 from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.report.serialize import to_jsonable
@@ -43,6 +44,10 @@ def test_requests_hold_members_built_once_with_their_defaults():
         AttentionRequest.of(dtype="fp8")
     with pytest.raises(BadInput, match="torch has no variant 'zigzag'"):
         PeerRequest.of(impl="torch", variant="zigzag")
+    for kind in (Kind.MODEL, Kind.ATTENTION, Kind.PEER):  # the registry's builders share the dataclasses' defaults
+        extra = {"model": "flux"} if kind is Kind.MODEL else {"impl": "yunchang"} if kind is Kind.PEER else {}
+        built = registry.get(kind).build_request(ulysses=2, ring=None, **extra)
+        assert (built.ring, built.ulysses, built.kind) == (1, 2, kind)
 
 
 def test_peer_ranks_get_members_and_refusals_are_typed():
