@@ -19,21 +19,22 @@ from pathlib import Path
 
 from cpdoctor import api
 from cpdoctor.examinations import registry
+from cpdoctor.vocabulary import Kind
 
 SHAPE = dict(batch=1, seq=240, heads=4, head_dim=32, dtype="bf16")
 
 CHECKS = {
-    "diffusers flash (--emulate)": ("attention", dict(backend="flash", emulate=True)),
-    "ring-flash-attn basic": ("peer", dict(impl="ring-flash-attn", variant="basic")),
-    "yunchang basic": ("peer", dict(impl="yunchang", variant="basic")),
-    "torch allgather (flash)": ("peer", dict(impl="torch", kernel="flash")),
+    "diffusers flash (--emulate)": (Kind.ATTENTION, dict(backend="flash", emulate=True)),
+    "ring-flash-attn basic": (Kind.PEER, dict(impl="ring-flash-attn", variant="basic")),
+    "yunchang basic": (Kind.PEER, dict(impl="yunchang", variant="basic")),
+    "torch allgather (flash)": (Kind.PEER, dict(impl="torch", kernel="flash")),
 }
 
 
-def time_check(kind: str, fields: dict, ring: int) -> tuple[float, str]:
+def time_check(kind: Kind, fields: dict, ring: int) -> tuple[float, str]:
     request = registry.get(kind).build_request(**SHAPE, **fields, ring=ring)
     start = time.perf_counter()
-    report = api.examine(kind, request, timeout_s=300)
+    report = api.examine(request, timeout_s=300)
     return time.perf_counter() - start, report.verdict.value
 
 

@@ -1,5 +1,6 @@
 """The Python API: the same examinations as the CLI, returning a `Report` instead of printing. Thin: every
-examination is looked up by kind in the registry and launched the same way.
+request names its examination (`request.kind`), `examine(request)` looks the entry up in the registry by the
+request's type and launches it the same way.
 
     import cpdoctor
     report = cpdoctor.check_attention(ring=4)          # spawns 4 ranks (or joins torchrun's world)
@@ -18,10 +19,13 @@ from cpdoctor.errors import BadInput, CannotExamine, Unsupported, UnsupportedKin
 from cpdoctor.examinations import registry
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.judging import emulation_note, unsupported_finding
+from cpdoctor.examinations.model.request import ModelRequest
+from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.launch.torchrun import hold_group_until_exit, is_reporting_rank, leave_together, under_torchrun
 from cpdoctor.report import Finding, Report, RunResult, Verdict
+from cpdoctor.vocabulary import Kind
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -32,6 +36,9 @@ __all__ = [
     "validate_timeout",
     "write_repro",
     "PreflightFailed",
+    "AttentionRequest",
+    "ModelRequest",
+    "PeerRequest",
     "build_request",
     "check_attention",
     "check_model",
@@ -96,13 +103,13 @@ def visible_gpus() -> int:
     return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
 
 
-def request_for(kind: str, **fields: Any) -> Any:
+def request_for(kind: Kind, **fields: Any) -> Any:
     """The validated, prepared request of an examination from keyword fields (None = default)."""
     entry = registry.get(kind)
     return entry.prepare(entry.build_request(**fields))
 
 
-def run_cases(kind: str, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None) -> launch.LaunchResult:
+def run_cases(kind: Kind, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None) -> launch.LaunchResult:
     """Launch the cases of one kind in one job; BadInput / CannotExamine for what the ranks refused."""
     validate_timeout(timeout_s)
     result = launch.run(Job(registry.get(kind), tuple(cases), device, timeout_s), world_size, on_tick)
@@ -113,7 +120,7 @@ def run_cases(kind: str, cases: list[Case], world_size: int, device: str, timeou
     return result
 
 
-def outcome_findings(kind: str, outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
+def outcome_findings(kind: Kind, outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
     """A case's findings: the judged numbers, or CRASH / HANG from the ranks that failed."""
     entry = registry.get(kind)
     if outcome.completed:
@@ -121,13 +128,21 @@ def outcome_findings(kind: str, outcome: CaseOutcome, timeout_s: float) -> list[
     return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
-def case_findings(kind: str, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
+def case_findings(
+    kind: Kind, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float, *, with_environment: bool = False
+) -> list[Finding]:
     """One finding per case, in order. A case without an outcome (under torchrun a job ends at a collective
-    that timed out: nobody can relaunch the rest) says so instead of disappearing."""
+    that timed out: nobody can relaunch the rest) says so instead of disappearing. `with_environment`: each
+    finding keeps the environment its ranks reported (what the parent knows when they reported none)."""
     findings = []
     for n, case in enumerate(cases):
         if n < len(outcomes):
-            findings.append(outcome_findings(kind, outcomes[n], timeout_s)[0])
+            finding = outcome_findings(kind, outcomes[n], timeout_s)[0]
+            if with_environment:
+                ran = getattr(outcomes[n].evaluated, "environment", None)
+                world = registry.get(kind).world_size(case.request)
+                finding.environment = dict(ran) if ran else fallback_environment(world, case.request)
+            findings.append(finding)
         else:
             reason = Unsupported(UnsupportedKind.NOT_EXAMINED, "not examined: an earlier case of the same launch timed out in a collective")
             findings.append(unsupported_finding(registry.get(kind).describe(case.request), reason))
@@ -135,7 +150,7 @@ def case_findings(kind: str, cases: list[Case], outcomes: list[CaseOutcome], tim
 
 
 def run_findings(
-    kind: str, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+    kind: Kind, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[Finding]:
     """Launch the given cases of one kind once and return one finding per case, in order."""
     result = run_cases(kind, cases, world_size, device, timeout_s)
@@ -151,6 +166,10 @@ def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
     return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
 
 
+PER_CHECK = ("world_size", "ring", "ulysses", "backend", "dtype", "model", "impl", "variant", "kernel", "layout", "emulated")
+"""The environment keys that belong to one check of a suite, not to the machine it ran on."""
+
+
 def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The environment the first evaluated case reported, else what the parent knows (`fallback()`)."""
     for outcome in outcomes:
@@ -160,11 +179,12 @@ def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], dict[str, A
     return fallback()
 
 
-def examine(kind: str, request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
-    """Run one examination (unpatched, then patched with `request.patch`) and assemble its Report: the exit code
-    and top-level verdict are the last run's; with patch the unpatched run is `before`. Under torchrun every
-    rank returns the same report (rank 0's)."""
-    entry = registry.get(kind)
+def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+    """Run the examination `request` is for (its type names it: `AttentionRequest`, `PeerRequest`, ...; unpatched,
+    then patched with `request.patch`) and assemble its Report: the exit code and top-level verdict are the last
+    run's; with patch the unpatched run is `before`. Under torchrun every rank returns the same report (rank 0's)."""
+    entry = registry.of(request)
+    kind = entry.kind
     missing = entry.unsupported_here(request)
     if missing is not None:  # answered from the parent, before any rank starts
         finding = entry.unsupported_finding(request, missing)
@@ -193,30 +213,32 @@ def check_attention(
     request: AttentionRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any
 ) -> Report:
     """Op-level CP parity of diffusers' dispatch_attention_fn; with `patch=True`, before and after the fix."""
-    req = request if request is not None else registry.get("attention").build_request(**fields)
-    return examine("attention", req, timeout_s=timeout_s, on_tick=on_tick)
+    req = request if request is not None else registry.get(Kind.ATTENTION).build_request(**fields)
+    return examine(req, timeout_s=timeout_s, on_tick=on_tick)
 
 
-def check_peer(request: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
+def check_peer(request: PeerRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
     """A peer's CP attention (ring-flash-attn, yunchang, torch's context_parallel: `impl=`, `variant=`, `kernel=`,
     `causal=`) examined like diffusers': every rank's out, LSE where exposed, dQ, dK, dV against the fp64 full
     sequence, gathered by token index in the peer's own layout.
 
         report = cpdoctor.check_peer(impl="ring-flash-attn", variant="zigzag", causal=True, ring=4)
     """
-    req = request if request is not None else registry.get("peer").build_request(**fields)
-    return examine("peer", req, timeout_s=timeout_s, on_tick=on_tick)
+    req = request if request is not None else registry.get(Kind.PEER).build_request(**fields)
+    return examine(req, timeout_s=timeout_s, on_tick=on_tick)
 
 
-def check_model(request: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any) -> Report:
+def check_model(
+    request: ModelRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any
+) -> Report:
     """Model-level CP parity of a diffusers model class through its own `enable_parallelism`: the gathered
     output and every parameter gradient (summed over the CP group) against the same model in one process in
     fp64; with `patch=True`, before and after cpdoctor's fixed CP attention (ring and Ulysses).
 
         report = cpdoctor.check_model(model="flux", ring=2)          # tiny Flux, 2 ranks
     """
-    req = request if request is not None else registry.get("model").build_request(**fields)
-    return examine("model", req, timeout_s=timeout_s, on_tick=on_tick)
+    req = request if request is not None else registry.get(Kind.MODEL).build_request(**fields)
+    return examine(req, timeout_s=timeout_s, on_tick=on_tick)
 
 
 def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
@@ -227,8 +249,9 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     validate_timeout(timeout_s)
     requests = build_requests(suite, patch)
     groups: dict[tuple, list[int]] = {}
-    for i, (kind, req) in enumerate(requests):
-        entry = registry.get(kind)
+    for i, req in enumerate(requests):
+        entry = registry.of(req)
+        kind = entry.kind
         emulate = bool(getattr(req, "emulate", False))  # stand-ins are per process: never mixed in one launch
         groups.setdefault((kind, entry.world_size(req), entry.device(req), emulate), []).append(i)
     final: list[Finding | None] = [None] * len(requests)
@@ -237,25 +260,27 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     wall = 0.0
     for (kind, world, device, _emulate), members in groups.items():
         entry = registry.get(kind)
-        owned = [(i, case) for i in members for case in entry.cases(requests[i][1])]
+        owned = [(i, case) for i in members for case in entry.cases(requests[i])]
         result = run_cases(kind, [case for _, case in owned], world, device, timeout_s, on_tick)
         wall += result.wall_s
         outcomes_seen += result.outcomes
-        for (i, case), finding in zip(owned, case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s)):
+        judged = case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s, with_environment=True)
+        for (i, case), finding in zip(owned, judged):
             if case.patched:
                 final[i] = finding
             else:
                 before[i] = finding
                 final[i] = final[i] or finding
-    widest = max(requests, key=lambda kr: registry.get(kr[0]).world_size(kr[1]))
-    environment = _environment(outcomes_seen, lambda: fallback_environment(registry.get(widest[0]).world_size(widest[1]), widest[1]))
-    for varying in ("world_size", "ring", "ulysses", "backend", "dtype", "model"):  # per check, not per suite
+    widest = max(requests, key=lambda r: registry.of(r).world_size(r))
+    environment = _environment(outcomes_seen, lambda: fallback_environment(registry.of(widest).world_size(widest), widest))
+    for varying in PER_CHECK:  # each finding keeps its own (Finding.environment); the suite's is the machine's
         environment.pop(varying, None)
+    environment.setdefault("diffusers", installed_version("diffusers"))  # a peer's ranks do not report it
     findings = [f for f in final if f is not None]
     before_run = None
-    if patch or any(getattr(r, "patch", False) for _, r in requests):
+    if patch or any(getattr(r, "patch", False) for r in requests):
         before_run = RunResult.of([b for b in before if b is not None])
-    request = {"suite": suite.name, "source": suite.source, "patch": patch, "checks": [{k: r.to_dict()} for k, r in requests]}
+    request = {"suite": suite.name, "source": suite.source, "patch": patch, "checks": [{r.kind.value: r.to_dict()} for r in requests]}
     return Report.of(
         findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name, **warnings_seen(outcomes_seen)}
     )
@@ -385,7 +410,7 @@ def examine_step(
     from cpdoctor.examinations.step import step_request
 
     request = step_request(target, nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference)
-    return examine("step", request, timeout_s=timeout_s)
+    return examine(request, timeout_s=timeout_s)
 
 
 def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:

@@ -21,6 +21,7 @@ from typing import Any
 from cpdoctor.errors import BadInput
 from cpdoctor.report import Report, Verdict
 from cpdoctor.suite import Suite
+from cpdoctor.vocabulary import Kind
 
 MASK_PAD = 3
 """Keys masked as padding in the masked-ring check (a padded text prompt)."""
@@ -34,7 +35,10 @@ class PlannedCheck:
     label: str
     fields: dict[str, Any] = field(hash=False)
     why: str = ""
-    kind: str = "attention"
+    kind: Kind = Kind.ATTENTION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # a caller's "peer" becomes the member, once
 
     @property
     def world_size(self) -> int:
@@ -79,7 +83,7 @@ def peer_checks(device: str = "auto") -> tuple[PlannedCheck, ...]:
         fields: dict[str, Any] = {"impl": row.request.impl, "ring": row.request.ring}
         if row.request.causal:
             fields["causal"] = True
-        rows.append(PlannedCheck(row.label, fields, row.covers, kind="peer"))
+        rows.append(PlannedCheck(row.label, fields, row.covers, kind=Kind.PEER))
     return tuple(rows)
 
 
@@ -90,7 +94,7 @@ def command_for(check: PlannedCheck, *, patch: bool = False, torchrun_world: int
     from cpdoctor.examinations.attention.judge import check_command
     from cpdoctor.examinations.attention.request import build_request
 
-    if check.kind == "peer":
+    if check.kind is Kind.PEER:
         flags = " --causal" if check.fields.get("causal") else ""
         command = f"cpdoctor check --impl {check.fields['impl']} --ring {check.fields['ring']}{flags}"
     else:

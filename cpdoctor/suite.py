@@ -21,6 +21,7 @@ from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations import registry
+from cpdoctor.vocabulary import Kind
 
 SUITES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suites")
 
@@ -30,7 +31,7 @@ class Suite:
     name: str
     description: str
     source: str
-    checks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    checks: list[tuple[Kind, dict[str, Any]]] = field(default_factory=list)
 
 
 def shipped() -> dict[str, str]:
@@ -74,25 +75,27 @@ def load(name_or_path: str) -> Suite:
     for i, check in enumerate(data["checks"], 1):
         if not (isinstance(check, dict) and len(check) == 1):
             raise BadInput(f"suite {path}: check {i} must be one mapping like `attention: {{ring: 2}}`, got {check!r}")
-        ((kind, fields),) = check.items()
-        kinds = registry.suite_kinds()
-        if kind not in kinds:
-            raise BadInput(f"suite {path}: check {i}: unknown kind {kind!r} (one of {', '.join(kinds)})")
+        ((name, fields),) = check.items()
+        try:
+            kind = registry.parse_kind(name)
+        except BadInput as exc:
+            raise BadInput(f"suite {path}: check {i}: {exc}") from None
         if not isinstance(fields, dict):
             raise BadInput(f"suite {path}: check {i}: the fields of {kind} must be a mapping, got {fields!r}")
         suite.checks.append((kind, dict(fields)))
     return suite
 
 
-def build_requests(suite: Suite, patch: bool) -> list[tuple[str, Any]]:
-    """Each check as its validated, prepared request (a model check is resolved: the parent imports diffusers)."""
+def build_requests(suite: Suite, patch: bool) -> list[Any]:
+    """Each check as its validated, prepared request, the same object the CLI and the API build (a model check is
+    resolved: the parent imports diffusers); each names its kind (`request.kind`)."""
     requests = []
     for i, (kind, fields) in enumerate(suite.checks, 1):
         entry = registry.get(kind)
         if "patch" in {f.name for f in dataclasses.fields(entry.request_type)}:  # the fix concerns diffusers' code only
             fields = dict(fields, patch=bool(fields.get("patch", patch)))
         try:
-            requests.append((kind, entry.prepare(entry.build_request(**fields))))
+            requests.append(entry.prepare(entry.build_request(**fields)))
         except BadInput as exc:
             raise BadInput(f"suite {suite.source}: check {i} ({kind}): {exc}") from exc
         except TypeError as exc:  # an unknown field name

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from cpdoctor.cli import check, doctor, env, model, plan, run, step
-from cpdoctor.cli.options import JsonPath
+from cpdoctor.cli.options import JsonPath, flag
 from cpdoctor.errors import BadInput, CannotExamine
 
 app = typer.Typer(
@@ -39,10 +39,8 @@ def _print_version(value: bool) -> None:
 @app.callback(invoke_without_command=True)
 def _root(
     ctx: typer.Context,
-    version: Annotated[
-        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print cpdoctor's version and exit.")
-    ] = False,
-    patch: Annotated[bool, typer.Option("--patch", help="Without a command: also show every check with cpdoctor's fix applied.")] = False,
+    version: Annotated[bool, flag("--version", is_eager=True, callback=_print_version, help="Print cpdoctor's version and exit.")] = False,
+    patch: Annotated[bool, flag("--patch", help="Without a command: also show every check with cpdoctor's fix applied.")] = False,
     timeout: Annotated[
         float | None,
         typer.Option("--timeout", help="Without a command: seconds per launch before a rank is reported as HANG (default 300)."),

@@ -6,9 +6,11 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
-from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, Device, Emulate, JsonPath, JunitPath, MarkdownPath, Patch, Ring, Timeout, Ulysses
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, Device, Emulate, JsonPath, JunitPath, MarkdownPath, Patch, Ring, Timeout, Ulysses, flag
 from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.errors import BadInput
+from cpdoctor.vocabulary import Device as DeviceName
+from cpdoctor.vocabulary import ExaminedDType, Impl, Kernel, Variant
 
 
 def check(
@@ -18,7 +20,9 @@ def check(
         Optional[str],
         typer.Option("--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here; the default)."),
     ] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="fp32, bf16 or fp16 (default fp32; a peer's: bf16).")] = None,
+    dtype: Annotated[
+        Optional[ExaminedDType], typer.Option("--dtype", help="The dtype it computes in (default fp32; a peer's: bf16).")
+    ] = None,
     batch: Annotated[Optional[int], typer.Option("--batch", help="Batch size (default 2; a peer's: 1).")] = None,
     seq: Annotated[
         Optional[int],
@@ -28,27 +32,28 @@ def check(
     head_dim: Annotated[Optional[int], typer.Option("--head-dim", help="Head dimension (default 64; a peer's: 32).")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of the random inputs (default 0).")] = None,
     mask_pad: Annotated[Optional[int], typer.Option("--mask-pad", help="Mask out the last N keys of the sequence as padding.")] = None,
-    device: Device = "auto",
+    device: Device = DeviceName.AUTO,
     patch: Patch = False,
     emulate: Emulate = False,
     impl: Annotated[
-        str,
-        typer.Option(
-            "--impl",
-            help="Whose CP attention: diffusers (default), or a peer: ring-flash-attn, yunchang, torch (context_parallel).",
-        ),
-    ] = "diffusers",
+        Impl,
+        typer.Option("--impl", help="Whose CP attention: diffusers', or a peer's (torch: its context_parallel)."),
+    ] = Impl.DIFFUSERS,
     variant: Annotated[
-        Optional[str],
+        Optional[Variant],
         typer.Option(
             "--variant",
             help="A peer's variant: ring-flash-attn basic|zigzag|stripe|llama3, yunchang basic|zigzag|strip, torch allgather|alltoall.",
         ),
     ] = None,
     kernel: Annotated[
-        Optional[str], typer.Option("--kernel", help="A peer's attention kernel: fa (flash-attn); torch: flash, cudnn, efficient.")
+        Optional[Kernel],
+        typer.Option(
+            "--kernel",
+            help="A peer's attention kernel: ring-flash-attn fa (flash-attn); yunchang fa|torch_flash|torch_efficient; torch flash|cudnn|efficient.",
+        ),
     ] = None,
-    causal: Annotated[Optional[bool], typer.Option("--causal/--no-causal", help="A peer's causal attention (default: not causal).")] = None,
+    causal: Annotated[Optional[bool], flag("--causal/--no-causal", help="A peer's causal attention (default: not causal).")] = None,
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
@@ -68,27 +73,32 @@ def check(
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
-    layout = dict(ring=ring, ulysses=ulysses, dtype=dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=seed, device=device)
     quiet = "-" in (json_path, junit_path, markdown_path)
-    if impl != "diffusers":
+    if impl.is_peer:  # the request is built once, here, and validated by its type (None: the type's default)
         _refuse_diffusers_options(impl, backend=backend, patch=patch, mask_pad=mask_pad, repro=repro_dir)
-        request = api.request_for("peer", impl=impl, variant=variant, kernel=kernel, causal=causal, emulate=emulate, **layout)
-        with waiting(f"examining {impl}'s CP attention on {request.world_size} ranks", quiet=quiet):
-            report = api.check_peer(request, timeout_s=timeout)
+        peer = api.PeerRequest.of(
+            impl=impl, variant=variant, kernel=kernel, causal=causal, emulate=emulate, ring=ring, ulysses=ulysses,
+            dtype=dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=seed, device=device,
+        )  # fmt: skip
+        with waiting(f"examining {impl}'s CP attention on {peer.world_size} ranks", quiet=quiet):
+            report = api.examine(peer, timeout_s=timeout)
         emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
     given = [name for name, value in (("--variant", variant), ("--kernel", kernel), ("--causal", causal)) if value is not None]
     if given:
         raise BadInput(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a peer (--impl ring-flash-attn|yunchang|torch)")
-    request = api.request_for("attention", backend=backend, mask_pad=mask_pad, patch=patch, emulate=emulate, **layout)
+    request = api.AttentionRequest.of(
+        backend=backend, mask_pad=mask_pad, patch=patch, emulate=emulate, ring=ring, ulysses=ulysses,
+        dtype=dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=seed, device=device,
+    )  # fmt: skip
     with waiting(f"examining CP attention on {request.world_size} ranks", quiet=quiet):
-        report = api.check_attention(request, timeout_s=timeout)
+        report = api.examine(request, timeout_s=timeout)
     if repro_dir:
         with waiting("writing the repro; a known defect of diffusers' code: verifying its fix on a patched copy", quiet=quiet):
             write_repro_files(report, repro_dir, timeout)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
 
 
-def _refuse_diffusers_options(impl: str, **given: object) -> None:
+def _refuse_diffusers_options(impl: Impl, **given: object) -> None:
     """--backend, --patch, --mask-pad and --repro examine diffusers' code: with a peer they are bad input."""
     named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value not in (None, False)]
     if named:

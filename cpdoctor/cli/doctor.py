@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, NoReturn, Optional
 
-import typer
-
-from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, emit, waiting
 
 DOCTOR_HELP = (
@@ -125,7 +123,7 @@ def doctor(
 
 
 def doctor_command(
-    patch: Annotated[bool, typer.Option("--patch", help="Also run every check with cpdoctor's fixed CP attention, side by side.")] = False,
+    patch: Annotated[bool, flag("--patch", help="Also run every check with cpdoctor's fixed CP attention, side by side.")] = False,
     timeout: LaunchTimeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,

@@ -11,6 +11,8 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from cpdoctor.cli.options import Emulate, JsonPath
+from cpdoctor.vocabulary import Device as DeviceName
+from cpdoctor.vocabulary import ProbeDType
 
 ENV_HELP = (
     "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
@@ -209,8 +211,10 @@ def markdown(report: Any) -> str:
 
 
 def env(
-    device: Annotated[str, typer.Option("--device", help="auto (this rank's CUDA device, else cpu), cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")] = "auto",
+    device: Annotated[DeviceName, typer.Option("--device", help="auto (this rank's CUDA device, else cpu), or forced.")] = DeviceName.AUTO,
+    dtype: Annotated[
+        ProbeDType, typer.Option("--dtype", help="Probe dtype: auto (bf16 on CUDA, fp32 on CPU) or forced.")
+    ] = ProbeDType.AUTO,
     json_path: JsonPath = None,
     markdown_path: Annotated[
         Optional[str],

@@ -26,8 +26,11 @@ from cpdoctor.cli.options import (
     Timeout,
     Ulysses,
     Width,
+    flag,
 )
 from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.vocabulary import Device as DeviceName
+from cpdoctor.vocabulary import ExaminedDType, Kind
 
 MODEL_HELP = (
     "Run a real diffusers model class through its own enable_parallelism (ring / Ulysses) on every rank, forward "
@@ -139,7 +142,7 @@ def model(
     ring: Ring = None,
     ulysses: Ulysses = None,
     backend: Backend = "auto",
-    dtype: Dtype = "fp32",
+    dtype: Dtype = ExaminedDType.FP32,
     height: Height = None,
     width: Width = None,
     text_len: TextLen = None,
@@ -147,7 +150,7 @@ def model(
     batch: Batch = 1,
     seed: Seed = 0,
     mask_pad: MaskPad = 0,
-    device: Device = "auto",
+    device: Device = DeviceName.AUTO,
     patch: Patch = False,
     revision: Annotated[
         Optional[str], typer.Option("--revision", help="Hub id only: branch, tag or commit in the local Hugging Face cache (default main).")
@@ -157,11 +160,11 @@ def model(
     ] = None,
     download: Annotated[
         bool,
-        typer.Option("--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."),
+        flag("--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."),
     ] = False,
     allow_pickle: Annotated[
         bool,
-        typer.Option(
+        flag(
             "--allow-pickle",
             help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only).",
         ),
@@ -183,7 +186,7 @@ def model(
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
     request = api.request_for(
-        "model",
+        Kind.MODEL,
         model=model_name,
         ring=ring,
         ulysses=ulysses,

@@ -1,25 +1,38 @@
 """Every option the commands share, declared once as a typer `Annotated` alias (typer's own style:
 docs_src/options/help/tutorial001_an_py310.py): a command names the alias and its default, so the flag, its
-help text and its type cannot drift between `check`, `model`, `run`, `doctor`, `env`, `plan` and `step`."""
+help text and its type cannot drift between `check`, `model`, `run`, `doctor`, `env`, `plan` and `step`.
+
+Choices are the vocabulary's enums (cpdoctor/vocabulary.py; typer's docs: parameter-types/enum), so `--help` lists
+them and typer refuses any other word before a command runs (exit 2, in typer's words). A flag's type column is
+empty (`flag`): rich help would otherwise print `<bool>` after every switch, which takes no value."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+
+from cpdoctor.vocabulary import Device as DeviceName
+from cpdoctor.vocabulary import ExaminedDType
+
+
+def flag(*names: str, **settings: Any) -> Any:
+    """A typer.Option for a switch (`--patch`, `--causal/--no-causal`): no value, so no type in `--help`."""
+    return typer.Option(*names, metavar="", **settings)
+
 
 Ring = Annotated[Optional[int], typer.Option("--ring", help="Ring degree (default 2, or 1 when only --ulysses is given).")]
 Ulysses = Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree (default 1).")]
 Backend = Annotated[str, typer.Option("--backend", help="diffusers attention backend, or auto (best CP-capable one that runs here).")]
-Dtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")]
+Dtype = Annotated[ExaminedDType, typer.Option("--dtype", help="The dtype the examination computes in.")]
 Batch = Annotated[int, typer.Option("--batch", help="Batch size.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the random inputs (and of a tiny model's weights).")]
 MaskPad = Annotated[int, typer.Option("--mask-pad", help="Mask out the last N keys (text tokens for a model) as padding.")]
-Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
-Patch = Annotated[bool, typer.Option("--patch", help="Examine, apply cpdoctor's fixed CP attention, examine again.")]
+Device = Annotated[DeviceName, typer.Option("--device", help="auto (a GPU per rank when there are enough, else the CPU), or forced.")]
+Patch = Annotated[bool, flag("--patch", help="Examine, apply cpdoctor's fixed CP attention, examine again.")]
 Emulate = Annotated[
     bool,
-    typer.Option(
+    flag(
         "--emulate",
         help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
     ),

@@ -11,7 +11,7 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
-from cpdoctor.cli.options import JsonPath, MarkdownPath
+from cpdoctor.cli.options import JsonPath, MarkdownPath, flag
 
 PLAN_HELP = (
     "Measure every tensor diffusers splits for context parallelism (from the model's own _cp_plan and forward, "
@@ -139,7 +139,7 @@ def plan(
     ring: Annotated[int, typer.Option("--ring", help="ring degree")] = 1,
     ulysses: Annotated[int, typer.Option("--ulysses", help="Ulysses degree")] = 1,
     frames: Annotated[Optional[int], typer.Option("--frames", help="video frames, video models only (default: the pipeline's)")] = None,
-    list_models_: Annotated[bool, typer.Option("--list", help="list the models cpdoctor can plan and exit")] = False,
+    list_models_: Annotated[bool, flag("--list", help="list the models cpdoctor can plan and exit")] = False,
     json_out: JsonPath = None,
     markdown_out: MarkdownPath = None,
 ) -> NoReturn:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
-from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath
+from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, console, emit, waiting
 
 
@@ -46,12 +46,12 @@ def render_suite(report: Any, out: Any) -> None:
 
 def run(
     suite: Annotated[Optional[str], typer.Argument(help="A shipped suite name (see --list) or a YAML file.")] = None,
-    patch: Annotated[bool, typer.Option("--patch", help="Run every check before and after cpdoctor's fixed CP attention.")] = False,
+    patch: Annotated[bool, flag("--patch", help="Run every check before and after cpdoctor's fixed CP attention.")] = False,
     timeout: LaunchTimeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
-    list_suites: Annotated[bool, typer.Option("--list", help="List the shipped suites and exit.")] = False,
+    list_suites: Annotated[bool, flag("--list", help="List the shipped suites and exit.")] = False,
 ) -> NoReturn:
     """Run a suite of examinations; checks of the same kind and world size share one launch.
     Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input (a malformed suite too), 3 cannot examine."""

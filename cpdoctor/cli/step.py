@@ -9,6 +9,8 @@ import typer
 
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, Device, JsonPath, JunitPath, MarkdownPath, Timeout
 from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.vocabulary import Device as DeviceName
+from cpdoctor.vocabulary import Reference
 
 
 def step(
@@ -21,8 +23,8 @@ def step(
     ] = None,
     ulysses: Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree handed to it (default 1).")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size handed to it (default 1).")] = None,
-    device: Device = "auto",
-    reference: Annotated[str, typer.Option("--reference", help="Precision of the one-process recomputation: fp64 or fp32.")] = "fp64",
+    device: Device = DeviceName.AUTO,
+    reference: Annotated[Reference, typer.Option("--reference", help="Precision of the one-process recomputation.")] = Reference.FP64,
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,

@@ -1,7 +1,8 @@
 """The one shape of every launched examination: a request, its cases, what every rank runs, what rank 0
 evaluates (numbers only), and the finding the numbers turn into. attention, model and the others are entries
-(registry.py); the CLI, the Python API and suites reach them by kind only, and a launch Job carries the entry
-itself as its program (launch/ never looks an examination up)."""
+(registry.py); a request names its kind (`request.kind`, a `vocabulary.Kind`), the CLI, the Python API and
+suites build the same request objects and reach the entry through it, and a launch Job carries the entry itself
+as its program (launch/ never looks an examination up)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from cpdoctor.errors import Unsupported
 from cpdoctor.examinations import judging
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.report import Finding
+from cpdoctor.vocabulary import Kind
 
 
 class Examination:
     """Base of every launched examination. A subclass sets `kind` and `request_type` and implements
     `run_rank`, `evaluate`, `finding` and `describe`; the rest has defaults that fit most."""
 
-    kind: str = ""
+    kind: Kind
     request_type: type = object
     in_suites: bool = True
     """Whether YAML suites and the API may name this kind (internal examinations say False)."""
@@ -29,9 +31,9 @@ class Examination:
         return self.request_type.from_dict({k: v for k, v in fields.items() if v is not None}).validate()
 
     def prepare(self, request: Any) -> Any:
-        """Receives a validated request; returns it with what depends on the installed software resolved
-        (default: validation only). Runs in the parent; BadInput for what cannot work."""
-        return request.validate()
+        """Receives a validated request (validated once, where it was built); returns it with what depends on the
+        installed software resolved (default: nothing does). Runs in the parent; BadInput for what cannot work."""
+        return request
 
     def unsupported_here(self, request: Any) -> Unsupported | None:
         """Receives a request; returns why nothing of it can run here, known in the parent in well under a

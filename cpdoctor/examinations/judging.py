@@ -21,8 +21,7 @@ from typing import Any, Generic, TypeVar
 from cpdoctor.errors import Unsupported, UnsupportedKind
 from cpdoctor.launch.jobs import FailureKind, RankFailure
 from cpdoctor.report import FailureEvidence, Finding, JudgedRow, TensorRow, Verdict
-
-EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7, "fp16": 2.0**-10}
+from cpdoctor.vocabulary import DType
 
 GRADS_FAR_WORSE = 10.0
 """A gradient whose error is this many times the forward's is wrong for a reason of its own."""
@@ -37,7 +36,7 @@ OTHER_BACKEND_REMEDY = "pick a backend that runs on this device (`cpdoctor env` 
 
 
 def tolerance(dtype: str, baseline: float | None) -> float:
-    eps = EPS[dtype]
+    eps = DType(dtype).eps
     return 4 * eps if baseline is None else 2 * baseline + eps
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from cpdoctor.errors import Unsupported
 from cpdoctor.launch.jobs import CaseNumbers
 from cpdoctor.report.numbers import Comparison, TensorRow
+from cpdoctor.vocabulary import DType
 
 
 @dataclass
@@ -28,9 +29,8 @@ class Measurement(CaseNumbers):
 
 
 def torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[name]
+    """The torch dtype of a dtype's name or member (vocabulary.DType)."""
+    return DType(name).torch
 
 
 def compare(x: Any, ref: Any) -> Comparison:

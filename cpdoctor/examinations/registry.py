@@ -7,26 +7,43 @@ import importlib
 from typing import TYPE_CHECKING
 
 from cpdoctor.errors import BadInput
+from cpdoctor.vocabulary import Kind
 
 if TYPE_CHECKING:
     from cpdoctor.examinations.base import Examination
 
-ENTRIES: dict[str, str] = {
-    "attention": "cpdoctor.examinations.attention",
-    "model": "cpdoctor.examinations.model",
-    "fix_training": "cpdoctor.examinations.fix_training",
-    "peer": "cpdoctor.examinations.peer",
-    "step": "cpdoctor.examinations.step",
+ENTRIES: dict[Kind, str] = {
+    Kind.ATTENTION: "cpdoctor.examinations.attention",
+    Kind.MODEL: "cpdoctor.examinations.model",
+    Kind.FIX_TRAINING: "cpdoctor.examinations.fix_training",
+    Kind.PEER: "cpdoctor.examinations.peer",
+    Kind.STEP: "cpdoctor.examinations.step",
 }
 """kind -> the package whose `EXAMINATION` is the entry."""
 
 
-def get(kind: str) -> Examination:
-    if kind not in ENTRIES:
-        raise BadInput(f"unknown kind of examination {kind!r} (one of {', '.join(suite_kinds())})")
+def get(kind: Kind) -> Examination:
+    """The entry of a kind."""
     return importlib.import_module(ENTRIES[kind]).EXAMINATION
 
 
-def suite_kinds() -> tuple[str, ...]:
+def of(request: object) -> Examination:
+    """The entry a request is for: every request type names its `kind` (a class attribute), so the API dispatches
+    on the request's type, never on a name passed beside it."""
+    kind = getattr(type(request), "kind", None)
+    if not isinstance(kind, Kind):
+        raise BadInput(f"not an examination's request: {type(request).__name__}")
+    return get(kind)
+
+
+def parse_kind(name: object) -> Kind:
+    """A suite's word for a kind as its member; BadInput naming the kinds a suite may use."""
+    for kind in suite_kinds():
+        if kind == name:
+            return kind
+    raise BadInput(f"unknown kind {name!r} (one of {', '.join(suite_kinds())})")
+
+
+def suite_kinds() -> tuple[Kind, ...]:
     """The kinds a suite or the API may name (internal probes excluded)."""
     return tuple(k for k in ENTRIES if get(k).in_suites)

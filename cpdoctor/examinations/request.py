@@ -9,9 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from cpdoctor.errors import BadInput
-
-DTYPES = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
+from cpdoctor.vocabulary import Device, DType, Word, parse
 
 R = TypeVar("R", bound="LayoutRequest")
 
@@ -30,8 +28,24 @@ def require_ints(obj: object, names: tuple[str, ...]) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
 
 
-def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
-    """The checks every request shares: CP degrees, dtype and device names (BadInput, one line)."""
+def word(cls: type[Word], value: object, what: str) -> Any:
+    """`value` as a member of the vocabulary enum `cls` (a member, or its string from a suite or the API);
+    BadInput, one line, for any other word."""
+    try:
+        return parse(cls, value, what)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def typed_words(obj: object, **enums: tuple[type[Word], str]) -> None:
+    """In a frozen request's `__post_init__`: turn the named fields into their vocabulary members (the strings of
+    a suite or a keyword call become enums once, here), BadInput for an unknown word."""
+    for name, (cls, what) in enums.items():
+        object.__setattr__(obj, name, word(cls, getattr(obj, name), what))
+
+
+def validate_layout(ring: int, ulysses: int, dtype: DType, device: Device) -> None:
+    """The checks every request shares: CP degrees, and a dtype an examination computes in (BadInput, one line)."""
     for name, value in (("ring", ring), ("ulysses", ulysses)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise BadInput(f"--{name} must be an integer, got {value!r}")
@@ -39,20 +53,19 @@ def validate_layout(ring: int, ulysses: int, dtype: str, device: str) -> None:
             raise BadInput(f"--{name} must be at least 1, got {value}")
     if ring * ulysses < 2:
         raise BadInput("context parallelism needs ring × ulysses ≥ 2 (got ring 1 × ulysses 1)")
-    if dtype not in DTYPES:
-        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if device not in DEVICES:
-        raise BadInput(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    if word(DType, dtype, "dtype") not in DType.examined():
+        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DType.examined())}")
+    word(Device, device, "device")
 
 
-def default_degrees(fields: dict[str, Any]) -> dict[str, Any]:
-    """Fill ring/ulysses left unset: ring 2, or ring 1 when only a Ulysses degree is given; Ulysses 1."""
-    ring, ulysses = fields.get("ring"), fields.get("ulysses")
+def default_degrees(obj: object) -> None:
+    """In a frozen request's `__post_init__`, the one place the degrees' defaults live: ring 2, or ring 1 when
+    only a Ulysses degree is given; Ulysses 1."""
+    ring, ulysses = obj.ring, obj.ulysses
     if ring is None:
-        fields["ring"] = 1 if ulysses not in (None, 1) else 2
+        object.__setattr__(obj, "ring", 1 if ulysses not in (None, 1) else 2)
     if ulysses is None:
-        fields["ulysses"] = 1
-    return fields
+        object.__setattr__(obj, "ulysses", 1)
 
 
 @dataclass(frozen=True)
@@ -61,14 +74,29 @@ class LayoutRequest:
 
     label = "request"  # "attention-request", "model-request": named in the unknown-keys error
 
-    ring: int = 2
-    ulysses: int = 1
+    ring: int = None  # type: ignore[assignment]  # None: 2, or 1 when only ulysses is given (default_degrees)
+    ulysses: int = None  # type: ignore[assignment]  # None: 1
     backend: str = "auto"
-    dtype: str = "fp32"
+    dtype: DType = DType.FP32
     seed: int = 0
     mask_pad: int = 0
-    device: str = "auto"
+    device: Device = Device.AUTO
     patch: bool = False
+
+    def __post_init__(self) -> None:
+        typed_words(self, dtype=(DType, "dtype"), device=(Device, "device"))
+        default_degrees(self)
+
+    @classmethod
+    def of(cls: type[R], **given: Any) -> R:
+        """The validated request from keyword fields, None meaning the default: how the CLI, the API and suites
+        build one (validated here, once; the ranks and the registry take it as it is)."""
+        return cls.from_dict({k: v for k, v in given.items() if v is not None}).validate()
+
+    def validate(self: R) -> R:
+        """BadInput (one line, exit 2) for anything wrong with the fields; returns the request."""
+        self.validate_common()
+        return self
 
     @property
     def world_size(self) -> int:

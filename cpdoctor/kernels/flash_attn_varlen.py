@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from cpdoctor.kernels import standins as _s
+from cpdoctor.vocabulary import HALF, DType
 
 _require_emulation = _s.flash_attn_require_emulation
 _unsupported = _s.flash_attn_unsupported
@@ -52,7 +53,7 @@ def _check(cond: bool, message: str) -> None:
 
 def varlen_checks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
     """mha_varlen_fwd / mha_varlen_bwd's TORCH_CHECKs, in their order and wording (flash_api.cpp v2.7.4)."""
-    _check(q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type")
+    _check(DType.of_torch(q.dtype) in HALF, "FlashAttention only support fp16 and bf16 data type")
     _check(k.dtype == q.dtype, "query and key must have the same dtype")
     _check(v.dtype == q.dtype, "query and value must have the same dtype")
     _check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")

@@ -35,12 +35,14 @@ from typing import Any
 
 import torch
 
+from cpdoctor.vocabulary import ALL, HALF, DType
+
 __all__ = ["install", "uninstall", "installed", "flash_attn_path", "activate", "ATEN_OPS", "FLASH_ATTN_VERSION"]
 
 FLASH_ATTN_VERSION = "2.6.3+cpdoctor.standin"
 """What `importlib.metadata.version("flash_attn")` says with the stand-in on sys.path (diffusers requires >= 2.6.3)."""
 
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = tuple(dtype.torch for dtype in HALF)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -395,7 +397,7 @@ def sdpa_cudnn_backward(
 
 
 def _efficient_checks(q, k, v) -> None:  # bshd
-    _check(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"mem-efficient attention: unsupported dtype {q.dtype}")
+    _check(DType.of_torch(q.dtype) in ALL, f"mem-efficient attention: unsupported dtype {q.dtype}")
     _check(k.dtype == q.dtype and v.dtype == q.dtype, "query, key and value must have the same dtype")
     _check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, "query, key and value must be 4-D")
     _check(q.size(0) == k.size(0) and q.size(3) == k.size(3), "query and key must have the same batch size and head_dim")

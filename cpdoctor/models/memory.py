@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cpdoctor.vocabulary import DType
+
 GiB = 1024**3
-BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 ACT_ELEMENTS_PER_TOKEN = 24
 PROCESS_OVERHEAD = int(0.6 * GiB)
 """Resident memory of a rank before any model: Python, torch, diffusers, gloo (measured ~0.5 GiB here)."""
@@ -114,18 +115,18 @@ def gib(n: int) -> str:
 
 
 def activations(sizes: Sizes, dtype: str, tokens: int) -> int:
-    return (sizes.blocks + 1) * ACT_ELEMENTS_PER_TOKEN * sizes.batch * tokens * sizes.hidden * BYTES[dtype]
+    return (sizes.blocks + 1) * ACT_ELEMENTS_PER_TOKEN * sizes.batch * tokens * sizes.hidden * DType(dtype).bytes
 
 
 def cp_rank(sizes: Sizes) -> Part:
-    b = BYTES[sizes.dtype]
+    b = DType(sizes.dtype).bytes
     local = -(-sizes.tokens // sizes.world)
     return Part(sizes.params * b, sizes.params * b, activations(sizes, sizes.dtype, local), other=4 * sizes.params)
 
 
 def single(sizes: Sizes, dtype: str) -> Part:
     """One process, all tokens, in `dtype` (the baseline, or the reference), with its flat fp32 gradients."""
-    b = BYTES[dtype]
+    b = DType(dtype).bytes
     return Part(sizes.params * b, sizes.params * b, activations(sizes, dtype, sizes.tokens), other=4 * sizes.params)
 
 
@@ -133,7 +134,7 @@ def plan(
     sizes: Sizes, available: int | None, blocks_by_stack: dict[str, int] | None = None, reference_dtype: str | None = None
 ) -> MemoryPlan:
     """The plan at these sizes; the reference in fp64 when that fits, else fp32 (unless `reference_dtype`)."""
-    for ref_dtype in [reference_dtype] if reference_dtype else ["fp64", "fp32"]:
+    for ref_dtype in [reference_dtype] if reference_dtype else DType.references():
         per_rank = cp_rank(sizes)
         base = single(sizes, sizes.dtype)
         ref = single(sizes, ref_dtype)

@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-HALF_DTYPES = ("bf16", "fp16")
+from cpdoctor.vocabulary import DType
+
 SLOW_HALF_FACTOR = 8.0
 """A half dtype this many times slower than fp32 is worth a warning: fp32 finds the same defects sooner."""
 PROBE_BUDGET_S = 0.025
 """The probe grows its matrices (128, 256, ... 1024) while the next size would stay within this, per dtype."""
-TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def measure(dtype: str, budget_s: float = PROBE_BUDGET_S) -> Throughput:
     would still fit `budget_s` (the smaller ones warm the kernels up)."""
     import torch
 
-    tdtype = getattr(torch, TORCH_DTYPES[dtype])
+    tdtype = DType(dtype).torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -66,7 +66,7 @@ def _timed(a: Any, b: Any) -> float:
 
 def slow_half_warning(dtype: str, half_gflops: float, fp32_gflops: float) -> str | None:
     """The warning to print before a `dtype` examination when this CPU runs it far slower than fp32; None when not."""
-    if dtype not in HALF_DTYPES or fp32_gflops < SLOW_HALF_FACTOR * half_gflops:
+    if not DType(dtype).is_half or fp32_gflops < SLOW_HALF_FACTOR * half_gflops:
         return None
     return (
         f"{dtype} is {fp32_gflops / max(half_gflops, 1e-9):.0f}× slower than fp32 on this CPU ({half_gflops:.3g} against "
@@ -123,7 +123,7 @@ def time_plan(memory_plan: Any, rates: dict[str, Throughput] | None = None) -> T
     """The time plan of a model examination with this memory plan (memory.MemoryPlan), measuring the rates it
     needs unless given; None where no probe runs (not a half dtype, or not on the CPU)."""
     sizes = memory_plan.sizes
-    if sizes.dtype not in HALF_DTYPES or sizes.device != "cpu":
+    if not DType(sizes.dtype).is_half or sizes.device != "cpu":
         return None
     wanted = dict.fromkeys([sizes.dtype, "fp32", memory_plan.reference_dtype])
     rates = rates if rates is not None else {d: measure(d) for d in wanted}

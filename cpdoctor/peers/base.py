@@ -10,33 +10,27 @@ torch (the parent answers "not installed" and "refused" without it) or any peer 
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpdoctor.errors import BadInput
+from cpdoctor import vocabulary
+from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
 from cpdoctor.peers.layouts import Layout
 from cpdoctor.peers.source import SourceLine, package_root
+from cpdoctor.vocabulary import DType, Impl
 
 EXTRA = "cpdoctor[peers]"
 """The optional extra that installs every peer at the version CI tests (pyproject.toml)."""
 
 
-class Impl(enum.Enum):
-    """The CP attention implementations cpdoctor examines besides diffusers' own (kind "attention")."""
-
-    RING_FLASH_ATTN = "ring-flash-attn"
-    YUNCHANG = "yunchang"
-    TORCH = "torch"
-
-    @classmethod
-    def parse(cls, name: str) -> Impl:
-        for impl in cls:
-            if impl.value == name:
-                return impl
-        known = ", ".join(["diffusers"] + [i.value for i in cls])
-        raise BadInput(f"unknown --impl {name!r} (one of {known})")
+def parse_impl(name: object) -> Impl:
+    """The peer implementation named (an `Impl`, or its string from a suite or the API); BadInput for diffusers'
+    own (kind "attention", not a peer) and for any other word."""
+    for impl in Impl.peers():
+        if impl == name:
+            return impl
+    raise BadInput(f"unknown --impl {name!r} (one of {', '.join(Impl.names())})")
 
 
 @dataclass(frozen=True)
@@ -44,7 +38,7 @@ class Variant:
     """One algorithm of a peer: its token layout, the causal values it accepts (`refuses` is where its own code
     says no to the others), whether it returns the LSE, and whether its inputs are packed varlen."""
 
-    name: str
+    name: vocabulary.Variant
     layout: Layout
     causal: tuple[bool, ...] = (False, True)
     refuses: SourceLine | None = None
@@ -61,8 +55,8 @@ class Variant:
 class Kernel:
     """A block kernel a peer calls per ring step, the dtypes it takes and the CPU stand-in that replaces it."""
 
-    name: str
-    dtypes: tuple[str, ...]
+    name: vocabulary.Kernel
+    dtypes: tuple[DType, ...]
     standin: str
     refuses_dtype: str = ""
     no_backward: SourceLine | None = None
@@ -92,13 +86,15 @@ class PeerSpec:
             return "pip install torch"
         return f"pip install --no-deps {self.distribution}=={self.version}  (or pip install '{EXTRA}')"
 
-    def variant(self, name: str) -> Variant:
+    def variant(self, name: object) -> Variant:
+        """The variant named (its `vocabulary.Variant`, or the string); BadInput when this peer has none such."""
         for v in self.variants:
             if v.name == name:
                 return v
         raise BadInput(f"{self.impl.value} has no variant {name!r} (its variants: {', '.join(v.name for v in self.variants)})")
 
-    def kernel(self, name: str) -> Kernel:
+    def kernel(self, name: object) -> Kernel:
+        """The block kernel named (its `vocabulary.Kernel`, or the string); BadInput when this peer has none such."""
         for k in self.kernels:
             if k.name == name:
                 return k
@@ -124,8 +120,8 @@ class RunShape:
     ulysses: int
     rank: int
     causal: bool
-    variant: str
-    kernel: str
+    variant: vocabulary.Variant
+    kernel: vocabulary.Kernel
     scale: float | None = None
 
     @property
@@ -155,6 +151,11 @@ class PeerOutputs:
         return getattr(self, name)
 
 
+def refused(message: str) -> Unsupported:
+    """A request the peer's own code refuses (an assert, a shape it cannot split): its reason, typed."""
+    return Unsupported(UnsupportedKind.REFUSED_BY_RELEASE, message)
+
+
 class Adapter(ABC):
     """One peer implementation. The parent uses `spec`, `refusal` and `installed`; ranks use `run` and rank 0
     uses `single_process` (the same kernel without CP: the baseline the tolerance is built from)."""
@@ -165,22 +166,24 @@ class Adapter(ABC):
         return self.spec.bundled or package_root(self.spec.module) is not None
 
     def refusal(
-        self, variant: Variant, kernel: Kernel, causal: bool, dtype: str, ring: int, ulysses: int, seq: int, heads: int
-    ) -> str | None:
-        """The peer's own reason to refuse this request (None: it accepts it). The shared checks; an adapter
-        adds its own (degrees it cannot split) by overriding `degree_refusal`."""
+        self, variant: Variant, kernel: Kernel, causal: bool, dtype: DType, ring: int, ulysses: int, seq: int, heads: int
+    ) -> Unsupported | None:
+        """The peer's own reason to refuse this request (None: it accepts it), typed like every other refusal. The
+        shared checks; an adapter adds its own (degrees it cannot split) by overriding `degree_refusal`."""
         if causal not in variant.causal:
             where = variant.refuses.read() if variant.refuses is not None else None
             reason = where.text if where is not None else f"{variant.name} accepts causal={variant.causal[0]} only"
             at = f" ({where.location})" if where is not None and where.location else ""
-            return f"{self.spec.impl.value} {variant.name} refuses causal={causal}: {reason!r}{at}"
+            return refused(f"{self.spec.impl.value} {variant.name} refuses causal={causal}: {reason!r}{at}")
         if dtype not in kernel.dtypes:
-            return f"{self.spec.impl.value} with kernel {kernel.name} refuses {dtype}: {kernel.refuses_dtype or 'dtypes ' + ', '.join(kernel.dtypes)}"
+            why = kernel.refuses_dtype or "dtypes " + ", ".join(kernel.dtypes)
+            return Unsupported(UnsupportedKind.DOES_NOT_RUN, f"{self.spec.impl.value} with kernel {kernel.name} refuses {dtype}: {why}")
         if ulysses > 1 and not self.spec.has_ulysses:
-            return f"{self.spec.impl.value} has no Ulysses degree (ring attention only): use --ulysses 1"
+            return refused(f"{self.spec.impl.value} has no Ulysses degree (ring attention only): use --ulysses 1")
         return self.degree_refusal(variant, causal, ring, ulysses, seq, heads)
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> str | None:
+    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
+        """The adapter's own refusal of these degrees and this length (None: it takes them)."""
         return None
 
     def layout(self, variant: Variant, causal: bool, seq: int, world: int) -> Layout:

@@ -16,15 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpdoctor.peers.base import Adapter, Impl, Kernel, PeerOutputs, PeerSpec, RunShape, Variant
+from cpdoctor.errors import Unsupported
+from cpdoctor.peers.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
 from cpdoctor.peers.layouts import Layout
 from cpdoctor.peers.source import SourceLine
+from cpdoctor.vocabulary import HALF, Impl
+from cpdoctor.vocabulary import Kernel as K
+from cpdoctor.vocabulary import Variant as V
 
 MODULE = "ring_flash_attn"
 
 FLASH_ATTN = Kernel(
-    "fa",
-    ("bf16", "fp16"),
+    K.FA,
+    HALF,
     "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)",
     refuses_dtype="'FlashAttention only support fp16 and bf16 data type' (flash-attn's mha_fwd, csrc/flash_attn/flash_api.cpp)",
     package="flash_attn",
@@ -36,23 +40,23 @@ SPEC = PeerSpec(
     module=MODULE,
     version="0.1.8",
     variants=(
-        Variant("basic", Layout.CONTIGUOUS, source="ring_flash_attn.py"),
+        Variant(V.BASIC, Layout.CONTIGUOUS, source="ring_flash_attn.py"),
         Variant(
-            "zigzag",
+            V.ZIGZAG,
             Layout.ZIGZAG,
             causal=(True,),
             source="zigzag_ring_flash_attn.py",
             refuses=SourceLine(MODULE, "zigzag_ring_flash_attn.py", r'assert causal == True, "([^"]+)"'),
         ),
         Variant(
-            "stripe",
+            V.STRIPE,
             Layout.STRIPE,
             causal=(True,),
             source="stripe_flash_attn.py",
             refuses=SourceLine(MODULE, "stripe_flash_attn.py", r'assert \(\s*causal\s*\),\s*"([^"]+)"'),
         ),
         Variant(
-            "llama3",
+            V.LLAMA3,
             Layout.VARLEN,
             varlen=True,
             note="packed sequences of uneven lengths (varlen cu_seqlens)",
@@ -62,7 +66,7 @@ SPEC = PeerSpec(
     kernels=(FLASH_ATTN,),
 )
 
-FUNCS = {"basic": "ring_flash_attn_func", "zigzag": "zigzag_ring_flash_attn_func", "stripe": "stripe_flash_attn_func"}
+FUNCS = {V.BASIC: "ring_flash_attn_func", V.ZIGZAG: "zigzag_ring_flash_attn_func", V.STRIPE: "stripe_flash_attn_func"}
 
 ZIGZAG_SPLIT = SourceLine(MODULE, "zigzag_ring_flash_attn.py", r"(block_seq_len = q\.shape\[1\] // 2)")
 LLAMA3_SPLIT = SourceLine(MODULE, "llama3_flash_attn_varlen.py", r"(assert total_length % world_size == 0)")
@@ -76,15 +80,19 @@ def _where(line: SourceLine) -> str:
 class RingFlashAttn(Adapter):
     spec = SPEC
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> str | None:
+    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         if variant.layout is Layout.ZIGZAG and seq % (2 * ring):
-            return f"ring-flash-attn zigzag needs --seq divisible by 2 × ring = {2 * ring}, got {seq}: each rank halves its shard{_where(ZIGZAG_SPLIT)}"
+            return refused(
+                f"ring-flash-attn zigzag needs --seq divisible by 2 × ring = {2 * ring}, got {seq}: each rank halves its shard{_where(ZIGZAG_SPLIT)}"
+            )
         if variant.layout is Layout.STRIPE and seq % ring:
-            return f"ring-flash-attn stripe needs --seq divisible by ring = {ring}, got {seq}"
+            return refused(f"ring-flash-attn stripe needs --seq divisible by ring = {ring}, got {seq}")
         if variant.varlen and seq % ring:
-            return f"ring-flash-attn llama3 needs the packed length divisible by the world size {ring}, got {seq}{_where(LLAMA3_SPLIT)}"
+            return refused(
+                f"ring-flash-attn llama3 needs the packed length divisible by the world size {ring}, got {seq}{_where(LLAMA3_SPLIT)}"
+            )
         if seq % ring:
-            return f"--seq {seq} does not divide by ring {ring}"
+            return refused(f"--seq {seq} does not divide by ring {ring}")
         return None
 
     def run(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, mesh: Any = None, extra: Any = None) -> PeerOutputs:
@@ -92,7 +100,7 @@ class RingFlashAttn(Adapter):
 
         rfa, shim = import_ring_flash_attn()
         q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        if shape.variant == "llama3":
+        if shape.variant is V.LLAMA3:
             out, lse = self._llama3(rfa, shape, q, k, v, extra)
         else:
             out, lse, _ = getattr(rfa, FUNCS[shape.variant])(
@@ -126,7 +134,7 @@ class RingFlashAttn(Adapter):
         from flash_attn import flash_attn_func, flash_attn_varlen_func
 
         q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        if shape.variant == "llama3":
+        if shape.variant is V.LLAMA3:
             lengths = extra[1:] - extra[:-1]
             m = int(lengths.max())
             out, lse, _ = flash_attn_varlen_func(

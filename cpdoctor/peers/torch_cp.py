@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpdoctor.peers.base import Adapter, Impl, Kernel, PeerOutputs, PeerSpec, RunShape, Variant
+from cpdoctor.errors import Unsupported
+from cpdoctor.peers.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
 from cpdoctor.peers.layouts import Layout
+from cpdoctor.vocabulary import HALF, DType, Impl
+from cpdoctor.vocabulary import Kernel as K
+from cpdoctor.vocabulary import Variant as V
 
-_HALF = ("bf16", "fp16")
 SOURCE = "distributed/tensor/experimental/_context_parallel/_attention.py"
 
 SPEC = PeerSpec(
@@ -27,19 +30,19 @@ SPEC = PeerSpec(
     module="torch",
     version="(the installed torch)",
     variants=(
-        Variant("allgather", Layout.HEAD_TAIL, exposes_lse=False, note="K/V all-gathered (torch's default rotate method)", source=SOURCE),
-        Variant("alltoall", Layout.HEAD_TAIL, exposes_lse=False, note="K/V passed round the ring", source=SOURCE),
+        Variant(V.ALLGATHER, Layout.HEAD_TAIL, exposes_lse=False, note="K/V all-gathered (torch's default rotate method)", source=SOURCE),
+        Variant(V.ALLTOALL, Layout.HEAD_TAIL, exposes_lse=False, note="K/V passed round the ring", source=SOURCE),
     ),
     kernels=(
-        Kernel("flash", _HALF, "cpdoctor's aten flash stand-in", refuses_dtype="'FlashAttention only support fp16 and bf16 data type'"),
-        Kernel("cudnn", _HALF, "cpdoctor's aten cuDNN stand-in", refuses_dtype="cuDNN attention takes fp16 and bf16 only"),
-        Kernel("efficient", ("fp32", "bf16", "fp16"), "cpdoctor's aten efficient stand-in"),
+        Kernel(K.FLASH, HALF, "cpdoctor's aten flash stand-in", refuses_dtype="'FlashAttention only support fp16 and bf16 data type'"),
+        Kernel(K.CUDNN, HALF, "cpdoctor's aten cuDNN stand-in", refuses_dtype="cuDNN attention takes fp16 and bf16 only"),
+        Kernel(K.EFFICIENT, (DType.FP32, *HALF), "cpdoctor's aten efficient stand-in"),
     ),
     bundled=True,
     shards_itself=True,
 )
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+SDPA_BACKENDS = {K.FLASH: "FLASH_ATTENTION", K.CUDNN: "CUDNN_ATTENTION", K.EFFICIENT: "EFFICIENT_ATTENTION"}
 
 
 class TorchContextParallel(Adapter):
@@ -50,9 +53,9 @@ class TorchContextParallel(Adapter):
         `_create_default_load_balancer`), contiguous otherwise."""
         return Layout.HEAD_TAIL if causal and seq % (2 * world) == 0 else Layout.CONTIGUOUS
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> str | None:
+    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         if seq % ring:
-            return f"torch context_parallel shards the sequence evenly: --seq {seq} does not divide by {ring} ranks"
+            return refused(f"torch context_parallel shards the sequence evenly: --seq {seq} does not divide by {ring} ranks")
         return None
 
     def run(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, mesh: Any = None, extra: Any = None) -> PeerOutputs:
@@ -67,7 +70,7 @@ class TorchContextParallel(Adapter):
         from cpdoctor.peers.shims import cuda_sdpa_routing, sdpa_routing_shim
 
         bufs = [t.transpose(1, 2).contiguous().clone() for t in (q, k, v, dout)]
-        cp.set_rotate_method(shape.variant)
+        cp.set_rotate_method(shape.variant.value)
         old = cp._cp_options.enable_load_balance
         cp._cp_options.enable_load_balance = shape.causal
         on_cpu = bufs[0].device.type == "cpu"

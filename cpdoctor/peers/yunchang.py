@@ -15,17 +15,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cpdoctor.errors import Unsupported
 from cpdoctor.memo import Memo
-from cpdoctor.peers.base import Adapter, Impl, Kernel, PeerOutputs, PeerSpec, RunShape, Variant
+from cpdoctor.peers.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
 from cpdoctor.peers.layouts import Layout
 from cpdoctor.peers.source import SourceLine
+from cpdoctor.vocabulary import HALF, DType, Impl
+from cpdoctor.vocabulary import Kernel as K
+from cpdoctor.vocabulary import Variant as V
 
 MODULE = "yunchang"
 
 _NO_TORCH_BACKWARD = SourceLine(
     MODULE, "kernels/attention.py", r'raise RuntimeError\("(Not implemented backward for PyTorch attention types)"\)'
 )
-_HALF = ("bf16", "fp16")
 _FA_REFUSES = "'FlashAttention only support fp16 and bf16 data type' (flash-attn's mha_fwd, csrc/flash_attn/flash_api.cpp)"
 
 SPEC = PeerSpec(
@@ -34,9 +37,9 @@ SPEC = PeerSpec(
     module=MODULE,
     version="0.6.4",
     variants=(
-        Variant("basic", Layout.CONTIGUOUS, exposes_lse=False, source="ring/ring_flash_attn.py"),
+        Variant(V.BASIC, Layout.CONTIGUOUS, exposes_lse=False, source="ring/ring_flash_attn.py"),
         Variant(
-            "zigzag",
+            V.ZIGZAG,
             Layout.ZIGZAG,
             causal=(True,),
             exposes_lse=False,
@@ -44,7 +47,7 @@ SPEC = PeerSpec(
             refuses=SourceLine(MODULE, "ring/zigzag_ring_flash_attn.py", r'assert causal == True, "([^"]+)"'),
         ),
         Variant(
-            "strip",
+            V.STRIP,
             Layout.STRIPE,
             causal=(True,),
             exposes_lse=False,
@@ -52,7 +55,7 @@ SPEC = PeerSpec(
             refuses=SourceLine(MODULE, "ring/stripe_flash_attn.py", r'assert \(\s*causal\s*\),\s*"([^"]+)"'),
         ),
         Variant(
-            "basic_pytorch",
+            V.BASIC_PYTORCH,
             Layout.CONTIGUOUS,
             exposes_lse=False,
             note="yunchang's ring over its PyTorch kernels",
@@ -62,14 +65,14 @@ SPEC = PeerSpec(
     ),
     kernels=(
         Kernel(
-            "fa",
-            _HALF,
+            K.FA,
+            HALF,
             "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)",
             refuses_dtype=_FA_REFUSES,
             package="flash_attn",
         ),
-        Kernel("torch_flash", _HALF, "cpdoctor's aten flash stand-in", no_backward=_NO_TORCH_BACKWARD),
-        Kernel("torch_efficient", ("fp32", "bf16", "fp16"), "cpdoctor's aten efficient stand-in", no_backward=_NO_TORCH_BACKWARD),
+        Kernel(K.TORCH_FLASH, HALF, "cpdoctor's aten flash stand-in", no_backward=_NO_TORCH_BACKWARD),
+        Kernel(K.TORCH_EFFICIENT, (DType.FP32, *HALF), "cpdoctor's aten efficient stand-in", no_backward=_NO_TORCH_BACKWARD),
     ),
     has_ring=True,
     has_ulysses=True,
@@ -101,15 +104,15 @@ GROUPS = YunchangGroups()
 class Yunchang(Adapter):
     spec = SPEC
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> str | None:
+    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         if heads % ulysses:
-            return (
+            return refused(
                 f"yunchang's Ulysses all-to-all splits the heads: --heads {heads} does not divide by --ulysses {ulysses} "
                 "(yunchang/comm/all_to_all.py all_to_all_4D reshapes heads into (ulysses, heads/ulysses))"
             )
         step = 2 * ring * ulysses if variant.layout is Layout.ZIGZAG else ring * ulysses
         if seq % step:
-            return f"yunchang {variant.name} at ring {ring} × ulysses {ulysses} needs --seq divisible by {step}, got {seq}"
+            return refused(f"yunchang {variant.name} at ring {ring} × ulysses {ulysses} needs --seq divisible by {step}, got {seq}")
         return None
 
     def run(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, mesh: Any = None, extra: Any = None) -> PeerOutputs:
@@ -125,7 +128,7 @@ class Yunchang(Adapter):
             return PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG
 
         PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = GROUPS.get(dist.group.WORLD, shape.ring, shape.ulysses, make)
-        attn = LongContextAttention(ring_impl_type=shape.variant, attn_type=AttnType.from_string(shape.kernel))
+        attn = LongContextAttention(ring_impl_type=shape.variant.value, attn_type=AttnType.from_string(shape.kernel.value))
         q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         with self_sends_as_copies() as copies:
             out = attn(q, k, v, softmax_scale=shape.scale, causal=shape.causal)

@@ -61,6 +61,10 @@ class Finding:
     emulated: str | None = None
     """What an emulated examination examined and what it did not (every report of one says it)."""
     failure: FailureEvidence | None = None
+    environment: dict[str, Any] | None = None
+    """Where this finding's ranks ran (versions, device, process group, layout, backend, a peer's impl/variant/
+    kernel/layout), as they reported it: set where one report holds findings of several launches (a suite, the
+    doctor), whose own environment is then the machine's only. JSON `environment` of the finding."""
 
     def __post_init__(self) -> None:
         self.verdict = Verdict(self.verdict)
@@ -89,6 +93,7 @@ class Finding:
             "tensors": to_jsonable(self.tensors),
             "details": self.details(),
             "command": self.command,
+            **({"environment": to_jsonable(self.environment)} if self.environment is not None else {}),
         }
 
 

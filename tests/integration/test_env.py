@@ -149,15 +149,18 @@ def test_markdown_block():
     assert "`cpdoctor check --ring 3`" in out
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [(["--dtype", "fp64"], "unknown dtype"), (["--device", "tpu"], "unknown device"), (["--markdown", "-", "--json", "-"], "stdout")],
-)
-def test_bad_input_is_one_line_and_exit_2(args, words):
-    run = run_cli("env", *args, timeout=60)
+def test_bad_input_is_one_line_and_exit_2():
+    run = run_cli("env", "--markdown", "-", "--json", "-", timeout=60)
     assert run.code == 2, run
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], run.stderr
+    assert len(lines) == 1 and "stdout" in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("option, word", [("--dtype", "fp64"), ("--device", "tpu")])
+def test_a_word_outside_the_vocabulary_is_refused_by_the_parser(option, word):
+    run = run_cli("env", option, word, timeout=60)
+    assert run.code == 2, run
+    assert f"Invalid value for '{option}'" in run.stderr and f"'{word}' is not one of" in run.stderr, run.stderr
 
 
 def test_cuda_asked_for_without_one_cannot_examine():

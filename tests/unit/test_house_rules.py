@@ -564,3 +564,94 @@ def test_every_state_owner_is_documented():
         ]
         assert docs and all("Lifetime:" in d for d in docs), f"{rel}: {value.func.id}'s docstring does not state its lifetime"
         assert f"`{name}`" in text and rel in text, f"docs/ARCHITECTURE.md does not list {rel}'s {name}"
+
+
+DTYPE_WORDS = {"fp64", "fp32", "bf16", "fp16"}
+TORCH_DTYPES = {"float64", "float32", "bfloat16", "float16", "half", "double"}
+
+
+def dtype_tables(tree: ast.AST) -> list[int]:
+    """Lines of literal tables (dict, tuple, list, set) that spell two or more dtypes, by cpdoctor's names or as
+    torch attributes: the vocabulary (cpdoctor/vocabulary.py `DType`) is the one place that may."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            items = [k for k in node.keys if k is not None] + list(node.values)
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = list(node.elts)
+        else:
+            continue
+        words = {i.value for i in items if isinstance(i, ast.Constant) and i.value in DTYPE_WORDS}
+        attrs = {i.attr for i in items if isinstance(i, ast.Attribute) and i.attr in TORCH_DTYPES}
+        if len(words) >= 2 or len(attrs) >= 2:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_dtype_table_outside_the_vocabulary():
+    offenders = {}
+    for path in _sources("flash_attn_standin"):
+        if path.name != "vocabulary.py" or path.parent != PACKAGE:
+            found = dtype_tables(ast.parse(path.read_text()))
+            if found:
+                offenders[str(path.relative_to(PACKAGE))] = found
+    assert not offenders, f"dtype tables outside cpdoctor/vocabulary.py (file: lines): {offenders}"
+
+
+def test_the_dtype_table_rule_catches_an_offender():
+    planted = (
+        'EPS = {"fp32": 2.0**-23, "bf16": 2.0**-7}\n'
+        "HALF = (torch.float16, torch.bfloat16)\n"
+        'ok = DType("bf16").eps\n'
+        'one = "fp32" if x else "auto"\n'
+    )
+    assert dtype_tables(ast.parse(planted)) == [1, 2]
+
+
+def str_kinds(tree: ast.AST) -> list[int]:
+    """Lines where an examination's kind is a `str`: a `kind` annotated `str` (a field, a variable, a parameter)
+    or a class attribute `kind = "..."`. Kinds are `vocabulary.Kind` members, never names looked up as text."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "kind":
+            annotation = node.annotation
+        elif isinstance(node, ast.arg) and node.arg == "kind":
+            annotation = node.annotation
+        elif isinstance(node, ast.ClassDef):
+            lines += [
+                a.lineno
+                for a in node.body
+                if isinstance(a, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "kind" for t in a.targets)
+                and isinstance(a.value, ast.Constant)
+                and isinstance(a.value.value, str)
+            ]
+            continue
+        else:
+            continue
+        if annotation is not None and "str" in re.findall(r"\w+", ast.unparse(annotation)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_str_kind():
+    offenders = {}
+    for path in _sources("flash_attn_standin"):
+        found = str_kinds(ast.parse(path.read_text()))
+        if found:
+            offenders[str(path.relative_to(PACKAGE))] = found
+    assert not offenders, f"`kind: str` (file: lines): {offenders}"
+
+
+def test_the_str_kind_rule_catches_an_offender():
+    planted = (
+        "class Examination:\n"
+        '    kind: str = ""\n'
+        "class Attention(Examination):\n"
+        '    kind = "attention"\n'
+        "def get(kind: str | None) -> None: ...\n"
+        "def typed(kind: Kind) -> None: ...\n"
+        "class Fine:\n"
+        "    kind = Kind.ATTENTION\n"
+    )
+    assert sorted(str_kinds(ast.parse(planted))) == [2, 4, 5]

@@ -121,7 +121,7 @@ def test_defaults_are_the_first_variant_and_kernel():
     ],
 )
 def test_a_variant_refused_without_causal_says_the_peers_own_words(impl, variant, said, where):
-    if package_root(adapter(Impl.parse(impl)).spec.module) is None:
+    if package_root(adapter(Impl(impl)).spec.module) is None:
         pytest.skip(f"{impl} is not installed")
     with pytest.raises(BadInput) as info:
         build_request(impl=impl, variant=variant, causal=False)

@@ -9,6 +9,7 @@ import pytest
 
 from cpdoctor.errors import BadInput
 from cpdoctor.report import ExitCode, FailureEvidence, Finding, JudgedRow, Report, RunResult, Verdict, overall, render
+from cpdoctor.vocabulary import DType
 
 
 def finding(verdict: str, **kw) -> Finding:
@@ -100,5 +101,18 @@ def test_attention_checks_validate_without_launching(tmp_path):
     with pytest.raises(BadInput, match="check 1 \\(attention\\): --seq 511 does not divide"):
         suite.build_requests(loaded, patch=False)
     loaded = suite.load(_suite(tmp_path, "checks:\n  - attention: {ring: 3, mask_pad: 3}\n"))
-    ((kind, req),) = suite.build_requests(loaded, patch=True)
-    assert kind == "attention" and req.seq == 513 and req.patch is True
+    (req,) = suite.build_requests(loaded, patch=True)
+    assert req.kind == "attention" and req.seq == 513 and req.patch is True
+
+
+def test_a_finding_keeps_the_environment_it_ran_in_and_a_suite_report_the_machines():
+    from cpdoctor.api import PER_CHECK
+    from cpdoctor.report import Finding
+
+    plain = Finding("ring 2", Verdict.PASS, "fine")
+    assert "environment" not in plain.to_dict()  # a single examination's findings: the report's says it all
+    ran = {"torch": "2.9", "world_size": 2, "impl": "torch 2.9", "variant": "allgather", "dtype": DType.BF16}
+    peer = Finding("torch ring 2", Verdict.PASS, "fine", environment=ran)
+    assert peer.to_dict()["environment"] == {"torch": "2.9", "world_size": 2, "impl": "torch 2.9", "variant": "allgather", "dtype": "bf16"}
+    assert {"impl", "variant", "kernel", "layout", "backend", "world_size"} <= set(PER_CHECK)
+    assert not {"torch", "diffusers", "python", "device", "process_group"} & set(PER_CHECK)

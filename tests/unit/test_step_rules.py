@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cpdoctor.examinations.step.judge import GRAD_TOLERANCE, block_of, factor_candidates, step_finding  # noqa: E402
+from cpdoctor.examinations.step.judge import block_of, factor_candidates, step_finding  # noqa: E402
 from cpdoctor.examinations.step.loss_graph import Factor, LossReading  # noqa: E402
 from cpdoctor.examinations.step.measure import (  # noqa: E402
     InputDiff,
@@ -25,8 +25,9 @@ from cpdoctor.examinations.step.measure import (  # noqa: E402
 from cpdoctor.examinations.step.readings import round_norm  # noqa: E402
 from cpdoctor.examinations.step.record import InputPrint, PeerRecord  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402
+from cpdoctor.vocabulary import DType  # noqa: E402
 
-TOL = GRAD_TOLERANCE["fp32"]
+TOL = DType.FP32.grad_tolerance
 
 
 def grads(*rows: tuple[float, float, float]) -> tuple[RankGrad, ...]:

@@ -10,10 +10,11 @@ from cpdoctor.examinations.attention.request import AttentionRequest, build_requ
 from cpdoctor.examinations.base import Examination
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.report import Finding
+from cpdoctor.vocabulary import Kind
 
 
 class AttentionExamination(Examination):
-    kind = "attention"
+    kind = Kind.ATTENTION
     request_type = AttentionRequest
 
     def build_request(self, **fields: Any) -> AttentionRequest:

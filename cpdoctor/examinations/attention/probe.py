@@ -123,7 +123,7 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.fix import patch as fix_patch
 
-    req: AttentionRequest = case.request.validate()
+    req: AttentionRequest = case.request  # validated where it was built (AttentionRequest.of)
     prepare_emulation(req)
     dispatch = compat.dispatch_module()
     fix_patch.set_patched(case.patched)

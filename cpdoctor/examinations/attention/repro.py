@@ -19,9 +19,9 @@ from typing import Any
 
 from cpdoctor.kernels import cpu_backend
 from cpdoctor.report import TENSOR_LABELS, Report, Verdict
+from cpdoctor.vocabulary import DType
 
 CPU_BACKEND = "cpdoctor_cpu"
-DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 SCRIPT = '''"""Reproduction: diffusers context-parallel attention gives wrong results ({title}).
 
@@ -228,7 +228,7 @@ def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:
         **dict(
             req,
             backend=backend,
-            dtype=DTYPES[req["dtype"]],
+            dtype=f"torch.{DType(req['dtype']).torch_name}",
             world=req["ring"] * req["ulysses"],
             title=title,
             tolerance={n: t.tolerance for n, t in finding.tensors.items()},

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import LayoutRequest, default_degrees, require_ints, validate_timeout
+from cpdoctor.examinations.request import LayoutRequest, require_ints, validate_timeout
+from cpdoctor.vocabulary import Kind
 
 __all__ = ["AttentionRequest", "DEFAULT_SEQ", "build_request", "default_seq", "validate_timeout"]
 
@@ -21,14 +22,22 @@ def default_seq(world_size: int) -> int:
 class AttentionRequest(LayoutRequest):
     """One op-level CP parity examination of diffusers' dispatch_attention_fn."""
 
+    kind = Kind.ATTENTION  # the examination this request is for (registry.of)
+
     label = "attention-request"
 
     batch: int = 2
-    seq: int = 512
+    seq: int = None  # type: ignore[assignment]  # None: 512 rounded up to divide ring × ulysses (default_seq)
     heads: int = 8
     head_dim: int = 64
     emulate: bool = False
     """Run the CUDA backends' CP code on a CPU through cpdoctor's kernel stand-ins (cpdoctor/kernels/standins.py)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.seq is None:
+            world = self.ring * self.ulysses if isinstance(self.ring, int) and isinstance(self.ulysses, int) else 1
+            object.__setattr__(self, "seq", default_seq(max(1, world)))
 
     def validate(self) -> AttentionRequest:
         self.validate_common()
@@ -52,11 +61,5 @@ class AttentionRequest(LayoutRequest):
 
 
 def build_request(**fields: object) -> AttentionRequest:
-    """An AttentionRequest from keyword fields (None = default); seq defaults to 512 rounded up to divide the
-    world size, ring to 2 (1 when only a Ulysses degree is given)."""
-    fields = default_degrees({k: v for k, v in fields.items() if v is not None})
-    if fields.get("seq") is None:
-        ring, ulysses = fields["ring"], fields["ulysses"]
-        world = ring * ulysses if isinstance(ring, int) and isinstance(ulysses, int) else 1
-        fields["seq"] = default_seq(max(1, world))
-    return AttentionRequest.from_dict(fields).validate()
+    """A validated AttentionRequest from keyword fields (None = default): `AttentionRequest.of`."""
+    return AttentionRequest.of(**fields)

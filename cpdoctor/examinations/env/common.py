@@ -1,4 +1,4 @@
-"""Small things the parts of `cpdoctor env` share: the probe shape, dtype names, a one-thread scope."""
+"""Small things the parts of `cpdoctor env` share: the probe shape, a one-thread scope."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from collections.abc import Iterator
 
 from cpdoctor.examinations.measurement import torch_dtype
 
-__all__ = ["DTYPE_NAMES", "NOT_COLLECTED", "SHAPE", "one_thread", "torch_dtype"]
+__all__ = ["NOT_COLLECTED", "SHAPE", "one_thread", "torch_dtype"]
 
-DTYPE_NAMES = ("fp32", "bf16", "fp16")
 NOT_COLLECTED = "could not collect"
 
 SHAPE = (1, 16, 2, 32)

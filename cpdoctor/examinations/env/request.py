@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cpdoctor.errors import BadInput, CannotExamine
-from cpdoctor.examinations.env.common import DTYPE_NAMES
+from cpdoctor.vocabulary import Device, DType
 
-DEVICES = ("auto", "cpu", "cuda")
+DTYPE_NAMES = DType.examined()
+DEVICES = Device.names()
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,14 @@ from typing import Any
 from cpdoctor.examinations.base import Examination
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Finding, Verdict
+from cpdoctor.vocabulary import Kind
 
 
 @dataclass(frozen=True)
 class FixTrainingRequest:
     """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive")."""
+
+    kind = Kind.FIX_TRAINING  # the examination this request is for (registry.of)
 
     ring: int = 2
     ulysses: int = 1
@@ -45,7 +48,7 @@ class FixTrainingRequest:
 
 
 class FixTrainingExamination(Examination):
-    kind = "fix_training"
+    kind = Kind.FIX_TRAINING
     request_type = FixTrainingRequest
     in_suites = False
 

@@ -14,18 +14,17 @@ from cpdoctor.errors import BadInput
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.model import judge
 from cpdoctor.examinations.model.request import ModelRequest
-from cpdoctor.examinations.request import default_degrees
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Finding
+from cpdoctor.vocabulary import Kind
 
 
 class ModelExamination(Examination):
-    kind = "model"
+    kind = Kind.MODEL
     request_type = ModelRequest
 
     def build_request(self, **fields: Any) -> ModelRequest:
-        fields = default_degrees({k: v for k, v in fields.items() if v is not None})
-        return ModelRequest.from_dict(fields).validate()
+        return ModelRequest.of(**fields)  # None: the default (ring's: default_degrees, in the dataclass)
 
     def prepare(self, request: ModelRequest) -> ModelRequest:
         """Resolve the model and fill the default shapes and the memory plan (imports diffusers: unknown names,

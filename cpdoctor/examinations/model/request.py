@@ -12,6 +12,7 @@ from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.request import LayoutRequest, require_ints
+from cpdoctor.vocabulary import DType, Kind
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class ModelRequest(LayoutRequest):
 
     `model` is a short name (flux, qwen-image, wan), a class name or a local checkpoint directory. Shapes left
     None are filled by `prepare` from the model family (small, and divisible by ring x ulysses up to 8)."""
+
+    kind = Kind.MODEL  # the examination this request is for (registry.of)
 
     label = "model-request"
 
@@ -54,7 +57,7 @@ class ModelRequest(LayoutRequest):
             raise BadInput("give a MODEL: a short name (see `cpdoctor plan --list`), a class name or a checkpoint directory")
         self.validate_common()
         require_ints(self, ("batch", "height", "width", "text_len", "frames", "blocks"))
-        if self.reference not in (None, "fp64", "fp32"):
+        if self.reference is not None and self.reference not in DType.references():
             raise BadInput(f"reference must be fp64 or fp32, got {self.reference!r}")
         if self.blocks is not None and self.blocks < 1:
             raise BadInput(f"--blocks must be at least 1, got {self.blocks}")

@@ -17,17 +17,18 @@ from cpdoctor.examinations.peer.request import PeerRequest, build_request
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.peers.source import peer_frame
 from cpdoctor.report import Finding
+from cpdoctor.vocabulary import Kind
 
 
 class PeerExamination(Examination):
-    kind = "peer"
+    kind = Kind.PEER
     request_type = PeerRequest
 
     def build_request(self, **fields: Any) -> PeerRequest:
         return build_request(**fields)
 
     def prepare(self, request: PeerRequest) -> PeerRequest:
-        return request.validate()
+        return request  # validated where it was built (PeerRequest.of): nothing depends on the installed software
 
     def unsupported_here(self, request: PeerRequest) -> Unsupported | None:
         """A peer that is not installed, or a kernel the peer has no backward for: known from the parent in well

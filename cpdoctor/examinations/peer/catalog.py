@@ -38,7 +38,7 @@ def _version(distribution: str) -> str | None:
 def installed_peers() -> list[PeerInfo]:
     """Every peer cpdoctor examines, installed or not, with the version found here."""
     rows = []
-    for impl in Impl:
+    for impl in Impl.peers():
         peer = adapter(impl)
         spec = peer.spec
         found = _version(spec.distribution) if peer.installed() else None

@@ -9,10 +9,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import default_degrees, require_ints, validate_layout
-from cpdoctor.peers import Adapter, Impl, adapter
-from cpdoctor.peers.base import Kernel, Variant
+from cpdoctor.examinations.request import default_degrees, require_ints, typed_words, validate_layout
+from cpdoctor.peers import Adapter, adapter
+from cpdoctor.peers.base import Kernel, Variant, parse_impl
 from cpdoctor.peers.layouts import Layout
+from cpdoctor.vocabulary import Device, DType, Impl, Kind
+from cpdoctor.vocabulary import Kernel as KernelName
+from cpdoctor.vocabulary import Variant as VariantName
 
 DEFAULT_SEQ = 240
 """Divides by 2·W for W = 1..6 and 8, so the zigzag, stripe and head-tail layouts work at every degree the
@@ -23,35 +26,43 @@ targets use without choosing a length (docs/FACTS.md measured the peers at S 240
 class PeerRequest:
     """One CP parity examination of a peer implementation's attention, forward and backward."""
 
+    kind = Kind.PEER  # the examination this request is for (registry.of)
+
     label = "peer-request"
 
-    impl: str = Impl.RING_FLASH_ATTN.value
-    variant: str = ""  # "" = the implementation's first
-    kernel: str = ""  # "" = the implementation's first
+    impl: Impl = Impl.RING_FLASH_ATTN
+    variant: VariantName | None = None  # None = the implementation's first
+    kernel: KernelName | None = None  # None = the implementation's first
     causal: bool = False
-    ring: int = 2
-    ulysses: int = 1
-    dtype: str = "bf16"
+    ring: int = None  # type: ignore[assignment]  # None: 2, or 1 when only ulysses is given (default_degrees)
+    ulysses: int = None  # type: ignore[assignment]  # None: 1
+    dtype: DType = DType.BF16
     batch: int = 1
     seq: int = DEFAULT_SEQ
     heads: int = 4
     head_dim: int = 32
     seed: int = 0
-    device: str = "auto"
+    device: Device = Device.AUTO
     emulate: bool = False
     """Run on CPU ranks through cpdoctor's kernel stand-ins even where a GPU is present (on a CPU it always does)."""
+
+    def __post_init__(self) -> None:
+        """The words become the vocabulary's members once, here: the implementation (a peer's), its variant and
+        kernel (the peer's first when not given; BadInput naming the peer's own when it has none such)."""
+        typed_words(self, dtype=(DType, "dtype"), device=(Device, "device"))
+        default_degrees(self)
+        spec = adapter(parse_impl(self.impl)).spec
+        object.__setattr__(self, "impl", spec.impl)
+        object.__setattr__(self, "variant", spec.variant(self.variant).name if self.variant else spec.variants[0].name)
+        object.__setattr__(self, "kernel", spec.kernel(self.kernel).name if self.kernel else spec.kernels[0].name)
 
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
 
     @property
-    def implementation(self) -> Impl:
-        return Impl.parse(self.impl)
-
-    @property
     def adapter(self) -> Adapter:
-        return adapter(self.implementation)
+        return adapter(self.impl)
 
     @property
     def the_variant(self) -> Variant:
@@ -76,12 +87,17 @@ class PeerRequest:
                 raise BadInput(f"{name} must be true or false, got {getattr(self, name)!r}")
         peer = self.adapter
         reason = peer.refusal(self.the_variant, self.the_kernel, self.causal, self.dtype, self.ring, self.ulysses, self.seq, self.heads)
-        if reason:
-            raise BadInput(reason)
+        if reason is not None:
+            raise BadInput(reason.message)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def of(cls, **given: Any) -> PeerRequest:
+        """The validated request from keyword fields, None meaning the default (validated here, once)."""
+        return cls.from_dict({k: v for k, v in given.items() if v is not None}).validate()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeerRequest:
@@ -93,16 +109,5 @@ class PeerRequest:
 
 
 def build_request(**given: Any) -> PeerRequest:
-    """A validated PeerRequest from keyword fields (None = default): the implementation's first variant and
-    kernel, ring 2 (1 when only a Ulysses degree is given)."""
-    data = default_degrees({k: v for k, v in given.items() if v is not None})
-    impl = Impl.parse(str(data.get("impl", PeerRequest.impl)))
-    spec = adapter(impl).spec
-    data["impl"] = impl.value
-    data.setdefault("variant", spec.variants[0].name)
-    data.setdefault("kernel", spec.kernels[0].name)
-    if not data["variant"]:
-        data["variant"] = spec.variants[0].name
-    if not data["kernel"]:
-        data["kernel"] = spec.kernels[0].name
-    return PeerRequest.from_dict(data).validate()
+    """A validated PeerRequest from keyword fields (None = default): `PeerRequest.of`."""
+    return PeerRequest.of(**given)

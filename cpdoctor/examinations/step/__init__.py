@@ -13,6 +13,7 @@ from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.step.request import CONTRACT, StepRequest
 from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding, Verdict
+from cpdoctor.vocabulary import Kind
 
 __all__ = [
     "CONTRACT",
@@ -59,7 +60,7 @@ class StepExamination(Examination):
     """`cpdoctor step`: the user's function on every rank; rank 0's watched reports become the report. With a
     function that takes its degrees, two launches (two_runs.py): the same job without CP, then with CP."""
 
-    kind = "step"
+    kind = Kind.STEP
     request_type = StepRequest
     in_suites = False
 

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from cpdoctor.examinations.step.measure import reference_out_grads
 from cpdoctor.models import memory
+from cpdoctor.vocabulary import DType
 
 
 class Baseline(Protocol):
@@ -57,7 +58,7 @@ class OneProcessReference:
         out_grads = reference_out_grads(records, compat.output_gather_dim(watch.module))
         calls = [(f.args, f.kwargs, g) for f, g in zip(hooks.calls, out_grads)]
         device = watch._device() if str(watch._device()) != "meta" else "cpu"
-        low = compute_dtype(watch.module, [f.out_dtype for f in hooks.calls]) in ("bf16", "fp16")
+        low = DType(compute_dtype(watch.module, [f.out_dtype for f in hooks.calls])).is_half
         native = Precision(*hooks.autocast, compat.attention_backend_of(watch.module)) if low else None
         trainable = int(records[0].grads.numel())
         peers = len(records)

@@ -7,7 +7,7 @@ states that part, and what is left when all of that is right (the attention, or 
 Tolerance. The expected gradients come from one process; a correct fp32 CP step lands ~1e-7–1e-6 from them
 on the tiny models (docs/FACTS.md), the defects this examination exists for at 1e-2 and beyond, or at an exact
 factor. A no-CP baseline in the step's own dtype (what `judging.tolerance` builds on) would cost a second
-forward+backward, so the tolerance is fixed per dtype the step computed in (GRAD_TOLERANCE; under autocast that
+forward+backward, so the tolerance is fixed per dtype the step computed in (`DType.grad_tolerance`; under autocast that
 is the autocast dtype, not the weights'): far above rounding, far below every defect measured. A parameter whose
 own error is PARAM_SLACK× the tolerance fails the step even when the total is within it (a defect confined to
 the attention's K/V projections hides in the total of a large model).
@@ -22,14 +22,11 @@ import math
 from dataclasses import dataclass
 from itertools import product
 
-from cpdoctor.examinations.judging import EPS, Aspect, Rule, diagnosis_of, spoken_rules
+from cpdoctor.examinations.judging import Aspect, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.examinations.step.readings import Harmless, LossScale, harmless_factors, loss_scale, round_norm
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
-
-GRAD_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2, "fp64": 1e-10}
-"""Relative L2 error of a rank's parameter gradients (and of the output) against the reference, by the dtype the
-step computed in."""
+from cpdoctor.vocabulary import DType
 
 PARAM_SLACK = 4.0
 """A single parameter fails the step when its own relative error is this many tolerances (its own baseline's
@@ -122,9 +119,10 @@ class StepSignature:
     def tol(self) -> float:
         """The fixed tolerance of the step's dtype, or BASELINE_SLACK × the same-dtype baseline's error (+ eps) when
         one was measured and is larger: what one process makes of the step in bf16/fp16."""
-        fixed = GRAD_TOLERANCE.get(self.n.dtype, 1e-4)
+        dtype = DType(self.n.dtype) if self.n.dtype in DType.names() else None
+        fixed = dtype.grad_tolerance if dtype is not None else DType.FP32.grad_tolerance
         e = self.n.baseline_rel_err
-        return fixed if e is None else max(fixed, BASELINE_SLACK * e + EPS.get(self.n.dtype, 0.0))
+        return fixed if e is None else max(fixed, BASELINE_SLACK * e + (dtype.eps if dtype is not None else 0.0))
 
     def param_tol(self, index: int) -> float:
         base = self.n.param_baselines[index] if index < len(self.n.param_baselines) else 0.0
@@ -374,7 +372,7 @@ def attention_command(s: StepSignature) -> str:
     from cpdoctor.examinations.attention.judge import check_command
     from cpdoctor.examinations.attention.request import AttentionRequest, default_seq
 
-    dtype = s.n.dtype if s.n.dtype in ("fp32", "bf16", "fp16") else "fp32"
+    dtype = s.n.dtype if s.n.dtype in DType.examined() else DType.FP32
     return check_command(AttentionRequest(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype, seq=default_seq(s.n.cp)))
 
 

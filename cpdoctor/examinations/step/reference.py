@@ -16,11 +16,10 @@ from typing import Any
 
 from cpdoctor.examinations.step.record import output_tensor
 from cpdoctor.launch.progress import ticking
+from cpdoctor.vocabulary import DType
 
 REFERENCE_BACKEND = "native"
 """diffusers' default backend (torch SDPA): it runs in fp64 on every device."""
-
-DTYPES = {"fp64": "float64", "fp32": "float32"}
 
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """What torch's wrappers insert into a parameter's name (checkpoint_wrapper, torch.compile, FSDP1)."""
@@ -160,7 +159,7 @@ def reference_plan(
     `precision`, its gradients and their flat float32 form, the same-dtype pass's gradients (it runs on the
     recorded weights themselves), and the comparison's two working copies. `peers` is kept for the report."""
     del peers
-    per = 8 if precision == "fp64" else 4
+    per = DType(precision).bytes
     elements = sum(int(w.numel()) for w in weights.values())
     native_bytes = trainable * 8 if native else 0
     return ReferencePlan(elements * per, trainable * (per + 4), native_bytes, available, trainable * 4 * 2)
@@ -243,7 +242,7 @@ def reference_step(
 
     from cpdoctor.compat.diffusers import preserved_active_backend
 
-    dtype = getattr(torch, DTYPES[precision])
+    dtype = DType(precision).torch
     device_type = torch.device(device).type
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.autocast(device_type, enabled=False):

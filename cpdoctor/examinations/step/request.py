@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from cpdoctor.errors import BadInput
+from cpdoctor.vocabulary import Device, DType, Kind
 
 CONTRACT = (
     "FUNCTION runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's; it must "
@@ -22,6 +23,10 @@ CONTRACT = (
 
 @dataclass(frozen=True)
 class StepRequest:
+    """`cpdoctor step`'s request: the user's step function, where its ranks run and their layout."""
+
+    kind = Kind.STEP  # the examination this request is for (registry.of)
+
     target: str
     """path/to/train.py:function"""
     world_size: int = 2
@@ -70,9 +75,9 @@ class StepRequest:
                 raise BadInput(f"--{name} must be a positive integer, not {value!r}")
         if self.role != "without_cp" and self.world_size < 2:
             raise BadInput(f"--nproc must be at least 2 (a CP step needs peers), not {self.world_size}")
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in Device.names():
             raise BadInput(f"--device must be auto, cpu or cuda, not {self.device!r}")
-        if self.reference not in ("fp64", "fp32"):
+        if self.reference not in DType.references():
             raise BadInput(f"--reference must be fp64 or fp32, not {self.reference!r}")
         return self
 

@@ -34,10 +34,7 @@ from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest, wei
 from cpdoctor.examinations.step.reference import ReferenceTooLarge, canonical
 from cpdoctor.launch import step_comm
 from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
-
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
-PRECISION = ("fp64", "fp32", "bf16", "fp16")
-"""Most precise first: a step's compute dtype is the least precise of its weights' and its output's."""
+from cpdoctor.vocabulary import DType
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -131,9 +128,9 @@ def _named_trainable(module: Any) -> list[tuple[str, Any]]:
 def compute_dtype(module: Any, out_dtypes: list[str]) -> str:
     """The least precise of the trainable weights' dtypes and the outputs' (autocast computes in bf16 with fp32
     weights; a LoRA step trains fp32 adapters over a bf16 base): the dtype the tolerance follows."""
-    seen = {DTYPE_NAMES.get(str(p.dtype).replace("torch.", ""), "fp32") for p in module.parameters()}
-    seen |= {DTYPE_NAMES.get(d, "fp32") for d in out_dtypes if d}
-    return max(seen or {"fp32"}, key=PRECISION.index)
+    seen = {DType.of_torch(p.dtype) or DType.FP32 for p in module.parameters()}
+    seen |= {DType.of_torch(d) or DType.FP32 for d in out_dtypes if d}
+    return max(seen or {DType.FP32}, key=DType.most_precise_first().index).value
 
 
 class StepWatch:
@@ -150,7 +147,7 @@ class StepWatch:
         baseline: Baseline | None = None,
         on_report: Any = None,
     ) -> None:
-        if reference not in ("fp64", "fp32"):
+        if reference not in DType.references():
             raise BadInput(f"reference must be fp64 or fp32, not {reference!r}")
         if loss_scale is not None and not loss_scale > 0:
             raise BadInput(f"loss_scale must be a positive number (the factor your CP step scales its loss by), not {loss_scale!r}")
