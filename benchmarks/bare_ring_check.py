@@ -10,7 +10,7 @@ from diffusers.models import attention_dispatch as ad
 from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdoctor.kernels import cpu_backend
+from cpdoctor.cpu_kernels import cpu_backend
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

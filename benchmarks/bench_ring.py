@@ -111,7 +111,7 @@ def _import_ring_flash_attn():
     import traceback
     import types
 
-    from cpdoctor.kernels import standins
+    from cpdoctor.cpu_kernels import standins
 
     standins.activate()
     if importlib.util.find_spec("ring_flash_attn") is None:
@@ -156,9 +156,9 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.fix import comm, kernels, patch
+    from cpdoctor.cpu_kernels import cpu_backend
+    from cpdoctor.fix import block_kernels, comm, patch
     from cpdoctor.fix.ring import RingAttention
-    from cpdoctor.kernels import cpu_backend
     from cpdoctor.launch.context import DistContext
 
     ctx = DistContext.join(600)
@@ -237,7 +237,7 @@ def worker(spec: dict) -> None:
                     fwd_bwd(impl, per[impl])
             for impl in impls:
                 timers = _Timers()
-                with _instrumented(timers, kernels, comm, cpu_backend, dispatch):
+                with _instrumented(timers, block_kernels, comm, cpu_backend, dispatch):
                     rec: dict = {}
                     fwd_bwd(impl, rec)
                 per[impl]["pieces"] = {"fwd": rec["fwd"][0], "bwd": rec["bwd"][0], **timers.totals}
@@ -261,10 +261,10 @@ class _instrumented:
     """Timers around the fix's kernel calls and communication waits, and around the ops the built-in ring is
     handed (kernel + their layout copies) and its collective waits; removed on exit."""
 
-    def __init__(self, timers: _Timers, kernels, comm, cpu_backend, dispatch) -> None:
+    def __init__(self, timers: _Timers, block_kernels, comm, cpu_backend, dispatch) -> None:
         self.targets = [
-            (kernels.CpuFlashKernel, "forward", "kernel_fwd"),
-            (kernels.CpuFlashKernel, "backward", "kernel_bwd"),
+            (block_kernels.CpuFlashKernel, "forward", "kernel_fwd"),
+            (block_kernels.CpuFlashKernel, "backward", "kernel_bwd"),
             (comm.GroupComm, "wait", "comm_wait"),
             (cpu_backend, "forward_op", "op_fwd"),
             (cpu_backend, "backward_op", "op_bwd"),

@@ -41,7 +41,7 @@ def flux(args):
 def model_and_inputs(args):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     model = flux(args)
     mesh = init_device_mesh("cpu", (1, dist.get_world_size(), 1), mesh_dim_names=("dp", "ring", "ulysses"))

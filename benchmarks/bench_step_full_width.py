@@ -48,7 +48,7 @@ def build(mesh):
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
     from cpdoctor.compat.diffusers import accelerator_count_at_least_one
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(**FULL_WIDTH)

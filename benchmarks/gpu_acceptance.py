@@ -307,19 +307,19 @@ def _attention_flops(b: int, h: int, s_q: int, s_k: int, d: int) -> float:
 def kernel_speed_row(backend: str, seq: int, dry: bool, chunks: int = 4) -> dict[str, Any]:
     import torch
 
-    from cpdoctor.fix import kernels
+    from cpdoctor.fix import block_kernels
 
     if dry:
-        from cpdoctor.kernels import standins
+        from cpdoctor.cpu_kernels import standins
 
         standins.activate()
     device = torch.device("cpu" if dry else "cuda")
     b, h, d = (DRY_SHAPE if dry else RING_SHAPE).values()
     reps = 1 if dry else 3
     kernel = {
-        "_native_flash": kernels.NativeFlashKernel,
-        "_native_cudnn": kernels.CudnnKernel,
-        "_native_efficient": kernels.EfficientKernel,
+        "_native_flash": block_kernels.NativeFlashKernel,
+        "_native_cudnn": block_kernels.CudnnKernel,
+        "_native_efficient": block_kernels.EfficientKernel,
     }[backend]()
     result: dict[str, Any] = {"backend": backend, "seq": seq}
     if device.type == "cuda":
@@ -430,7 +430,7 @@ def ring_worker(spec: dict[str, Any]) -> None:
     config = setup_parallel_config(world, 1, rank, world, device, mesh)
     dispatch = dispatch_module()
     if spec["dry"]:
-        from cpdoctor.kernels import cpu_backend
+        from cpdoctor.cpu_kernels import cpu_backend
 
         backend = cpu_backend.register()
     else:

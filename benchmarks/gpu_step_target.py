@@ -39,7 +39,7 @@ def flux_block_step(watch_step) -> None:
     torch.manual_seed(0)  # the same weights on every rank
     model = FluxTransformer2DModel(**config).to(device=device, dtype=torch.bfloat16)
     if dry:
-        from cpdoctor.kernels import cpu_backend
+        from cpdoctor.cpu_kernels import cpu_backend
 
         backend = cpu_backend.register()
     else:

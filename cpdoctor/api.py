@@ -439,7 +439,7 @@ def plan_model(
 
 def list_models() -> list[Any]:
     """Every diffusers model class with a context-parallel plan (`cpdoctor plan --list`)."""
-    from cpdoctor.models.catalog import list_models as scan
+    from cpdoctor.model_zoo.catalog import list_models as scan
 
     return scan()
 

@@ -167,7 +167,7 @@ def main() -> None:
     report = cpdoctor.preflight(args.ring, args.ulysses)
     fixed = is_patched()
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     backend = args.backend or (cpu_backend.register() if not torch.cuda.is_available() else "_native_flash")
     config = build_model(args.model).config

@@ -85,7 +85,7 @@ def run(args, watch=None) -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (args.dp, args.cp, 1), mesh_dim_names=("dp", "ring", "ulysses"))

@@ -37,7 +37,7 @@ def run(args, watch=None) -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     mesh = init_device_mesh("cpu", (args.dp, args.cp, 1), mesh_dim_names=("dp", "ring", "ulysses"))
     dp_rank = mesh["dp"].get_local_rank()

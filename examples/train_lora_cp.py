@@ -33,7 +33,7 @@ def lora_model(cp: int, mesh, rank: int = 4):
     """Tiny Flux as the LoRA scripts hold it: bf16 base, frozen; a peft adapter; the adapters in fp32."""
     from peft import LoraConfig
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     model = build_model("flux").to(torch.bfloat16)
     model.requires_grad_(False)

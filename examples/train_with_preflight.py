@@ -55,7 +55,7 @@ def main() -> None:
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     backend = cpu_backend.register()
     mesh = init_device_mesh("cpu", (args.ring, args.ulysses), mesh_dim_names=("ring", "ulysses"))

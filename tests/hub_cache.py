@@ -9,7 +9,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from cpdoctor.models.tiny import TINY_CONFIGS
+from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
 TINY_FLUX = TINY_CONFIGS["flux"]
 TINY_QWEN_IMAGE = TINY_CONFIGS["qwen-image"]

@@ -43,7 +43,7 @@ def _root(
     patch: Annotated[bool, flag("--patch", help="Without a command: also show every check with cpdoctor's fix applied.")] = False,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", help="Without a command: seconds per launch before a rank is reported as HANG (default 300)."),
+        typer.Option("--timeout", help="Without a command: seconds no rank may move before it is reported as HANG (default 300)."),
     ] = None,
     json_path: JsonPath = None,
 ) -> None:

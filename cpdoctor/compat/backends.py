@@ -39,7 +39,7 @@ class BackendFacts:
     lse_error: str | None = None
     has_backward: bool | None = None
     emulated: bool = False
-    """The CUDA kernels underneath are cpdoctor's CPU stand-ins (cpdoctor/kernels/standins.py)."""
+    """The CUDA kernels underneath are cpdoctor's CPU stand-ins (cpdoctor/cpu_kernels/standins.py)."""
 
     def unsupported(self, ring: int, model_level: bool = False) -> Unsupported | None:
         """Why a CP examination with this ring degree cannot run here, or None when it can. `model_level`: the

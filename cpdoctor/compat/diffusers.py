@@ -496,7 +496,7 @@ def flash_attn_functions(forward_op: Any) -> tuple[Callable, Callable] | None:
 
 
 def flash_attn_is_standin() -> bool:
-    """Whether the `flash_attn` this process imported is cpdoctor's CPU stand-in (kernels/flash_attn_standin, put
+    """Whether the `flash_attn` this process imported is cpdoctor's CPU stand-in (cpu_kernels/flash_attn_standin, put
     first on sys.path by emulation; its `__version__` carries packages.STANDIN_MARK) rather than the real package.
     Either way it is what diffusers' "flash" op calls here, so the fix runs the same functions; only the stand-in
     must never be named the installed flash-attn."""

@@ -9,7 +9,7 @@ import importlib.util
 NOT_INSTALLED = "not installed"
 
 STANDIN_MARK = "+cpdoctor.standin"
-"""The local version label of cpdoctor's own stand-in packages (kernels/flash_attn_standin, `2.6.3+cpdoctor.standin`):
+"""The local version label of cpdoctor's own stand-in packages (cpu_kernels/flash_attn_standin, `2.6.3+cpdoctor.standin`):
 an emulating process puts the stand-in first on sys.path, where importlib finds it as `flash_attn`. A version
 that carries this mark is cpdoctor's CPU stand-in, never the installed package."""
 

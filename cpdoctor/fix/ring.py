@@ -16,7 +16,7 @@ forward   pack this rank's K and V (already in the kernel's layout) and, with a 
           Each block (out_j, lse_j) is merged in fp32 (`convert_to_fp32`) with the stable form
           out -= sigmoid(lse_j − lse)·(out − out_j), lse −= logsigmoid(lse − lse_j).
 backward  stream K/V (and mask) round again; for every chunk j compute the block's dQ, dK_j, dV_j from
-          explicit tensors: q, the chunk, the GLOBAL merged out and fp32 lse (kernels.py; never the backend
+          explicit tensors: q, the chunk, the GLOBAL merged out and fp32 lse (block_kernels.py; never the backend
           op's saved context); sum dQ locally. dK_j/dV_j belong to rank j: an fp32 accumulator per chunk
           travels with its keys, to rank r−1 after every step (at step i rank r holds chunk r+i, which rank
           r−1 holds at step i+1), and one final hop brings each chunk's sum home; each hop overlaps the next
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from cpdoctor.compat import diffusers as compat
-from cpdoctor.fix import kernels
+from cpdoctor.fix import block_kernels
 from cpdoctor.fix.comm import GroupComm, all_gather_last
 
 # ----------------------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ class ChunkMasks:
         return out_j.masked_fill(e.unsqueeze(-1), 0.0), lse_j.masked_fill(e, float("-inf"))
 
 
-def pack_chunk(kernel: kernels.BlockKernel, k: torch.Tensor, v: torch.Tensor, masks: ChunkMasks) -> tuple[Packing, torch.Tensor]:
+def pack_chunk(kernel: block_kernels.BlockKernel, k: torch.Tensor, v: torch.Tensor, masks: ChunkMasks) -> tuple[Packing, torch.Tensor]:
     """This rank's chunk as it travels: K and V in the kernel's layout, then its key mask (if one travels)."""
     parts = [kernel.to_layout(k), kernel.to_layout(v), *masks.travelling()]
     packing = Packing([(t.shape, t.dtype) for t in parts])
@@ -209,7 +209,7 @@ def ring_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     masks: ChunkMasks,
-    kernel: kernels.BlockKernel,
+    kernel: block_kernels.BlockKernel,
     comm: GroupComm,
     scale: float,
     acc_dtype: torch.dtype,
@@ -279,7 +279,7 @@ def ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     masks: ChunkMasks,
-    kernel: kernels.BlockKernel,
+    kernel: block_kernels.BlockKernel,
     comm: GroupComm,
     scale: float,
     acc_dtype: torch.dtype,
@@ -336,8 +336,8 @@ class RingAttention(torch.autograd.Function):
             raise ValueError("cpdoctor's ring attention does not implement GQA")
         comm = GroupComm.ring(_parallel_config)
         ulysses = GroupComm.ulysses(_parallel_config) if attn_mask is not None else None
-        kernel = kernels.select(forward_op, _parallel_config)
-        scale = kernels.default_scale(query.shape[-1], scale)
+        kernel = block_kernels.select(forward_op, _parallel_config)
+        scale = block_kernels.default_scale(query.shape[-1], scale)
         masks = ChunkMasks(attn_mask, key.shape[1], comm, ulysses)
         # Like the original: convert_to_fp32 merges in fp32; without it the merge follows type promotion with
         # the fp32 lse (so it is fp32 too for half inputs), while the backward accumulates in the grad dtype.

@@ -10,7 +10,7 @@ backends crashing under Ulysses after `--patch`.
 What. The same all-to-alls as diffusers (heads scattered, sequence gathered: (B, S/W, H, D) → (B, S, H/W, D),
 and back), the same mask handling (a key mask of the local length is all-gathered over the Ulysses group), and
 in between the fixed ring's own `ring_forward`/`ring_backward` run as a ring of one (`GroupComm.alone()`): one
-block, computed by the backend's fused kernel with explicit q, k, v, out and LSE (kernels.py). Same
+block, computed by the backend's fused kernel with explicit q, k, v, out and LSE (block_kernels.py). Same
 `apply(...)` signature and outputs (out, or (out, lse) with lse (B, S/W, H)).
 
 When it steps aside. For a backend without a fused block kernel (`native`, `_native_math`, anything
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from cpdoctor.fix import kernels
+from cpdoctor.fix import block_kernels
 from cpdoctor.fix.comm import GroupComm, all_gather_last
 from cpdoctor.fix.ring import ChunkMasks, ring_backward, ring_forward
 
@@ -73,7 +73,7 @@ class _FixedUlysses(torch.autograd.Function):
         key: torch.Tensor,
         value: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        kernel: kernels.BlockKernel,
+        kernel: block_kernels.BlockKernel,
         scale: float,
         return_lse: bool,
         comm: GroupComm,
@@ -151,8 +151,8 @@ class UlyssesAttention:
         kernel = None
         if not (dropout_p or is_causal or enable_gqa):
             try:
-                kernel = kernels.select(forward_op, _parallel_config)
-            except kernels.KernelUnavailable:  # e.g. flash-attn's low-level functions not found: diffusers' own way
+                kernel = block_kernels.select(forward_op, _parallel_config)
+            except block_kernels.KernelUnavailable:  # e.g. flash-attn's low-level functions not found: diffusers' own way
                 kernel = None
         if kernel is None or not kernel.fused:
             if cls.original is None:
@@ -161,4 +161,6 @@ class UlyssesAttention:
                 )
             return cls.original.apply(*args)
         comm = GroupComm.ulysses(_parallel_config) or GroupComm.alone()
-        return _FixedUlysses.apply(query, key, value, attn_mask, kernel, kernels.default_scale(query.shape[-1], scale), return_lse, comm)
+        return _FixedUlysses.apply(
+            query, key, value, attn_mask, kernel, block_kernels.default_scale(query.shape[-1], scale), return_lse, comm
+        )

@@ -81,7 +81,7 @@ def inject(fault: str | None):
     """A fault in cpdoctor's own reference on the CP groups' first ranks: it raises, or the machine has no memory
     for it. Returns the undo."""
     from cpdoctor.examinations.step import reference
-    from cpdoctor.models import memory
+    from cpdoctor.model_zoo import memory
 
     if fault is None:
         return lambda: None
@@ -102,7 +102,7 @@ def inject(fault: str | None):
 
 
 def build(v: dict, mesh):
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     model = build_model("flux")
     if v.get("lora"):

@@ -48,7 +48,7 @@ def bad_inputs(example, args) -> dict:
         out["no_cp"] = {"raised": str(exc)}
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     mesh = init_device_mesh("cpu", (args.dp, args.cp, 1), mesh_dim_names=("dp", "ring", "ulysses"))
     model = example.enable_cp(example.build_model("flux"), mesh, cpu_backend.register())

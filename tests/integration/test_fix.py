@@ -387,8 +387,8 @@ def _block_inputs(dtype=torch.float32, sq=40, sk=24, masked_rows=False):
 
 
 def test_kernel_selection():
-    from cpdoctor.fix import kernels
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
+    from cpdoctor.fix import block_kernels
 
     def _native_flash_attention_forward_op(*a, **k):  # noqa: N802 - named like diffusers' op
         pass
@@ -399,18 +399,18 @@ def test_kernel_selection():
     def something_else(*a, **k):
         pass
 
-    assert isinstance(kernels.select(cpu_backend.forward_op), kernels.CpuFlashKernel)
-    assert isinstance(kernels.select(_native_flash_attention_forward_op), kernels.NativeFlashKernel)
-    assert isinstance(kernels.select(_cudnn_attention_forward_op), kernels.CudnnKernel)
-    assert type(kernels.select(something_else)) is kernels.BackendForwardKernel
+    assert isinstance(block_kernels.select(cpu_backend.forward_op), block_kernels.CpuFlashKernel)
+    assert isinstance(block_kernels.select(_native_flash_attention_forward_op), block_kernels.NativeFlashKernel)
+    assert isinstance(block_kernels.select(_cudnn_attention_forward_op), block_kernels.CudnnKernel)
+    assert type(block_kernels.select(something_else)) is block_kernels.BackendForwardKernel
 
 
 def test_math_kernel_matches_cpu_flash_kernel():
-    from cpdoctor.fix import kernels
+    from cpdoctor.fix import block_kernels
 
     q, k, v, do, mask = _block_inputs()
     scale = 16**-0.5
-    flash, math_k = kernels.CpuFlashKernel(), kernels.MathKernel()
+    flash, math_k = block_kernels.CpuFlashKernel(), block_kernels.MathKernel()
     out_f, lse_f = flash.forward(q, k, v, mask, scale)
     out_m, lse_m = math_k.forward(q, k, v, mask, scale)
     assert torch.allclose(out_f, out_m, atol=1e-5) and torch.allclose(lse_f, lse_m, atol=1e-5)
@@ -420,17 +420,17 @@ def test_math_kernel_matches_cpu_flash_kernel():
 
 def test_backend_forward_kernel_uses_the_op_and_exact_math_backward():
     """The fallback for unknown backends: their forward op (model layout), the fp32 math backward."""
-    from cpdoctor.fix import kernels
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
+    from cpdoctor.fix import block_kernels
 
     q, k, v, do, mask = _block_inputs()
     scale = 16**-0.5
-    fb = kernels.BackendForwardKernel(cpu_backend.forward_op, None)
+    fb = block_kernels.BackendForwardKernel(cpu_backend.forward_op, None)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     out, lse = fb.forward(t(q), t(k), t(v), mask, scale)
-    ref_out, ref_lse = kernels.CpuFlashKernel().forward(q, k, v, mask, scale)
+    ref_out, ref_lse = block_kernels.CpuFlashKernel().forward(q, k, v, mask, scale)
     assert torch.allclose(t(out), ref_out, atol=1e-6) and torch.allclose(lse, t(ref_lse), atol=1e-6)
     got = fb.backward(t(do), t(q), t(k), t(v), out, lse, mask, scale)
-    ref = kernels.CpuFlashKernel().backward(do, q, k, v, ref_out, ref_lse, mask, scale)
+    ref = block_kernels.CpuFlashKernel().backward(do, q, k, v, ref_out, ref_lse, mask, scale)
     for a, b in zip(got, ref):
         assert torch.allclose(t(a), b, atol=1e-5)

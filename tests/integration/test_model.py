@@ -161,8 +161,8 @@ def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
 
-    from cpdoctor.models.catalog import resolve_model
-    from cpdoctor.models.tiny import TINY_CONFIGS
+    from cpdoctor.model_zoo.catalog import resolve_model
+    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     torch.manual_seed(3)
     model = resolve_model("flux").cls(**TINY_CONFIGS["flux"])

@@ -28,7 +28,7 @@ def write_sliced_checkpoint(path, blocks: int = 1) -> tuple[int, int]:
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
-    from cpdoctor.models import slicing
+    from cpdoctor.model_zoo import slicing
 
     cls = FluxTransformer2DModel
     survey = slicing.survey(cls, FLUX_DEV)

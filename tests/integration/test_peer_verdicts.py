@@ -18,7 +18,7 @@ from cpdoctor import launch
 from cpdoctor.examinations.peer import EXAMINATION
 from cpdoctor.examinations.peer.request import build_request
 from cpdoctor.launch.jobs import Case, Job
-from cpdoctor.peers.source import package_root
+from cpdoctor.peer_impls.source import package_root
 from cpdoctor.report import Finding, Verdict
 
 RFA = package_root("ring_flash_attn") is not None
@@ -79,7 +79,7 @@ def hf_adapter_probe() -> Iterator[subprocess.Popen | None]:
         yield None
         return
     root = pathlib.Path(cpdoctor.__file__).parent
-    standin = root / "kernels" / "flash_attn_standin"
+    standin = root / "cpu_kernels" / "flash_attn_standin"
     code = f"import sys; sys.path.insert(0, {str(standin)!r}); import ring_flash_attn"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)

@@ -19,8 +19,8 @@ pytest.importorskip("diffusers")
 
 from cpdoctor.api import list_models, plan_model  # noqa: E402
 from cpdoctor.errors import BadInput, CannotExamine  # noqa: E402
-from cpdoctor.models import catalog as model_catalog  # noqa: E402
-from cpdoctor.models.catalog import resolve_model  # noqa: E402
+from cpdoctor.model_zoo import catalog as model_catalog  # noqa: E402
+from cpdoctor.model_zoo.catalog import resolve_model  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -253,7 +253,7 @@ def test_model_without_input_builder_cannot_be_examined():
 
 def test_modules_do_not_import_torch():
     code = (
-        "import sys, cpdoctor.cli.plan, cpdoctor.models.catalog, cpdoctor.examinations.plan.planner; "
+        "import sys, cpdoctor.cli.plan, cpdoctor.model_zoo.catalog, cpdoctor.examinations.plan.planner; "
         "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'imported at module level'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

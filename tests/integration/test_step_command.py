@@ -37,9 +37,9 @@ BAD_STEPS = textwrap.dedent(
             pass
 
     def too_large(watch):  # a machine with 1 MiB free: the reference's plan refuses before allocating
-        import cpdoctor.models.memory as memory
+        import cpdoctor.model_zoo.memory as memory
         from torch.distributed.device_mesh import init_device_mesh
-        from cpdoctor.kernels import cpu_backend
+        from cpdoctor.cpu_kernels import cpu_backend
         memory.available_memory = lambda device: 1 << 20
         mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "ring", "ulysses"))
         model = ex.enable_cp(ex.build_model("flux"), mesh, cpu_backend.register())
@@ -51,7 +51,7 @@ BAD_STEPS = textwrap.dedent(
 
     def raises(watch):
         from torch.distributed.device_mesh import init_device_mesh
-        from cpdoctor.kernels import cpu_backend
+        from cpdoctor.cpu_kernels import cpu_backend
         mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "ring", "ulysses"))
         model = ex.enable_cp(ex.build_model("flux"), mesh, cpu_backend.register())
         with watch(model):

@@ -25,7 +25,7 @@ from train_cp_2d import GRID, TINY, build_model, conditioning, enable_cp  # noqa
 def _setup(cp: int, dp: int, ring: int, ulysses: int, *, lora: bool = False, seeded: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     mesh = init_device_mesh("cpu", (dp, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
     if seeded:

@@ -1,4 +1,4 @@
-"""Where the weights come from (cpdoctor.models.checkpoints), without any process group: a tiny Flux saved by
+"""Where the weights come from (cpdoctor.model_zoo.checkpoints), without any process group: a tiny Flux saved by
 diffusers (sharded, with its index), put into a Hugging Face cache laid out the way huggingface_hub lays it out,
 found offline by hub id, revision, short commit, pipeline folder and variant; and every bad source refused with
 one line that names the file or the place looked in."""
@@ -12,7 +12,7 @@ import pytest
 from hub_cache import add_to_cache, files_of, hub_env, save_pipeline, tiny_flux
 
 from cpdoctor.errors import BadInput
-from cpdoctor.models.checkpoints import locate
+from cpdoctor.model_zoo.checkpoints import locate
 
 REPO = "org/tiny-flux"
 MAIN = "a" * 40

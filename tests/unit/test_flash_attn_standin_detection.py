@@ -12,7 +12,7 @@ import pytest
 from cpdoctor.compat import diffusers as compat
 from cpdoctor.compat.packages import NOT_INSTALLED, STANDIN_MARK, installed_version, is_standin
 
-STANDIN = pathlib.Path(__file__).resolve().parents[2] / "cpdoctor" / "kernels" / "flash_attn_standin"
+STANDIN = pathlib.Path(__file__).resolve().parents[2] / "cpdoctor" / "cpu_kernels" / "flash_attn_standin"
 
 
 def test_the_standin_carries_the_mark_in_its_dist_info_and_its_module():

@@ -280,15 +280,15 @@ def test_no_import_cycles():
 
 def test_the_cycle_rule_catches_a_planted_cycle(tmp_path):
     pkg = tmp_path / "cpdoctor"
-    (pkg / "models").mkdir(parents=True)
+    (pkg / "model_zoo").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "models" / "__init__.py").write_text("")
-    (pkg / "models" / "catalog.py").write_text("from cpdoctor.models.inputs import build\n")
-    (pkg / "models" / "inputs.py").write_text("from . import names\n")
-    (pkg / "models" / "names.py").write_text("import cpdoctor.models.catalog\n")
-    (pkg / "models" / "lazy.py").write_text("def f():\n    from cpdoctor.models import lazy2\n")
-    (pkg / "models" / "lazy2.py").write_text("from cpdoctor.models import lazy\n")
-    assert import_cycles(pkg) == [["cpdoctor.models.catalog", "cpdoctor.models.inputs", "cpdoctor.models.names"]]
+    (pkg / "model_zoo" / "__init__.py").write_text("")
+    (pkg / "model_zoo" / "catalog.py").write_text("from cpdoctor.model_zoo.inputs import build\n")
+    (pkg / "model_zoo" / "inputs.py").write_text("from . import names\n")
+    (pkg / "model_zoo" / "names.py").write_text("import cpdoctor.model_zoo.catalog\n")
+    (pkg / "model_zoo" / "lazy.py").write_text("def f():\n    from cpdoctor.model_zoo import lazy2\n")
+    (pkg / "model_zoo" / "lazy2.py").write_text("from cpdoctor.model_zoo import lazy\n")
+    assert import_cycles(pkg) == [["cpdoctor.model_zoo.catalog", "cpdoctor.model_zoo.inputs", "cpdoctor.model_zoo.names"]]
 
 
 def test_help_imports_neither_torch_nor_diffusers():
@@ -389,12 +389,12 @@ STATE_OWNERS = {
     "fix/patch.py": "STATE",
     "launch/torchrun.py": "HELD",
     "launch/progress.py": "ACTIVE",
-    "kernels/standins.py": "LIBRARY",
+    "cpu_kernels/standins.py": "LIBRARY",
     "examinations/step/watch.py": "WATCHED",
     "autopatch.py": "AUTOPATCH",
-    "peers/yunchang.py": "GROUPS",
+    "peer_impls/yunchang.py": "GROUPS",
     "examinations/model/spec.py": "SURVEYS",
-    "models/catalog.py": "SCANNED",
+    "model_zoo/catalog.py": "SCANNED",
     "compat/requirements.py": "READ",
 }
 """The owners of cpdoctor's process-wide state (module -> its module-level owner instance), each listed with its

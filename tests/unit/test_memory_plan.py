@@ -1,12 +1,12 @@
-"""The memory plan of a model examination (cpdoctor.models.memory): pure arithmetic, no torch."""
+"""The memory plan of a model examination (cpdoctor.model_zoo.memory): pure arithmetic, no torch."""
 
 from __future__ import annotations
 
 import pytest
 from hub_cache import FLUX_DEV
 
-from cpdoctor.models import memory
-from cpdoctor.models.memory import PROCESS_OVERHEAD, GiB, Sizes
+from cpdoctor.model_zoo import memory
+from cpdoctor.model_zoo.memory import PROCESS_OVERHEAD, GiB, Sizes
 
 FLUX_DOUBLE, FLUX_SINGLE, FLUX_OTHER = 339_831_296, 141_591_808, 64_124_992
 """FLUX.1-dev's parameters per double block, per single block and outside the stacks (a meta build)."""

@@ -18,9 +18,9 @@ from cpdoctor.examinations.peer.catalog import doctor_checks, installed_peers
 from cpdoctor.examinations.peer.probe import PeerFacts
 from cpdoctor.examinations.peer.request import build_request
 from cpdoctor.launch.jobs import Case, FailureKind, RankFailure
-from cpdoctor.peers import Impl, adapter
-from cpdoctor.peers.layouts import Layout, cu_seqlens, token_indices, varlen_lengths
-from cpdoctor.peers.source import package_root
+from cpdoctor.peer_impls import Impl, adapter
+from cpdoctor.peer_impls.layouts import Layout, cu_seqlens, token_indices, varlen_lengths
+from cpdoctor.peer_impls.source import package_root
 from cpdoctor.report import TensorRow, Verdict
 
 RFA = package_root("ring_flash_attn") is not None
@@ -68,7 +68,7 @@ def test_stripe_and_zigzag_match_yunchangs_extract_functions(monkeypatch, ring, 
     import yunchang.comm.extract_local as extract
     from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
 
-    from cpdoctor.peers.yunchang import SPEC
+    from cpdoctor.peer_impls.yunchang import SPEC
 
     seq, world = 48, ring * ulysses
     monkeypatch.setattr(torch.distributed, "new_group", tuple)  # a group is its rank list
@@ -155,7 +155,7 @@ def test_torchs_layout_follows_causal_and_the_length():
 
 
 def test_a_missing_peer_is_unsupported_from_the_parent_in_well_under_a_second(monkeypatch):
-    import cpdoctor.peers.base as base
+    import cpdoctor.peer_impls.base as base
 
     monkeypatch.setattr(base, "package_root", lambda module: None)
     start = time.perf_counter()

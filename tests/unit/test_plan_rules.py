@@ -14,10 +14,10 @@ import pytest
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.plan import judge
-from cpdoctor.models.splits import remedies
-from cpdoctor.models.splits.measure import Key, MeasuredSplits, SplitKind
-from cpdoctor.models.splits.plan import check_int
-from cpdoctor.models.splits.result import HeadsCheck, Plan, Problem, Remedy
+from cpdoctor.model_zoo.splits import remedies
+from cpdoctor.model_zoo.splits.measure import Key, MeasuredSplits, SplitKind
+from cpdoctor.model_zoo.splits.plan import check_int
+from cpdoctor.model_zoo.splits.result import HeadsCheck, Plan, Problem, Remedy
 from cpdoctor.report import ExitCode, Report, Verdict
 
 IMG = Key("", "hidden_states", SplitKind.SPLIT, 1)
@@ -232,7 +232,7 @@ def test_no_problem_is_one_pass_finding():
 
 def test_recorder_and_spy_on_a_tiny_module_on_the_meta_device():
     torch = pytest.importorskip("torch")
-    from cpdoctor.models.splits.measure import Recorder, attention_spy
+    from cpdoctor.model_zoo.splits.measure import Recorder, attention_spy
 
     split = SimpleNamespace(split_dim=1, expected_dims=3, split_output=False)
     rope = SimpleNamespace(split_dim=0, expected_dims=2, split_output=True)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from cpdoctor.fix import kernels, ring, ulysses
+from cpdoctor.fix import block_kernels, ring, ulysses
 
 B, H, D, S_LOCAL = 2, 2, 16, 24
 TOL = 1e-5
@@ -169,7 +169,7 @@ def rank_mask(inp: dict[str, Any], local: slice) -> torch.Tensor | None:
 def run_ring(world: int, inp: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[ThreadComm]]:
     """Every rank's forward and backward; the shards concatenated, and every rank's communicator after the
     forward (`fwd_sent`: the buffers its forward sent) and the backward."""
-    kernel = kernels.CpuFlashKernel()
+    kernel = block_kernels.CpuFlashKernel()
     scale = D**-0.5
 
     def rank_fn(comm: ThreadComm) -> tuple[dict[str, torch.Tensor], ThreadComm]:
@@ -253,7 +253,7 @@ def test_packing_keeps_dtypes_and_alignment() -> None:
 
 def run_ulysses(world: int, inp: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every rank's `_FixedUlysses` forward (out, lse) and autograd backward; the shards concatenated."""
-    kernel = kernels.CpuFlashKernel()
+    kernel = block_kernels.CpuFlashKernel()
 
     def rank_fn(comm: ThreadComm) -> dict[str, torch.Tensor]:
         local = slice(comm.rank * S_LOCAL, (comm.rank + 1) * S_LOCAL)
@@ -312,7 +312,7 @@ class _RecordingOriginal:
 def test_fixed_ulysses_steps_aside(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
     """Without a fused block kernel (exact fp32 math at the full length would be O(S²)) or with dropout, the
     original class runs, with exactly the arguments diffusers passed."""
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     monkeypatch.setattr(ulysses.UlyssesAttention, "original", _RecordingOriginal)
     _RecordingOriginal.calls = []
@@ -326,8 +326,8 @@ def test_fixed_ulysses_steps_aside(monkeypatch: pytest.MonkeyPatch, why: str) ->
 
 def test_fixed_ulysses_runs_for_a_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend with a fused block kernel (cpdoctor_cpu here) goes through the fixed path, never the original."""
+    from cpdoctor.cpu_kernels import cpu_backend
     from cpdoctor.fix.comm import GroupComm
-    from cpdoctor.kernels import cpu_backend
 
     monkeypatch.setattr(ulysses.UlyssesAttention, "original", _RecordingOriginal)
     monkeypatch.setattr(GroupComm, "ulysses", classmethod(lambda cls, pc: None))  # no process group in a unit test

@@ -1,4 +1,4 @@
-"""A model sliced to fit (cpdoctor.models.slicing): the block stacks and the config keys that size them, the
+"""A model sliced to fit (cpdoctor.model_zoo.slicing): the block stacks and the config keys that size them, the
 config rewrite, which tensors N blocks need, and a sliced load that reads exactly those, one get_tensor each."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hub_cache import TINY_FLUX, TINY_QWEN_IMAGE
 
 from cpdoctor.errors import BadInput
-from cpdoctor.models import slicing
+from cpdoctor.model_zoo import slicing
 
 FLUX33 = dict(TINY_FLUX, num_layers=3, num_single_layers=3)
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from cpdoctor.kernels import standins
+from cpdoctor.cpu_kernels import standins
 
 B, H, S, D = 2, 4, 40, 64  # S not a multiple of 32: the efficient kernel's LSE padding shows
 
@@ -336,7 +336,7 @@ def test_install_is_idempotent_and_needs_no_diffusers():
     source = open(standins.__file__).read()
     assert "import diffusers" not in source and "from diffusers" not in source
     # nor through another module: a fresh interpreter (this one has diffusers loaded by other tests)
-    code = "import sys; from cpdoctor.kernels import standins; standins.install(); print('diffusers' in sys.modules)"
+    code = "import sys; from cpdoctor.cpu_kernels import standins; standins.install(); print('diffusers' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.split() == ["False"], run.stderr
 
@@ -383,12 +383,12 @@ def test_suite_groups_never_mix_emulated_and_plain_checks(monkeypatch):
 def test_the_fix_block_kernels_run_on_the_standins(kernel_name, masked, fai):
     """cpdoctor.fix's CUDA block kernels, called as the fixed ring calls them (model layout in, the kernel's own
     layout and LSE convention), agree with its exact fp32 math kernel."""
-    from cpdoctor.fix import kernels
+    from cpdoctor.fix import block_kernels
 
     if kernel_name == "FlashAttnKernel":
-        kernel = kernels.FlashAttnKernel(fai._flash_attn_forward, fai._flash_attn_backward, "flash-attn stand-in")
+        kernel = block_kernels.FlashAttnKernel(fai._flash_attn_forward, fai._flash_attn_backward, "flash-attn stand-in")
     else:
-        kernel = getattr(kernels, kernel_name)()
+        kernel = getattr(block_kernels, kernel_name)()
     takes_mask = kernel_name in ("CudnnKernel", "EfficientKernel")
     if masked and not takes_mask:
         pytest.skip("this kernel takes no mask (the ring refuses one for it)")
@@ -399,8 +399,8 @@ def test_the_fix_block_kernels_run_on_the_standins(kernel_name, masked, fai):
     if masked:
         mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
         mask[..., -3:] = False
-    scale = kernels.default_scale(D, None)
-    math = kernels.MathKernel()
+    scale = block_kernels.default_scale(D, None)
+    math = block_kernels.MathKernel()
     ref_out, ref_lse = math.forward(*(x.transpose(1, 2) for x in (q, k, v)), mask, scale)
     ref_grads = math.backward(*(x.transpose(1, 2) for x in (dout, q, k, v, ref_out.transpose(1, 2))), ref_lse, mask, scale)
     lay = kernel.to_layout

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from cpdoctor.kernels import flash_attn_varlen as fv
-from cpdoctor.kernels import standins
+from cpdoctor.cpu_kernels import flash_attn_varlen as fv
+from cpdoctor.cpu_kernels import standins
 
 H, D = 4, 32
 LENGTHS = (5, 17, 42)  # uneven, none a multiple of another

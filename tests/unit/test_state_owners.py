@@ -151,7 +151,7 @@ def test_the_held_group_armed_kept_and_released_twice():
 
 @pytest.fixture
 def standins():
-    from cpdoctor.kernels import standins
+    from cpdoctor.cpu_kernels import standins
 
     was = standins.installed()
     standins.uninstall()
@@ -236,8 +236,8 @@ def _filled_twice(memo, fill):
 def test_the_survey_memo_filled_twice():
     pytest.importorskip("diffusers")
     from cpdoctor.examinations.model.spec import SURVEYS, ModelSpec, model_survey
-    from cpdoctor.models.catalog import resolve_model
-    from cpdoctor.models.tiny import TINY_CONFIGS
+    from cpdoctor.model_zoo.catalog import resolve_model
+    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     resolved = resolve_model("flux")
     spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_CONFIGS["flux"]), "test", None)
@@ -247,7 +247,7 @@ def test_the_survey_memo_filled_twice():
 
 def test_the_model_scan_memo_filled_twice():
     pytest.importorskip("diffusers")
-    from cpdoctor.models import catalog
+    from cpdoctor.model_zoo import catalog
 
     first, second = _filled_twice(catalog.SCANNED, catalog._scan)
     assert [e for _, e in first] == [e for _, e in second] == catalog.list_models() and first
@@ -262,7 +262,7 @@ def test_the_requirements_memo_filled_twice():
 
 
 def test_the_yunchang_groups_made_once_per_world():
-    from cpdoctor.peers.yunchang import YunchangGroups
+    from cpdoctor.peer_impls.yunchang import YunchangGroups
 
     made: list[tuple[int, int]] = []
 

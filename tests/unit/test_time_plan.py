@@ -1,4 +1,4 @@
-"""The time plan next to the memory plan (models/throughput.py): the slow-half-dtype warning from measured rates
+"""The time plan next to the memory plan (model_zoo/throughput.py): the slow-half-dtype warning from measured rates
 (injected here: the probe's numbers of issue 22's AMD EPYC, and of a CPU with native bf16), and where no probe
 runs at all."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpdoctor.models import memory, throughput
-from cpdoctor.models.throughput import Throughput, slow_half_warning, time_plan
+from cpdoctor.model_zoo import memory, throughput
+from cpdoctor.model_zoo.throughput import Throughput, slow_half_warning, time_plan
 
 
 def _memory_plan(dtype: str = "bf16", device: str = "cpu") -> memory.MemoryPlan:

@@ -67,7 +67,7 @@ def prepare_emulation(req: AttentionRequest) -> None:
     """With `emulate`, the CUDA kernels' CPU stand-ins are put in place before diffusers is imported (the
     flash-attn stand-in must be on sys.path when diffusers checks for flash-attn at import time); without it,
     stand-ins a previous case of this process installed are removed, so nothing changes."""
-    from cpdoctor.kernels import standins
+    from cpdoctor.cpu_kernels import standins
 
     if req.emulate:
         standins.activate()
@@ -81,7 +81,7 @@ def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
 
     from cpdoctor.compat import backends
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     cpu_backend.register()
     dtype = torch_dtype(req.dtype)

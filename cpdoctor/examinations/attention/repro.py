@@ -17,7 +17,7 @@ import inspect
 import os
 from typing import Any
 
-from cpdoctor.kernels import cpu_backend
+from cpdoctor.cpu_kernels import cpu_backend
 from cpdoctor.report import TENSOR_LABELS, Report, Verdict
 from cpdoctor.vocabulary import DType
 

@@ -31,7 +31,7 @@ class AttentionRequest(LayoutRequest):
     heads: int = 8
     head_dim: int = 64
     emulate: bool = False
-    """Run the CUDA backends' CP code on a CPU through cpdoctor's kernel stand-ins (cpdoctor/kernels/standins.py)."""
+    """Run the CUDA backends' CP code on a CPU through cpdoctor's kernel stand-ins (cpdoctor/cpu_kernels/standins.py)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

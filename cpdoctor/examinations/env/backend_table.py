@@ -239,11 +239,11 @@ def _compare(probe: OpProbe, qkvg: tuple, out: Any, grads: tuple, dtype_name: st
 
 
 def _fix_calls_kernel(forward_op: Callable, parallel_config: Any) -> bool | None:
-    """Does cpdoctor's fix run this backend through a fused block kernel of its own (fix/kernels.py)?"""
-    from cpdoctor.fix import kernels
+    """Does cpdoctor's fix run this backend through a fused block kernel of its own (fix/block_kernels.py)?"""
+    from cpdoctor.fix import block_kernels
 
     try:
-        return kernels.select(forward_op, parallel_config).fused
+        return block_kernels.select(forward_op, parallel_config).fused
     except Exception:  # noqa: BLE001 - e.g. flash-attn's functions not importable: not known
         return None
 

@@ -43,7 +43,7 @@ def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool
     if importlib.util.find_spec("torch") is None:
         raise BadInput("torch is not installed; pip install torch")
     if emulate:
-        from cpdoctor.kernels import standins
+        from cpdoctor.cpu_kernels import standins
 
         standins.activate()  # before diffusers is imported: it looks for flash-attn at import time
     dev = resolve_device(device)
@@ -55,7 +55,7 @@ def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool
             "ops around them; not examined: the CUDA kernels themselves"
         )
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     compat.dispatch_module()  # BadInput (exit 2) when diffusers, or its CP support, is missing
     environment.update(probe_device=str(dev), probe_dtype=dtype_name, ring_class=collect(ring_class))

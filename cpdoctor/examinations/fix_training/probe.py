@@ -166,8 +166,8 @@ def run_rank(case: Any, ctx: Any) -> StepShard:
     import torch
 
     from cpdoctor.compat import diffusers as compat
+    from cpdoctor.cpu_kernels import cpu_backend
     from cpdoctor.fix import patch as fix_patch
-    from cpdoctor.kernels import cpu_backend
 
     c = _case(case)
     cpu_backend.register()

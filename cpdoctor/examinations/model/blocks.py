@@ -1,6 +1,6 @@
 """Every block's output and input gradient, recorded with hooks, and their errors against the reference.
 
-`BlockRecorder(model)` hooks every block of every stack (`cpdoctor.models.slicing.block_stacks`): a forward
+`BlockRecorder(model)` hooks every block of every stack (`cpdoctor.model_zoo.slicing.block_stacks`): a forward
 pre-hook registers a gradient hook on each sequence tensor the block takes (floating, at least 3-D, requiring
 grad: hidden_states, encoder_hidden_states), a forward hook keeps each sequence tensor it returns. Under CP each
 rank records its own shard; `assemble` puts the shards back along the dimension the model's `_cp_plan` split
@@ -42,7 +42,7 @@ class BlockRecorder:
     """Hooks on every block of `model`; `outputs[name]` and `grads[name]` are lists of CPU tensors."""
 
     def __init__(self, model: Any) -> None:
-        from cpdoctor.models.slicing import block_stacks
+        from cpdoctor.model_zoo.slicing import block_stacks
 
         self.order: list[str] = []
         self.outputs: dict[str, list[Any]] = {}

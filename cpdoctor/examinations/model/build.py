@@ -16,14 +16,14 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any, sta
     """The model in `dtype` on `device`, cut to req.blocks blocks a stack: weights seeded with req.seed (tiny) or
     loaded (checkpoint), rounded through fp32 so every rank and the reference round them the same way. A cut
     checkpoint is built with its parameters on the meta device and reads only its own tensors, one at a time
-    (`stats`, a cpdoctor.models.slicing.ReadStats, counts them)."""
+    (`stats`, a cpdoctor.model_zoo.slicing.ReadStats, counts them)."""
     import torch
 
     torch.manual_seed(req.seed)
     weights = spec.weights
     sliced = is_sliced(spec, req.blocks)
     if weights is not None and sliced and weights.use_safetensors:
-        from cpdoctor.models import slicing
+        from cpdoctor.model_zoo import slicing
 
         index = slicing.index_file_of(weights.weight_files, weights.model_dir, weights.variant)
         where = slicing.weight_map(weights.weight_files, index)
@@ -41,7 +41,7 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any, sta
         except (OSError, ValueError, RuntimeError) as exc:
             raise BadInput(f"cannot load {weights.source}: {first_line(exc, with_type=False)}") from exc
     else:
-        from cpdoctor.models.catalog import build_model as catalog_build
+        from cpdoctor.model_zoo.catalog import build_model as catalog_build
 
         model = catalog_build(spec.cls, sliced_config(spec, req.blocks) if sliced else spec.config, device="cpu")
     model = model.to(dtype=torch.float32)
@@ -53,7 +53,7 @@ def make_inputs(spec: ModelSpec, req: ModelRequest, config: Any) -> dict[str, An
     mask applied, identical on every rank."""
     import torch
 
-    from cpdoctor.models.inputs import build_inputs
+    from cpdoctor.model_zoo.inputs import build_inputs
 
     gen = torch.Generator().manual_seed(req.seed + 1)
     inputs = build_inputs(

@@ -1,9 +1,9 @@
 """The model examination's parent side, before any rank starts: fill the shapes left unset, check what can be
 checked without weights (the model resolves, a text mask exists for --mask-pad, heads divide by Ulysses, every
-split the model's `_cp_plan` makes divides: plan's measurement, `cpdoctor.models.splits`), choose how many blocks
+split the model's `_cp_plan` makes divides: plan's measurement, `cpdoctor.model_zoo.splits`), choose how many blocks
 fit in memory (the memory plan), and check that a sliced checkpoint has every tensor it needs. `prepare` returns
 the request with all of it filled in, the memory plan included, and the time plan for a half dtype on the CPU
-(`cpdoctor.models.throughput`: a 50-ms matmul probe, and a warning where that dtype is far slower than fp32)."""
+(`cpdoctor.model_zoo.throughput`: a 50-ms matmul probe, and a warning where that dtype is far slower than fp32)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import ModelSpec, is_sliced, model_survey, request_spec, sliced_config, text_mask_param
-from cpdoctor.models.memory import available_memory
-from cpdoctor.models.throughput import time_plan
+from cpdoctor.model_zoo.memory import available_memory
+from cpdoctor.model_zoo.throughput import time_plan
 
 DEFAULT_TEXT_LEN = 8
 RESOLUTION_STEPS = 8
@@ -46,7 +46,7 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
     """Height, width, text length and frames (the family's small defaults, rounded as its pipeline rounds
     them), checked against the model (a text mask for --mask-pad, heads for Ulysses); the request with them
     and the forward's arguments on the meta device."""
-    from cpdoctor.models.inputs import build_inputs
+    from cpdoctor.model_zoo.inputs import build_inputs
 
     builder = spec.builder
     full = spec.full_config()
@@ -102,7 +102,7 @@ def memory_plan(
     spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[str, Any], blocks: int | None = None, available: Any = "measure"
 ) -> Any:
     """The memory plan of this examination with `blocks` (default req.blocks) blocks per stack."""
-    from cpdoctor.models import memory
+    from cpdoctor.model_zoo import memory
 
     n = blocks if blocks is not None else (req.blocks or survey.depth)
     full = spec.full_config()
@@ -125,7 +125,7 @@ def memory_plan(
 def choose_blocks(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[str, Any]) -> int | None:
     """req.blocks when it fits; the most that fit when not given (None for a model without stacks). BadInput
     with the --blocks that would fit otherwise."""
-    from cpdoctor.models import memory
+    from cpdoctor.model_zoo import memory
 
     if not survey.stacks:
         return None
@@ -157,7 +157,7 @@ def choose_blocks(spec: ModelSpec, req: ModelRequest, survey: Any, kwargs: dict[
 def check_needed_files(spec: ModelSpec, req: ModelRequest) -> None:
     """A sliced safetensors checkpoint: every tensor the sliced model needs is in the index (or the file), and
     the shard holding it exists and reads (BadInput naming the first that does not)."""
-    from cpdoctor.models import checkpoints, slicing
+    from cpdoctor.model_zoo import checkpoints, slicing
 
     weights = spec.weights
     if weights is None or not weights.use_safetensors or not is_sliced(spec, req.blocks):
@@ -183,8 +183,8 @@ def check_needed_files(spec: ModelSpec, req: ModelRequest) -> None:
 def check_divisibility(spec: ModelSpec, req: ModelRequest, survey: Any) -> None:
     """`cpdoctor plan`'s measurement at this layout (on the model cut to one block a stack: depth does not
     change a split): an indivisible split is BadInput with plan's remedy, before diffusers' hooks assert."""
-    from cpdoctor.models.catalog import ResolvedModel, resolve_model
-    from cpdoctor.models.splits.plan import Setup, measure_plan, plan_command, remedy_line
+    from cpdoctor.model_zoo.catalog import ResolvedModel, resolve_model
+    from cpdoctor.model_zoo.splits.plan import Setup, measure_plan, plan_command, remedy_line
 
     if req.world_size < 2:
         return

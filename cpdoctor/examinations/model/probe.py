@@ -65,7 +65,7 @@ class ModelShard(RankResult):
     layout: ParamLayout | None
     op: list[OpShard]
     blocks: BlockRecord
-    read: Any  # cpdoctor.models.slicing.ReadStats
+    read: Any  # cpdoctor.model_zoo.slicing.ReadStats
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ def select_backend(req: ModelRequest, spec: ModelSpec, device: Any) -> tuple[str
 
 def run_rank(case: Case, ctx: Any) -> RankResult:
     """This rank's CP run of the model (or why it cannot run here), then the op-level cross-checks."""
+    from cpdoctor.cpu_kernels import cpu_backend
     from cpdoctor.fix import patch as fix_patch
-    from cpdoctor.kernels import cpu_backend
 
     req: ModelRequest = case.request.validate()
     attention.prepare_emulation(req)  # the kernel stand-ins, before diffusers is imported (with --emulate)
@@ -159,7 +159,7 @@ def _not_runnable(facts: Any, req: ModelRequest) -> Unsupported | None:
 
 def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) -> ModelShard:
     """The model under CP, forward and backward; the parameter gradients summed over the CP group."""
-    from cpdoctor.models.slicing import ReadStats
+    from cpdoctor.model_zoo.slicing import ReadStats
 
     req: ModelRequest = case.request
     dtype = torch_dtype(req.dtype)

@@ -33,7 +33,7 @@ class ModelRequest(LayoutRequest):
     frames: int | None = None
     batch: int = 1
     emulate: bool = False  # the CUDA backends' CP code on CPU through cpdoctor's kernel stand-ins
-    # where a checkpoint's weights come from (cpdoctor.models.checkpoints): the hub revision (branch, tag or
+    # where a checkpoint's weights come from (cpdoctor.model_zoo.checkpoints): the hub revision (branch, tag or
     # commit; `prepare` pins it to the commit found), the file variant (fp16, bf16), whether to fetch a hub
     # checkpoint missing from the local cache, whether pickle weights (.bin) may be loaded
     revision: str | None = None
@@ -46,10 +46,10 @@ class ModelRequest(LayoutRequest):
     # the reference's dtype, "fp64" or "fp32" where fp64 does not fit (set by `prepare` from the memory plan)
     reference: str | None = None
     memory: Any = field(default=None, compare=False, repr=False)
-    """The memory plan `prepare` made (cpdoctor.models.memory.MemoryPlan): printed before launch, kept in the
+    """The memory plan `prepare` made (cpdoctor.model_zoo.memory.MemoryPlan): printed before launch, kept in the
     finding; not part of what the user asked for (`to_dict` leaves it out)."""
     timing: Any = field(default=None, compare=False, repr=False)
-    """The time plan `prepare` made (cpdoctor.models.throughput.TimePlan) for a half dtype on the CPU, None
+    """The time plan `prepare` made (cpdoctor.model_zoo.throughput.TimePlan) for a half dtype on the CPU, None
     otherwise: printed before launch with its slow-dtype warning; `to_dict` leaves it out too."""
 
     def validate(self) -> ModelRequest:

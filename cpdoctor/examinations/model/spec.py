@@ -11,7 +11,7 @@ from cpdoctor.compat.diffusers import forward_params
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.memo import Memo
-from cpdoctor.models.tiny import TINY_CONFIGS
+from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
 TINY_SOURCE = "tiny config"
 REFERENCE_BACKEND = "native"
@@ -28,7 +28,7 @@ class ModelSpec:
     config: dict[str, Any]
     source: str  # TINY_SOURCE, the checkpoint directory or "hub cache org/name@commit"
     builder: Any
-    weights: Any = None  # cpdoctor.models.checkpoints.Checkpoint, None for a tiny config
+    weights: Any = None  # cpdoctor.model_zoo.checkpoints.Checkpoint, None for a tiny config
 
     @property
     def checkpoint(self) -> str | None:
@@ -36,7 +36,7 @@ class ModelSpec:
         return None if self.weights is None else self.weights.model_dir
 
     def full_config(self) -> dict[str, Any]:
-        from cpdoctor.models.catalog import full_config
+        from cpdoctor.model_zoo.catalog import full_config
 
         return full_config(self.cls, self.config)
 
@@ -53,10 +53,10 @@ def resolve_spec(
     """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a hub id (found in the
     local Hugging Face cache, fetched only with `download`), a pipeline or a transformer directory. BadInput
     for an unknown name, a family without a tiny config, checkpoint options given with a name, or a checkpoint
-    that is missing, pickle-only, truncated or incomplete (cpdoctor.models.checkpoints)."""
-    from cpdoctor.models import checkpoints
-    from cpdoctor.models.catalog import resolve_model
-    from cpdoctor.models.inputs import builder_for
+    that is missing, pickle-only, truncated or incomplete (cpdoctor.model_zoo.checkpoints)."""
+    from cpdoctor.model_zoo import checkpoints
+    from cpdoctor.model_zoo.catalog import resolve_model
+    from cpdoctor.model_zoo.inputs import builder_for
 
     weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
     resolved = resolve_model(model if weights is None else weights.config_file)
@@ -105,7 +105,7 @@ SURVEYS: Memo[Any] = Memo("(model class, config) -> its survey (one meta-device 
 
 def model_survey(spec: ModelSpec) -> Any:
     """The model's block stacks (with the config keys that size them) and its parameters outside them."""
-    from cpdoctor.models.slicing import survey
+    from cpdoctor.model_zoo.slicing import survey
 
     key = (spec.cls.__name__, repr(sorted(spec.config.items())))
     return SURVEYS.get(key, lambda: survey(spec.cls, spec.config))
@@ -113,7 +113,7 @@ def model_survey(spec: ModelSpec) -> Any:
 
 def sliced_config(spec: ModelSpec, blocks: int | None) -> dict[str, Any]:
     """The config with every stack cut to `blocks` (the full config for None)."""
-    from cpdoctor.models.slicing import sliced_config as cut
+    from cpdoctor.model_zoo.slicing import sliced_config as cut
 
     full = spec.full_config()
     if blocks is None:

@@ -2,7 +2,7 @@
 context_parallel — on sequence shards, forward and backward, every rank against the full-sequence fp64
 reference, judged like diffusers' (the shared tolerance and row judging, a rules table of its own).
 
-Each implementation is an adapter in cpdoctor/peers/; this package is the Examination entry: the request
+Each implementation is an adapter in cpdoctor/peer_impls/; this package is the Examination entry: the request
 validated with the implementation's own reasons, UNSUPPORTED from the parent when its package is missing,
 the probe (run_rank / evaluate) and the judge."""
 
@@ -15,7 +15,7 @@ from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.peer import judge
 from cpdoctor.examinations.peer.request import PeerRequest, build_request
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
-from cpdoctor.peers.source import peer_frame
+from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Kind
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from cpdoctor.compat.packages import NOT_INSTALLED, installed_version
 from cpdoctor.examinations.peer.request import PeerRequest, build_request
-from cpdoctor.peers import Impl, adapter
+from cpdoctor.peer_impls import Impl, adapter
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The verdict of a peer case: each tensor against the shared tolerance (judging.tolerance: 2 × the same
 kernel's no-CP error + eps), then the diagnosis from a table of rules of its own. Where a rule names the
-peer's code, the file and line come from the installed source (peers/source.py), read when judging."""
+peer's code, the file and line come from the installed source (peer_impls/source.py), read when judging."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cpdoctor.examinations.judging import Aspect, CrashSignature, Rule, judge_ro
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.op_judge import OpJudge, OpSignature
 from cpdoctor.examinations.peer.request import PeerRequest
-from cpdoctor.peers.source import Located, SourceLine
+from cpdoctor.peer_impls.source import Located, SourceLine
 from cpdoctor.report import TENSOR_LABELS, Finding, JudgedRow, Verdict
 
 BF16_DQ = r"(return dq\.to\(torch\.bfloat16\)[^\n]*)"

@@ -5,7 +5,7 @@ PyTorch's context_parallel shards them itself), runs the peer forward and backwa
 returns its out, dQ, dK, dV (and LSE where the peer returns one) in its own token order. Rank 0 computes once
 the fp64 reference on the full sequence (per packed sequence for varlen) and the same block kernel's error
 without CP (the baseline the tolerance is built from), puts every rank's results back by token index and
-measures them. On a CPU the CUDA kernels are cpdoctor's stand-ins (kernels/standins.py), and the report says so.
+measures them. On a CPU the CUDA kernels are cpdoctor's stand-ins (cpu_kernels/standins.py), and the report says so.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from cpdoctor.errors import CannotExamine, first_line
 from cpdoctor.examinations.measurement import Measurement, compare, torch_dtype
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.launch.jobs import Case, RankResult
-from cpdoctor.peers.base import PeerOutputs, RunShape, Shim
-from cpdoctor.peers.layouts import cu_seqlens, token_indices, varlen_lengths
-from cpdoctor.peers.source import package_root
+from cpdoctor.peer_impls.base import PeerOutputs, RunShape, Shim
+from cpdoctor.peer_impls.layouts import cu_seqlens, token_indices, varlen_lengths
+from cpdoctor.peer_impls.source import package_root
 from cpdoctor.report.numbers import TensorRow
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -90,7 +90,7 @@ def run_rank(case: Case, ctx: Any) -> PeerRankResult:
     """This rank's out/LSE/dQ/dK/dV through the peer's CP attention."""
     import torch
 
-    from cpdoctor.kernels import standins
+    from cpdoctor.cpu_kernels import standins
 
     req: PeerRequest = case.request  # validated where it was built (PeerRequest.of)
     emulated = ctx.device.type == "cpu"

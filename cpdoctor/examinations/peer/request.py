@@ -10,9 +10,9 @@ from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.request import default_degrees, require_ints, typed_words, validate_layout
-from cpdoctor.peers import Adapter, adapter
-from cpdoctor.peers.base import Kernel, Variant, parse_impl
-from cpdoctor.peers.layouts import Layout
+from cpdoctor.peer_impls import Adapter, adapter
+from cpdoctor.peer_impls.base import Kernel, Variant, parse_impl
+from cpdoctor.peer_impls.layouts import Layout
 from cpdoctor.vocabulary import Device, DType, Impl, Kind
 from cpdoctor.vocabulary import Kernel as KernelName
 from cpdoctor.vocabulary import Variant as VariantName

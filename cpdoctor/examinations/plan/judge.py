@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpdoctor.models.splits.plan import plan_command, remedy_line
-from cpdoctor.models.splits.result import Plan, Problem
+from cpdoctor.model_zoo.splits.plan import plan_command, remedy_line
+from cpdoctor.model_zoo.splits.result import Plan, Problem
 from cpdoctor.report import Finding, Verdict
 
 

@@ -5,7 +5,7 @@ diffusers splits every tensor named in a model's `_cp_plan` with `tensor.chunk(w
 examination measures, without weights and without compute, the real length of every split input and gathered
 output (`measure`: the model's own forward on the meta device, hooked where diffusers hooks it), so the lengths
 come from diffusers' code; the only thing cpdoctor supplies is how a pipeline shapes the inputs
-(`cpdoctor.models.catalog` builders). For every problem it then measures the ways out (`remedies`), and `judge`
+(`cpdoctor.model_zoo.catalog` builders). For every problem it then measures the ways out (`remedies`), and `judge`
 turns the problems into findings.
 
 It never prints: `plan_model()` returns the `cpdoctor.report.Report` every examination returns, the measured
@@ -20,7 +20,7 @@ from typing import Any
 from cpdoctor.compat.packages import installed_version
 from cpdoctor.examinations.plan.judge import plan_findings
 from cpdoctor.examinations.plan.request import PlanRequest
-from cpdoctor.models.splits.plan import measure_plan
+from cpdoctor.model_zoo.splits.plan import measure_plan
 from cpdoctor.report import Report
 
 __all__ = ["PlanRequest", "plan_model"]

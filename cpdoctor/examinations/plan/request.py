@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cpdoctor.models.splits.plan import Setup, setup
+from cpdoctor.model_zoo.splits.plan import Setup, setup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 
 watch.py (the context manager) → record.py (hooks: inputs, output gradient, weights, RNG) → reference.py (the
 same step in one fp64 process on each CP group's first rank) → measure.py (relations, numbers only) → judge.py
-(the rules table). request.py and probe.py are the command's; the collectives are launch/step_comm.py's."""
+(the rules table). request.py and probe.py are the command's; the collectives are launch/watcher_comm.py's."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def watch_step(model: Any, **options: Any) -> Any:
 def model_degrees(model: Any) -> tuple[int, int]:
     """(ring, ulysses) of a diffusers transformer with enable_parallelism (bare, in DDP or under FSDP2); BadInput
     when CP is not enabled on it (what `preflight(model=...)` reads the job's degrees from)."""
-    from cpdoctor.compat import step as compat
+    from cpdoctor.compat import parallel_config as compat
     from cpdoctor.errors import BadInput
     from cpdoctor.examinations.step.watch import unwrap
 

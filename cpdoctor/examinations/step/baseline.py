@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cpdoctor.examinations.step.measure import reference_out_grads
-from cpdoctor.models import memory
+from cpdoctor.model_zoo import memory
 from cpdoctor.vocabulary import DType
 
 
@@ -51,7 +51,7 @@ class OneProcessReference:
         self.ref_output: Any = None
 
     def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
-        from cpdoctor.compat import step as compat
+        from cpdoctor.compat import parallel_config as compat
         from cpdoctor.examinations.step.reference import Precision, ReferenceTooLarge, reference_plan, reference_step
         from cpdoctor.examinations.step.watch import compute_dtype
 
@@ -77,11 +77,11 @@ class OneProcessReference:
         return result.grads
 
     def combine(self, own: Any, n_groups: int) -> Any:
-        from cpdoctor.launch import step_comm
+        from cpdoctor.launch import watcher_comm
 
         if n_groups == 1:  # the world is this CP group: its reference is the expected gradient (every rank knows it)
             return own
-        total = step_comm.sum_over_world(own)
+        total = watcher_comm.sum_over_world(own)
         total /= n_groups  # in place: a fresh copy of a real model's gradient costs seconds of page faults
         return total
 

@@ -89,10 +89,10 @@ class RecordingWatch:
         from cpdoctor.examinations.step.record import Hooks, weights_digest
         from cpdoctor.examinations.step.reference import canonical
         from cpdoctor.examinations.step.watch import WATCHED
-        from cpdoctor.launch import step_comm
+        from cpdoctor.launch import watcher_comm
 
         self.seq = WATCHED.next()
-        self.weights = weights_digest(self.module, canonical, step_comm.full_tensor)
+        self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
         self._hooks = Hooks(self.module, keep_full=False, snapshot_weights=dict).install()
         return self
 
@@ -100,7 +100,7 @@ class RecordingWatch:
         from cpdoctor.examinations.step.baseline import save_step
         from cpdoctor.examinations.step.reference import canonical
         from cpdoctor.examinations.step.watch import compute_dtype
-        from cpdoctor.launch import step_comm
+        from cpdoctor.launch import watcher_comm
 
         self._hooks.remove()
         if exc is not None:
@@ -110,8 +110,8 @@ class RecordingWatch:
         grads = {}
         for name, p in self.module.named_parameters():
             if p.requires_grad:  # a trainable parameter without a gradient is zeros, as the run with CP reads it
-                grads[canonical(name)] = step_comm.full_tensor(p.grad.detach()) if p.grad is not None else torch.zeros(p.shape)
-        rank = step_comm.world()[0]
+                grads[canonical(name)] = watcher_comm.full_tensor(p.grad.detach()) if p.grad is not None else torch.zeros(p.shape)
+        rank = watcher_comm.world()[0]
         dtype = compute_dtype(self.module, [c.out_dtype for c in self._hooks.calls])
         save_step(self.directory, rank, self.seq, grads, [(p.name, p.digest) for p in self._hooks.prints], dtype, self.weights)
         return False

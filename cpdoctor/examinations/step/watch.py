@@ -14,8 +14,8 @@ in a collective of the step, is a CRASH / HANG finding on every rank within the 
 what it saw to its CP group's first rank, which compares the final gradients with what one process computes
 (baseline.py: the reference) and measures (measure.py); the CP groups' findings are shared with every rank. An
 exception in cpdoctor's own code is a CRASH finding too; the watcher never raises out of the block, and the
-user's own exception goes on. Collectives are launch/step_comm.py's, in the user's own process group; private
-diffusers names are compat/step.py's."""
+user's own exception goes on. Collectives are launch/watcher_comm.py's, in the user's own process group; private
+diffusers names are compat/parallel_config.py's."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.compat import step as compat
+from cpdoctor.compat import parallel_config as compat
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.step.baseline import Baseline, OneProcessReference
 from cpdoctor.examinations.step.judge import step_finding
@@ -32,7 +32,7 @@ from cpdoctor.examinations.step.loss_graph import BackwardRoots
 from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest, weights_digest
 from cpdoctor.examinations.step.reference import ReferenceTooLarge, canonical
-from cpdoctor.launch import step_comm
+from cpdoctor.launch import watcher_comm
 from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
 from cpdoctor.vocabulary import DType
 
@@ -165,7 +165,7 @@ class StepWatch:
 
     # -- entry ----------------------------------------------------------------------------------------------
     def __enter__(self) -> StepWatch:
-        rank, world = step_comm.world()
+        rank, world = watcher_comm.world()
         if world < 2:
             raise BadInput("watch_step needs the job's process group (torch.distributed initialised, more than one rank)")
         config = compat.parallel_config_of(self.module)
@@ -178,7 +178,7 @@ class StepWatch:
         if self.group is None:
             raise BadInput("the model's CP mesh is not set up: call enable_parallelism with this job's process group first")
         self.ring, self.ulysses = compat.cp_degrees(config)
-        self.ranks = step_comm.group_ranks(self.group)
+        self.ranks = watcher_comm.group_ranks(self.group)
         self.rank, self.world = rank, world
         self.leader = rank == self.ranks[0]
         self.seq = WATCHED.next()
@@ -187,7 +187,7 @@ class StepWatch:
         self.rng_before = rng_digest()
         self.weights = None
         if getattr(self.baseline, "needs_weights_digest", False):  # two runs: did both start from the same weights?
-            self.weights = weights_digest(self.module, canonical, step_comm.full_tensor)
+            self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
         self._hooks = Hooks(self.module, keep_full=self.leader and self.baseline.needs_inputs, snapshot_weights=self._weights).install()
         self._roots = BackwardRoots().install()
         return self
@@ -198,7 +198,7 @@ class StepWatch:
         out = {}
         swapped = type(self.module).__name__.startswith("FSDP")  # FSDP2 swaps in unsharded weights it frees after the forward
         for name, p in self.module.named_parameters():
-            full = step_comm.full_tensor(p.detach())
+            full = watcher_comm.full_tensor(p.detach())
             if self.leader and self.baseline.needs_inputs:
                 # a plain weight does not change before the block's exit and the reference only reads it: not copied
                 out[canonical(name)] = full.clone() if swapped or hasattr(p, "full_tensor") else full
@@ -256,7 +256,7 @@ class StepWatch:
         """Every rank agrees, through the store, that all ranks reached the block's end and none raised; the
         findings when not (the same on every rank), None when the collectives may start."""
         mine = Arrival(self.rank, self.index, hooks.forwards, hooks.backwards, error)
-        seen = step_comm.exchange(f"cpdoctor/watch/{self.seq}/arrive", mine, tuple(range(self.world)), self.timeout_s)
+        seen = watcher_comm.exchange(f"cpdoctor/watch/{self.seq}/arrive", mine, tuple(range(self.world)), self.timeout_s)
         absent = [r for r, a in enumerate(seen) if a is None]
         raised = {a.rank: a.error for a in seen if a is not None and a.error}
         findings = []
@@ -283,7 +283,7 @@ class StepWatch:
         that arrived late saw everyone and would go on while its peers gave up on it: this round makes it stop
         with them, so no rank enters a collective alone."""
         everyone = tuple(range(self.world))
-        said = step_comm.exchange(f"cpdoctor/watch/{self.seq}/decide", findings or GO, everyone, self.timeout_s)
+        said = watcher_comm.exchange(f"cpdoctor/watch/{self.seq}/decide", findings or GO, everyone, self.timeout_s)
         stopped = next((f for f in said if f and f != GO), None)
         if stopped is not None:
             return stopped
@@ -307,8 +307,8 @@ class StepWatch:
         names, grads, missing = self._grads()
         out_grads = tuple(f.out_grad for f in hooks.calls)
         record = PeerRecord(self.rank, hooks.forwards, hooks.backwards, hooks.prints, self.rng_before, rng_after, out_grads, None, missing)
-        records = step_comm.gather_to_first(record, self.group)
-        all_grads = step_comm.gather_tensor_to_first(grads, self.group)  # a tensor collective: no pickling
+        records = watcher_comm.gather_to_first(record, self.group)
+        all_grads = watcher_comm.gather_tensor_to_first(grads, self.group)  # a tensor collective: no pickling
         if records is not None and all_grads is not None:
             for rec, g in zip(records, all_grads):
                 rec.grads = g
@@ -323,7 +323,7 @@ class StepWatch:
                 refused = str(exc)
             except Exception:  # noqa: BLE001 - the reference's failure is reported on every rank, no rank left waiting
                 failed = traceback.format_exc()
-        posted = step_comm.exchange(f"cpdoctor/watch/{self.seq}/reference", ("done", failed, refused), leaders, self.timeout_s)
+        posted = watcher_comm.exchange(f"cpdoctor/watch/{self.seq}/reference", ("done", failed, refused), leaders, self.timeout_s)
         refusals = [p[2] for p in posted if p is not None and p[2]]
         if refusals:
             return self._report(
@@ -353,11 +353,11 @@ class StepWatch:
                 ]
             )
         finding = self._judge(hooks, roots, records, names, expected_mine)
-        return self._report([f for f in step_comm.all_gather(finding) if f is not None])
+        return self._report([f for f in watcher_comm.all_gather(finding) if f is not None])
 
     def _all_leaders(self) -> tuple[int, ...]:
         """The first rank of every CP group (the groups partition the world)."""
-        return tuple(sorted(set(step_comm.all_gather(self.ranks[0]))))
+        return tuple(sorted(set(watcher_comm.all_gather(self.ranks[0]))))
 
     def _judge(self, hooks: Hooks, roots: BackwardRoots, records: Any, names: list, expected_mine: Any) -> Finding | None:
         import torch
@@ -463,7 +463,7 @@ class StepWatch:
                 missing.append(name)
                 flat[offset : offset + n] = 0
             else:
-                flat[offset : offset + n] = step_comm.full_tensor(p.grad.detach()).reshape(-1)
+                flat[offset : offset + n] = watcher_comm.full_tensor(p.grad.detach()).reshape(-1)
             names.append((name, n))
             offset += n
         return names, flat, tuple(missing)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.errors import Unsupported
-from cpdoctor.peers.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
-from cpdoctor.peers.layouts import Layout
+from cpdoctor.peer_impls.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
+from cpdoctor.peer_impls.layouts import Layout
 from cpdoctor.vocabulary import HALF, DType, Impl
 from cpdoctor.vocabulary import Kernel as K
 from cpdoctor.vocabulary import Variant as V
@@ -67,7 +67,7 @@ class TorchContextParallel(Adapter):
         from torch.distributed.tensor.experimental import context_parallel
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from cpdoctor.peers.shims import cuda_sdpa_routing, sdpa_routing_shim
+        from cpdoctor.peer_impls.shims import cuda_sdpa_routing, sdpa_routing_shim
 
         bufs = [t.transpose(1, 2).contiguous().clone() for t in (q, k, v, dout)]
         cp.set_rotate_method(shape.variant.value)
@@ -91,7 +91,7 @@ class TorchContextParallel(Adapter):
         """The same SDPA op without CP."""
         import torch
 
-        from cpdoctor.peers.shims import cuda_sdpa_routing
+        from cpdoctor.peer_impls.shims import cuda_sdpa_routing
 
         q, k, v = (t.transpose(1, 2).detach().clone().requires_grad_(True) for t in (q, k, v))
         with cuda_sdpa_routing(shape.kernel):

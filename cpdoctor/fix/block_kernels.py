@@ -299,7 +299,7 @@ class FlashAttnKernel(BlockKernel):
 
 
 def _is_cpdoctor_cpu(forward_op: Callable) -> bool:
-    from cpdoctor.kernels import cpu_backend
+    from cpdoctor.cpu_kernels import cpu_backend
 
     return forward_op is cpu_backend.forward_op
 

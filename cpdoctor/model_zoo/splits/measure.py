@@ -17,8 +17,8 @@ from typing import Any
 
 from cpdoctor.compat.diffusers import cp_plan, quiet
 from cpdoctor.errors import CannotExamine, first_line
-from cpdoctor.models.catalog import build_model
-from cpdoctor.models.inputs import InputBuilder, build_inputs
+from cpdoctor.model_zoo.catalog import build_model
+from cpdoctor.model_zoo.inputs import InputBuilder, build_inputs
 
 
 class SplitKind(str, enum.Enum):

@@ -17,7 +17,7 @@ from typing import Any
 
 from cpdoctor.compat.diffusers import cp_plan, forward_params
 from cpdoctor.errors import CannotExamine
-from cpdoctor.models.names import short_name_for
+from cpdoctor.model_zoo.names import short_name_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +385,7 @@ def builder_for(cls: type) -> InputBuilder:
     if key is None:
         raise CannotExamine(
             f"cpdoctor has no input builder for {cls.__name__} (it does not know how the pipeline shapes its "
-            "inputs); add one to cpdoctor/models/catalog.py FAMILIES"
+            "inputs); add one to cpdoctor/model_zoo/catalog.py FAMILIES"
         )
     return BUILDERS[key]
 

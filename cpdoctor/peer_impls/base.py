@@ -16,8 +16,8 @@ from typing import Any
 
 from cpdoctor import vocabulary
 from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
-from cpdoctor.peers.layouts import Layout
-from cpdoctor.peers.source import SourceLine, package_root
+from cpdoctor.peer_impls.layouts import Layout
+from cpdoctor.peer_impls.source import SourceLine, package_root
 from cpdoctor.vocabulary import DType, Impl
 
 EXTRA = "cpdoctor[peers]"

@@ -17,9 +17,9 @@ from typing import Any
 
 from cpdoctor.errors import Unsupported
 from cpdoctor.memo import Memo
-from cpdoctor.peers.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
-from cpdoctor.peers.layouts import Layout
-from cpdoctor.peers.source import SourceLine
+from cpdoctor.peer_impls.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
+from cpdoctor.peer_impls.layouts import Layout
+from cpdoctor.peer_impls.source import SourceLine
 from cpdoctor.vocabulary import HALF, DType, Impl
 from cpdoctor.vocabulary import Kernel as K
 from cpdoctor.vocabulary import Variant as V
@@ -67,7 +67,7 @@ SPEC = PeerSpec(
         Kernel(
             K.FA,
             HALF,
-            "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)",
+            "cpdoctor's flash-attn 2 stand-in (cpdoctor/cpu_kernels/flash_attn_standin)",
             refuses_dtype=_FA_REFUSES,
             package="flash_attn",
         ),
@@ -121,7 +121,7 @@ class Yunchang(Adapter):
         from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
         from yunchang.kernels import AttnType
 
-        from cpdoctor.peers.shims import self_send_shim, self_sends_as_copies
+        from cpdoctor.peer_impls.shims import self_send_shim, self_sends_as_copies
 
         def make() -> tuple[Any, Any]:
             set_seq_parallel_pg(shape.ulysses, shape.ring, shape.rank, shape.world)

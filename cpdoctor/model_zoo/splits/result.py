@@ -10,7 +10,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from cpdoctor.models.splits.measure import SplitKind
+from cpdoctor.model_zoo.splits.measure import SplitKind
 
 
 @dataclasses.dataclass

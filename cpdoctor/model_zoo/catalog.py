@@ -4,7 +4,7 @@ Nothing here is a hand-kept list of models. `list_models()` scans `diffusers.mod
 whose class attribute `_cp_plan` is non-empty, and derives each short name from the class name
 (FluxTransformer2DModel -> flux, QwenImageTransformer2DModel -> qwen-image, LTXVideoTransformer3DModel -> ltx).
 
-How a pipeline shapes each family's inputs is `cpdoctor.models.inputs` (one builder per family).
+How a pipeline shapes each family's inputs is `cpdoctor.model_zoo.inputs` (one builder per family).
 
 torch and diffusers are imported inside functions only, so importing this module is free.
 """
@@ -23,8 +23,8 @@ from typing import Any
 from cpdoctor.compat.diffusers import cp_plan
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.memo import Memo
-from cpdoctor.models.inputs import family_builder_key
-from cpdoctor.models.names import short_name_for
+from cpdoctor.model_zoo.inputs import family_builder_key
+from cpdoctor.model_zoo.names import short_name_for
 
 # --------------------------------------------------------------------------------------------------------------
 # discovery and names

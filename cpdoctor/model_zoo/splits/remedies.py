@@ -17,9 +17,9 @@ from typing import Any
 
 from cpdoctor.compat.diffusers import forward_params
 from cpdoctor.errors import CannotExamine, first_line
-from cpdoctor.models.inputs import InputBuilder
-from cpdoctor.models.splits.measure import Key, MeasuredSplits, Measurer, try_measure
-from cpdoctor.models.splits.result import HeadsCheck, Problem, Remedy, RemedyKind
+from cpdoctor.model_zoo.inputs import InputBuilder
+from cpdoctor.model_zoo.splits.measure import Key, MeasuredSplits, Measurer, try_measure
+from cpdoctor.model_zoo.splits.result import HeadsCheck, Problem, Remedy, RemedyKind
 
 # How far the remedy search looks (in steps of the pipeline's resolution / frame multiple) and how many extra
 # forwards it may spend. A one-block forward costs ~10-50 ms on meta, a full-depth one 0.3-3 s.

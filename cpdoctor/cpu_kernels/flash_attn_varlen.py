@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from cpdoctor.kernels import standins as _s
+from cpdoctor.cpu_kernels import standins as _s
 from cpdoctor.vocabulary import HALF, DType
 
 _require_emulation = _s.flash_attn_require_emulation

@@ -30,8 +30,8 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from cpdoctor.peers.base import Shim
-from cpdoctor.peers.source import peer_frame
+from cpdoctor.peer_impls.base import Shim
+from cpdoctor.peer_impls.source import peer_frame
 
 HF_ADAPTER = "ring_flash_attn.adapters.hf_adapter"
 

@@ -10,9 +10,9 @@ return_attn_probs=False)`). Layout (B, S, H, D); softmax_lse (B, H, Sq) float32 
 rng_state (2,) int64 (seed, offset). The checks are mha_fwd / mha_bwd's (csrc/flash_attn/flash_api.cpp);
 with dropout_p > 0 the forward draws its philox state from the generator (counter offset B·H·32), which
 advances it, as the real one does. Causal masks are aligned to the bottom right (flash-attn >= 2.1).
-Numerics: cpdoctor.kernels.standins (fp32, cast to the input dtype). Windows, softcap and ALiBi are not
+Numerics: cpdoctor.cpu_kernels.standins (fp32, cast to the input dtype). Windows, softcap and ALiBi are not
 emulated (NotImplementedError). The varlen entry points, the packed variants and their autograd Functions
-(ring-flash-attn and yunchang import them at import time) live in cpdoctor/kernels/flash_attn_varlen.py and
+(ring-flash-attn and yunchang import them at import time) live in cpdoctor/cpu_kernels/flash_attn_varlen.py and
 are re-exported here."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from cpdoctor.kernels import standins as _s
+from cpdoctor.cpu_kernels import standins as _s
 
 
 def _round_multiple(x: int, m: int) -> int:
@@ -252,8 +252,8 @@ def flash_attn_kvpacked_func(
     )
 
 
-# The varlen half lives in cpdoctor.kernels.flash_attn_varlen (importable with or without this package on sys.path).
-from cpdoctor.kernels.flash_attn_varlen import (  # noqa: E402
+# The varlen half lives in cpdoctor.cpu_kernels.flash_attn_varlen (importable with or without this package on sys.path).
+from cpdoctor.cpu_kernels.flash_attn_varlen import (  # noqa: E402
     FlashAttnVarlenFunc,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,

@@ -77,7 +77,7 @@ def depth_candidates(config: Mapping[str, Any]) -> list[str]:
 
 def stack_config_keys(cls: type, config: Mapping[str, Any]) -> list[Stack]:
     """The model's stacks with the config key that sizes each (two meta builds, no weights)."""
-    from cpdoctor.models.catalog import build_model, full_config
+    from cpdoctor.model_zoo.catalog import build_model, full_config
 
     full = full_config(cls, config)
     with empty_parameters():
@@ -118,7 +118,7 @@ class Survey:
 
 def survey(cls: type, config: Mapping[str, Any]) -> Survey:
     """Stacks (with their sizing keys) and the parameters outside them, from meta builds."""
-    from cpdoctor.models.catalog import build_model, full_config
+    from cpdoctor.model_zoo.catalog import build_model, full_config
 
     stacks = stack_config_keys(cls, config)
     with empty_parameters():
@@ -231,7 +231,7 @@ def read_tensors(names: Iterable[str], where: Mapping[str, str], stats: ReadStat
 
 
 def index_file_of(files: Iterable[str], model_dir: str, variant: str | None) -> str | None:
-    from cpdoctor.models.checkpoints import SAFETENSORS_INDEX, add_variant
+    from cpdoctor.model_zoo.checkpoints import SAFETENSORS_INDEX, add_variant
 
     path = os.path.join(model_dir, add_variant(SAFETENSORS_INDEX, variant))
     return path if os.path.isfile(path) else None
@@ -239,7 +239,7 @@ def index_file_of(files: Iterable[str], model_dir: str, variant: str | None) -> 
 
 def load_sliced(cls: type, config: Mapping[str, Any], where: Mapping[str, str], stats: ReadStats | None = None, dtype: Any = None) -> Any:
     """The model of `config` (already sliced) with its state dict read lazily from the files of `where`."""
-    from cpdoctor.models.catalog import build_model
+    from cpdoctor.model_zoo.catalog import build_model
 
     with empty_parameters():
         model = build_model(cls, dict(config), device="cpu")
@@ -259,7 +259,7 @@ def load_sliced(cls: type, config: Mapping[str, Any], where: Mapping[str, str], 
 
 def selected_keys(cls: type, config: Mapping[str, Any]) -> list[str]:
     """The state-dict keys of the model of `config` (no weights): what a sliced load reads."""
-    from cpdoctor.models.catalog import build_model
+    from cpdoctor.model_zoo.catalog import build_model
 
     with empty_parameters():
         model = build_model(cls, dict(config), device="cpu")

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.errors import Unsupported
-from cpdoctor.peers.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
-from cpdoctor.peers.layouts import Layout
-from cpdoctor.peers.source import SourceLine
+from cpdoctor.peer_impls.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
+from cpdoctor.peer_impls.layouts import Layout
+from cpdoctor.peer_impls.source import SourceLine
 from cpdoctor.vocabulary import HALF, Impl
 from cpdoctor.vocabulary import Kernel as K
 from cpdoctor.vocabulary import Variant as V
@@ -29,7 +29,7 @@ MODULE = "ring_flash_attn"
 FLASH_ATTN = Kernel(
     K.FA,
     HALF,
-    "cpdoctor's flash-attn 2 stand-in (cpdoctor/kernels/flash_attn_standin)",
+    "cpdoctor's flash-attn 2 stand-in (cpdoctor/cpu_kernels/flash_attn_standin)",
     refuses_dtype="'FlashAttention only support fp16 and bf16 data type' (flash-attn's mha_fwd, csrc/flash_attn/flash_api.cpp)",
     package="flash_attn",
 )
@@ -96,7 +96,7 @@ class RingFlashAttn(Adapter):
         return None
 
     def run(self, shape: RunShape, q: Any, k: Any, v: Any, dout: Any, mesh: Any = None, extra: Any = None) -> PeerOutputs:
-        from cpdoctor.peers.shims import import_ring_flash_attn
+        from cpdoctor.peer_impls.shims import import_ring_flash_attn
 
         rfa, shim = import_ring_flash_attn()
         q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))

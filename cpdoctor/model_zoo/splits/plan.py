@@ -14,11 +14,11 @@ import shlex
 from typing import Any
 
 from cpdoctor.errors import BadInput, CannotExamine
-from cpdoctor.models.catalog import ResolvedModel, full_config, resolve_model
-from cpdoctor.models.inputs import InputBuilder, builder_for
-from cpdoctor.models.splits.measure import Key, MeasuredSplits, Measurer, SplitKind, meta_safe, plan_order
-from cpdoctor.models.splits.remedies import Found, Search, find_problems, per_rank
-from cpdoctor.models.splits.result import HeadsCheck, Plan, RemedyKind, SkippedRow, SplitRow
+from cpdoctor.model_zoo.catalog import ResolvedModel, full_config, resolve_model
+from cpdoctor.model_zoo.inputs import InputBuilder, builder_for
+from cpdoctor.model_zoo.splits.measure import Key, MeasuredSplits, Measurer, SplitKind, meta_safe, plan_order
+from cpdoctor.model_zoo.splits.remedies import Found, Search, find_problems, per_rank
+from cpdoctor.model_zoo.splits.result import HeadsCheck, Plan, RemedyKind, SkippedRow, SplitRow
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import importlib
 
-from cpdoctor.peers.base import Adapter, Impl
+from cpdoctor.peer_impls.base import Adapter, Impl
 
 MODULES = {
-    Impl.RING_FLASH_ATTN: "cpdoctor.peers.ring_flash_attn",
-    Impl.YUNCHANG: "cpdoctor.peers.yunchang",
-    Impl.TORCH: "cpdoctor.peers.torch_cp",
+    Impl.RING_FLASH_ATTN: "cpdoctor.peer_impls.ring_flash_attn",
+    Impl.YUNCHANG: "cpdoctor.peer_impls.yunchang",
+    Impl.TORCH: "cpdoctor.peer_impls.torch_cp",
 }
 
 

@@ -1,5 +1,5 @@
 """cpdoctor's CPU stand-in of flash-attn 2 (NOT the real package). Only on sys.path when cpdoctor emulates the
-CUDA kernels (`--emulate`, and every peer examination on a CPU); see cpdoctor/kernels/standins.py and
+CUDA kernels (`--emulate`, and every peer examination on a CPU); see cpdoctor/cpu_kernels/standins.py and
 flash_attn_interface.py here. Exports what flash-attn's own flash_attn/__init__.py exports (v2.7.4), less
 flash_attn_with_kvcache (inference with a paged KV cache: not emulated)."""
 
