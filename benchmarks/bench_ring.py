@@ -498,9 +498,38 @@ def main() -> None:
         Run("ring", 2, args.seqs, both, ("builtin", *fixes)),
         Run("ulysses", 2, args.ulysses_seqs, both, ("builtin", "patched")),
     ]
-    rows, rfa_error = [], None
+    rows: list[dict] = []
+    rfa_error = None
     load_before = os.getloadavg()
     started = time.perf_counter()
+
+    def write(complete: bool) -> dict:
+        """The JSON so far: rewritten after every run, so a run cut short keeps the rows it finished."""
+        doc = {
+            "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64; builtin = diffusers' TemplatedRingAttention (layout "
+            "ring) or TemplatedUlyssesAttention (layout ulysses); patched = cpdoctor.fix.ring.RingAttention (K/V streamed) or "
+            "cpdoctor.fix.ulysses.UlyssesAttention; gathered = the fixed ring of revision `gathered_revision` (K/V all-gathered); "
+            "ring_flash_attn = ring-flash-attn's ring_flash_attn_func on cpdoctor's flash-attn stand-in. *_x = impl / builtin.",
+            "complete": complete,
+            "gathered_revision": args.gathered,
+            "ring_flash_attn": rfa_error or ("measured" if any("ring_flash_attn" in r for r in rows) else "not in this run"),
+            "reps": args.reps,
+            "spread": "*_spread = [min, max] over the repetitions; a *_x_spread is over the per-repetition ratios",
+            "wall_s": time.perf_counter() - started,
+            "machine": machine(),
+            "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "python": platform.python_version(),
+            "cpdoctor_revision": revision(),
+            "command": " ".join(["python", "benchmarks/bench_ring.py", *sys.argv[1:]]),
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        return doc
+
     with tempfile.TemporaryDirectory() as tmp:
         source = gathered_source_of(args.gathered, tmp) if args.gathered else None
         for run in runs:
@@ -510,29 +539,9 @@ def main() -> None:
             got, error = measure(run, args.reps, source)
             rows.extend(got)
             rfa_error = rfa_error or error
+            write(complete=False)
             print(f"{run.layout} {run.world} {run.dtype} {run.passes}: {time.perf_counter() - t0:.0f} s", flush=True)
-    doc = {
-        "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64; builtin = diffusers' TemplatedRingAttention (layout "
-        "ring) or TemplatedUlyssesAttention (layout ulysses); patched = cpdoctor.fix.ring.RingAttention (K/V streamed) or "
-        "cpdoctor.fix.ulysses.UlyssesAttention; gathered = the fixed ring of revision `gathered_revision` (K/V all-gathered); "
-        "ring_flash_attn = ring-flash-attn's ring_flash_attn_func on cpdoctor's flash-attn stand-in. *_x = impl / builtin.",
-        "gathered_revision": args.gathered,
-        "ring_flash_attn": rfa_error or "measured",
-        "reps": args.reps,
-        "spread": "*_spread = [min, max] over the repetitions; a *_x_spread is over the per-repetition ratios",
-        "wall_s": time.perf_counter() - started,
-        "machine": machine(),
-        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "python": platform.python_version(),
-        "cpdoctor_revision": revision(),
-        "command": " ".join(["python", "benchmarks/bench_ring.py", *sys.argv[1:]]),
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    doc = write(complete=True)
     print_table(rows)
     if rfa_error:
         print(f"ring-flash-attn: {rfa_error}")
