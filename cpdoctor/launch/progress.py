@@ -125,20 +125,46 @@ def read_text(path: str) -> str | None:
 
 
 class ActiveLog:
-    """The step log `tick` writes to in this process. Lifetime: set once per rank by the worker (`activate`)
-    before its first case, kept for the rank's life; None in every other process (the parent, a training
-    script), where `tick` is a no-op."""
+    """The step log `tick` writes to in this process, and the file `raised` writes to. Lifetime: set once per
+    rank by the worker (`activate`) before its first case, kept for the rank's life; None in every other process
+    (the parent, a training script), where `tick` and `raised` are no-ops."""
 
     def __init__(self) -> None:
         self.log: StepLog | None = None
+        self.raised_path: str | None = None
 
 
 ACTIVE = ActiveLog()
 
 
-def activate(log: StepLog | None) -> None:
-    """Make `log` the one `tick` writes to (the worker does, once per rank)."""
+def activate(log: StepLog | None, raised_path: str | None = None) -> None:
+    """Make `log` the one `tick` writes to, and `raised_path` where `raised` notes an exception (the worker
+    does, once per rank)."""
     ACTIVE.log = log
+    ACTIVE.raised_path = raised_path
+
+
+def raised(message: str, traceback: str) -> None:
+    """Note, for the supervising parent, that code this rank examines raised (`message`: one line) and was
+    caught by the examination, which goes on to agree with its peers. When a peer never arrives (it is stuck in
+    a collective the raising rank left), the parent's report of the stall names this rank's exception as the
+    CRASH instead of a HANG of everyone (spawn.py). Cheap; never a collective."""
+    path = ACTIVE.raised_path
+    if path is None:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(message.replace("\n", " ") + "\n" + traceback)
+    os.replace(tmp, path)
+
+
+def read_raised(path: str) -> tuple[str, str] | None:
+    """(message, traceback) a rank noted with `raised`, None when it noted nothing."""
+    text = read_text(path)
+    if not text:
+        return None
+    message, _, traceback = text.partition("\n")
+    return message, traceback
 
 
 def tick(doing: str | None = None) -> None:

@@ -30,8 +30,8 @@ from cpdoctor.launch.jobs import (
     RankStatus,
     wall_bound_s,
 )
-from cpdoctor.launch.progress import Step, blame, read_step, read_text
-from cpdoctor.launch.worker import outcome_path, status_path, step_path
+from cpdoctor.launch.progress import Step, blame, read_raised, read_step, read_text
+from cpdoctor.launch.worker import outcome_path, raised_path, status_path, step_path
 
 GRACE_AFTER_FAILURE_S = 3.0
 """How long the survivors of a failed rank get to report before they are killed."""
@@ -164,6 +164,11 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
     steps: dict[int, Step | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
+    for r in sorted(set(steps) - set(crashed)):  # an exception the examination caught, then a peer never arrived
+        noted = read_raised(raised_path(watch.out_dir, r))
+        if noted is not None:
+            crashed[r] = RankPayload(RankStatus.ERROR, message=noted[0], traceback=noted[1])
+            failures.append(RankFailure(r, FailureKind.CRASH, noted[0], noted[1], where=_where(steps[r])))
     others = {r: s for r, s in steps.items() if r not in crashed}
     if crashed:
         return failures + [

@@ -99,10 +99,10 @@ def test_a_model_without_cp_is_bad_input(bad_steps):
 
 
 def test_a_step_that_raises_is_one_crash_and_leaves_no_process(bad_steps):
-    proc = cpdoctor_step(f"{bad_steps}:raises", "--nproc", "2", "--timeout", "60", "--json", "-")
+    proc = cpdoctor_step(f"{bad_steps}:raises", "--nproc", "2", "--timeout", "20", "--json", "-")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(proc.stdout)
-    assert [f["verdict"] for f in report["findings"]] == ["CRASH"]
+    assert [f["verdict"] for f in report["findings"]] == ["CRASH"], [f["diagnosis"] for f in report["findings"]]
     assert "rank 1 raised: ValueError: rank 1's data loader ran dry" in report["findings"][0]["diagnosis"]
     left = subprocess.run(["pgrep", "-f", str(bad_steps)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"

@@ -32,7 +32,7 @@ from cpdoctor.examinations.step.loss_graph import BackwardRoots
 from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest, weights_digest
 from cpdoctor.examinations.step.reference import ReferenceTooLarge, canonical
-from cpdoctor.launch import watcher_comm
+from cpdoctor.launch import progress, watcher_comm
 from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
 from cpdoctor.vocabulary import DType
 
@@ -212,6 +212,8 @@ class StepWatch:
         hooks.remove()
         roots.remove()
         error = "".join(traceback.format_exception(exc_type, exc, tb)) if exc is not None else None
+        if error is not None:  # a peer may never arrive (stuck in a collective this rank left): the parent names this
+            progress.raised(f"{exc_type.__name__}: {exc}", error)
         try:
             self.report = self._close(hooks, roots, error)
         except Exception:  # noqa: BLE001 - cpdoctor's own failure is a finding on this rank, never the user's step's exception
