@@ -13,8 +13,8 @@ Implementations ("impls"):
 - gathered:         with --gathered REV, the fixed ring as it was at git revision REV (K/V all-gathered), loaded from
                     git into the workers: the measurement that decided whether the gathered variant stays;
 - ring_flash_attn:  ring-flash-attn 0.1.8's `ring_flash_attn_func` on cpdoctor's flash-attn stand-in (the peer
-                    to beat, memory only: the stand-in's speed means nothing), in bf16 (flash-attn refuses fp32),
-                    so that pass measures builtin and patched in bf16 too.
+                    to beat, memory only: the stand-in's speed means nothing), in the bf16 runs only (flash-attn
+                    refuses fp32).
 
 Passes, each in fresh worker processes, every impl warmed up first at S 512:
 - time:    median of --reps fwd / bwd wall times per impl, then one instrumented fwd+bwd per impl ("pieces"):
@@ -28,9 +28,14 @@ The ideal per-rank time ("ideal", time pass only) is the same fused kernel calle
 communication, on the rank's share of the total work: its S/W queries against all S keys, forward and
 backward, alternated with the others in the same processes (so it shares the cores exactly as they do).
 
+Rows: ring 4 and ring 8 at S 16384 in fp32 AND bf16 (ring 8: memory only), ring 2 and ring 4 at S 4096 / 16384
+in fp32; every time and memory figure is the median of --reps repetitions (≥ 5) with its [min, max] spread.
+
 Usage: python benchmarks/bench_ring.py [--seqs 4096 16384] [--ring4-seqs 4096 16384] [--ring8-seqs 16384]
-       [--peer-rings 4 8] [--peer-seqs 16384] [--ulysses-seqs] [--gathered REV] [--reps 3] [--out FILE]
-Writes benchmarks/results/ring_cpu.json and prints a table.
+       [--bf16-ring4-seqs 16384] [--bf16-ring8-seqs 16384] [--peer-rings 4 8] [--ulysses-seqs] [--gathered REV]
+       [--reps 5] [--out FILE]
+Writes benchmarks/results/ring_cpu.json (with the machine, versions, load average and the command) and prints
+a table.
 """
 
 from __future__ import annotations
@@ -225,7 +230,8 @@ def worker(spec: dict) -> None:
                 record.setdefault("fwd", []).append(t1 - t0)
                 record.setdefault("bwd", []).append(t2 - t1)
 
-        timed = [*impls, "ideal"] if spec["mode"] == "time" else impls
+        # the stand-in's speed means nothing: ring-flash-attn is measured for memory only
+        timed = [*(i for i in impls if i != "ring_flash_attn"), "ideal"] if spec["mode"] == "time" else impls
         if step == 0:
             for impl in timed:
                 fwd_bwd(impl)
@@ -235,19 +241,20 @@ def worker(spec: dict) -> None:
             for _ in range(spec["reps"]):
                 for impl in timed:
                     fwd_bwd(impl, per[impl])
-            for impl in impls:
+            for impl in (i for i in impls if i != "ring_flash_attn"):
                 timers = _Timers()
                 with _instrumented(timers, block_kernels, comm, cpu_backend, dispatch):
                     rec: dict = {}
                     fwd_bwd(impl, rec)
                 per[impl]["pieces"] = {"fwd": rec["fwd"][0], "bwd": rec["bwd"][0], **timers.totals}
-        else:  # memory
-            for impl in impls:
-                gc.collect()
-                _reset_peak()
-                base = _status("VmRSS:")
-                fwd_bwd(impl)
-                per[impl] = {"peak_bytes": _status("VmHWM:") - base}
+        else:  # memory, alternating like the time pass: one peak per repetition
+            for _ in range(spec["reps"]):
+                for impl in impls:
+                    gc.collect()
+                    _reset_peak()
+                    base = _status("VmRSS:")
+                    fwd_bwd(impl)
+                    per[impl].setdefault("peak_bytes", []).append(_status("VmHWM:") - base)
         results[str(seq)] = per
     use("builtin")
     gathered_results = ctx.gather_to_root(results)
@@ -315,10 +322,25 @@ def per_rep(timing: list, key: str, impl: str, part: str) -> list[float]:
     return [max(vals) for vals in zip(*(p[part] for p in per_rank))]
 
 
+def ratios(timing: list, key: str, impl: str, other: str, part: str) -> list[float]:
+    """Per repetition, impl / other, each pair measured back to back."""
+    return [a / b for a, b in zip(per_rep(timing, key, impl, part), per_rep(timing, key, other, part))]
+
+
 def paired(timing: list, key: str, impl: str, other: str, part: str) -> float:
     """Median over repetitions of impl / other, each pair measured back to back: robust to a load that drifts
     over the run (other engineers share these cores), which a ratio of medians is not."""
-    return statistics.median(a / b for a, b in zip(per_rep(timing, key, impl, part), per_rep(timing, key, other, part)))
+    return statistics.median(ratios(timing, key, impl, other, part))
+
+
+def peaks_mib(memory: list, key: str, impl: str) -> list[float]:
+    """Per repetition, the largest rank's peak in MiB."""
+    return [max(vals) / 2**20 for vals in zip(*(r[key][impl]["peak_bytes"] for r in memory))]
+
+
+def spread(values: list[float]) -> list[float]:
+    """[min, max] over the repetitions."""
+    return [min(values), max(values)]
 
 
 def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
@@ -333,26 +355,33 @@ def summarise(run: Run, timing: list | None, memory: list | None) -> list[dict]:
         impls = [i for i in source[0][key] if i != "ideal"]
         for impl in impls:
             cell: dict = {}
-            if timing:
+            if timing and impl in timing[0][key]:
                 for part in ("fwd", "bwd", "total"):
                     cell[f"{part}_s"] = statistics.median(per_rep(timing, key, impl, part))
+                cell["total_s_spread"] = spread(per_rep(timing, key, impl, "total"))
                 cell["pieces_rank0_s"] = timing[0][key][impl]["pieces"]
             if memory:
-                cell["peak_mib"] = max(r[key][impl]["peak_bytes"] for r in memory) / 2**20
+                peaks = peaks_mib(memory, key, impl)
+                cell["peak_mib"] = statistics.median(peaks)
+                cell["peak_mib_spread"] = spread(peaks)
             row[impl] = cell
         if timing:
             row["ideal"] = {f"{part}_s": statistics.median(per_rep(timing, key, "ideal", part)) for part in ("fwd", "bwd")}
         for impl in impls:
-            if timing:
+            timed = timing and impl in timing[0][key]
+            if timed:
                 row[f"{impl}_bwd_over_ideal"] = paired(timing, key, impl, "ideal", "bwd")
             if impl == "builtin":
                 continue
-            if timing:
+            if timed:
                 row[f"{impl}_time_x"] = paired(timing, key, impl, "builtin", "total")
+                row[f"{impl}_time_x_spread"] = spread(ratios(timing, key, impl, "builtin", "total"))
                 for part in ("fwd", "bwd"):
                     row[f"{impl}_{part}_x"] = paired(timing, key, impl, "builtin", part)
             if memory:
-                row[f"{impl}_memory_x"] = row[impl]["peak_mib"] / row["builtin"]["peak_mib"]
+                mem = [a / b for a, b in zip(peaks_mib(memory, key, impl), peaks_mib(memory, key, "builtin"))]
+                row[f"{impl}_memory_x"] = statistics.median(mem)
+                row[f"{impl}_memory_x_spread"] = spread(mem)
         rows.append(row)
     return rows
 
@@ -373,6 +402,40 @@ def gathered_source_of(rev: str, tmp: str) -> str:
     with open(path, "w") as fh:
         fh.write(source)
     return path
+
+
+def machine() -> dict:
+    """The CPU these figures come from: model, logical cores, cores this process may use, bf16 support."""
+    model, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    return {
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "native_bf16": any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")),
+        "platform": platform.platform(),
+    }
+
+
+def revision() -> str | None:
+    """The git revision measured (with "+dirty" when the tree had changes)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, check=True, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:
@@ -399,13 +462,19 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="*", default=[4096, 16384], help="ring 2: time and memory")
     parser.add_argument("--ring4-seqs", type=int, nargs="*", default=[4096, 16384], help="ring 4: time and memory")
     parser.add_argument("--ring8-seqs", type=int, nargs="*", default=[16384], help="ring 8: memory only (8 ranks share the cores)")
-    parser.add_argument("--peer-rings", type=int, nargs="*", default=[4, 8], help="ring-flash-attn's ring, memory, bf16")
-    parser.add_argument("--peer-seqs", type=int, nargs="*", default=[16384])
+    parser.add_argument("--bf16-ring4-seqs", type=int, nargs="*", default=[16384], help="ring 4 in bf16: time and memory")
+    parser.add_argument("--bf16-ring8-seqs", type=int, nargs="*", default=[16384], help="ring 8 in bf16: memory only")
+    parser.add_argument(
+        "--peer-rings", type=int, nargs="*", default=[4, 8], help="add ring-flash-attn's ring (memory) to the bf16 runs at these rings"
+    )
     parser.add_argument(
         "--ulysses-seqs", type=int, nargs="*", default=[], help="Ulysses 2: diffusers' TemplatedUlyssesAttention vs cpdoctor's"
     )
     parser.add_argument("--gathered", default=None, metavar="REV", help="also measure the fixed ring of git revision REV")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--passes", nargs="+", choices=("time", "memory"), default=["time", "memory"], help="which passes to run (default both)"
+    )
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of every time and memory measurement")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "ring_cpu.json"))
     args = parser.parse_args()
     if args.worker:
@@ -415,44 +484,64 @@ def main() -> None:
     import torch
 
     fixes = ("patched", "gathered") if args.gathered else ("patched",)
-    both = ("time", "memory")
+    both = tuple(args.passes)
+    mem = ("memory",) if "memory" in args.passes else ()
+
+    def bf16(world: int) -> tuple[str, ...]:
+        return ("builtin", *fixes, *(("ring_flash_attn",) if world in args.peer_rings else ()))
+
     runs = [
-        Run("ring", 2, args.seqs, both, ("builtin", *fixes)),
         Run("ring", 4, args.ring4_seqs, both, ("builtin", *fixes)),
-        Run("ring", 8, args.ring8_seqs, ("memory",), ("builtin", *fixes)),
-        *(Run("ring", w, args.peer_seqs, ("memory",), ("builtin", "patched", "ring_flash_attn"), "bf16") for w in args.peer_rings),
+        Run("ring", 4, args.bf16_ring4_seqs, both, bf16(4), "bf16"),
+        Run("ring", 8, args.ring8_seqs, mem, ("builtin", *fixes)),
+        Run("ring", 8, args.bf16_ring8_seqs, mem, bf16(8), "bf16"),
+        Run("ring", 2, args.seqs, both, ("builtin", *fixes)),
         Run("ulysses", 2, args.ulysses_seqs, both, ("builtin", "patched")),
     ]
-    rows, rfa_error = [], None
+    rows: list[dict] = []
+    rfa_error = None
+    load_before = os.getloadavg()
     started = time.perf_counter()
+
+    def write(complete: bool) -> dict:
+        """The JSON so far: rewritten after every run, so a run cut short keeps the rows it finished."""
+        doc = {
+            "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64; builtin = diffusers' TemplatedRingAttention (layout "
+            "ring) or TemplatedUlyssesAttention (layout ulysses); patched = cpdoctor.fix.ring.RingAttention (K/V streamed) or "
+            "cpdoctor.fix.ulysses.UlyssesAttention; gathered = the fixed ring of revision `gathered_revision` (K/V all-gathered); "
+            "ring_flash_attn = ring-flash-attn's ring_flash_attn_func on cpdoctor's flash-attn stand-in. *_x = impl / builtin.",
+            "complete": complete,
+            "gathered_revision": args.gathered,
+            "ring_flash_attn": rfa_error or ("measured" if any("ring_flash_attn" in r for r in rows) else "not in this run"),
+            "reps": args.reps,
+            "spread": "*_spread = [min, max] over the repetitions; a *_x_spread is over the per-repetition ratios",
+            "wall_s": time.perf_counter() - started,
+            "machine": machine(),
+            "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "python": platform.python_version(),
+            "cpdoctor_revision": revision(),
+            "command": " ".join(["python", "benchmarks/bench_ring.py", *sys.argv[1:]]),
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        return doc
+
     with tempfile.TemporaryDirectory() as tmp:
         source = gathered_source_of(args.gathered, tmp) if args.gathered else None
         for run in runs:
-            if not run.seqs:
+            if not run.seqs or not run.passes:
                 continue
             t0 = time.perf_counter()
             got, error = measure(run, args.reps, source)
             rows.extend(got)
             rfa_error = rfa_error or error
+            write(complete=False)
             print(f"{run.layout} {run.world} {run.dtype} {run.passes}: {time.perf_counter() - t0:.0f} s", flush=True)
-    doc = {
-        "what": "fwd+bwd per rank, cpdoctor_cpu backend, B1 H8 D64; builtin = diffusers' TemplatedRingAttention (layout "
-        "ring) or TemplatedUlyssesAttention (layout ulysses); patched = cpdoctor.fix.ring.RingAttention (K/V streamed) or "
-        "cpdoctor.fix.ulysses.UlyssesAttention; gathered = the fixed ring of revision `gathered_revision` (K/V all-gathered); "
-        "ring_flash_attn = ring-flash-attn's ring_flash_attn_func on cpdoctor's flash-attn stand-in. *_x = impl / builtin.",
-        "gathered_revision": args.gathered,
-        "ring_flash_attn": rfa_error or "measured",
-        "reps": args.reps,
-        "wall_s": time.perf_counter() - started,
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    doc = write(complete=True)
     print_table(rows)
     if rfa_error:
         print(f"ring-flash-attn: {rfa_error}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from cpdoctor import launch
 from cpdoctor.compat.packages import installed_version
@@ -22,18 +22,17 @@ from cpdoctor.examinations.judging import emulation_note, unsupported_finding
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.examinations.request import validate_timeout
+from cpdoctor.launch import torchrun
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
-from cpdoctor.launch.torchrun import hold_group_until_exit, is_reporting_rank, leave_together, under_torchrun
 from cpdoctor.report import Finding, Report, RunResult, Verdict
 from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Kind
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
-    "hold_group_until_exit",
-    "is_reporting_rank",
-    "leave_together",
-    "under_torchrun",
+    "begin_command",
+    "end_command",
+    "prints_here",
     "validate_timeout",
     "write_repro",
     "PreflightFailed",
@@ -382,16 +381,21 @@ def _first_not_pass(report: Report) -> Finding:
 def watch_step(
     model: Any, *, step: int | None = None, reference: str = "fp64", loss_scale: float | None = None, timeout_s: float = 600.0
 ) -> Any:
-    """Examine one step of the user's own CP training loop against one process:
+    """Watch one CP training step of `model` (a diffusers transformer with enable_parallelism, bare, in DDP, prepared
+    by accelerate, compiled, or under FSDP2's fully_shard) against one process:
 
         with cpdoctor.watch_step(model) as step:
-            ...  # the user's noise, forward, loss, backward and gradient sync
-        step.report  # a Report: inputs, output gradients, reduction, RNG and gradients against one process
+            ...  # the user's noise, forward, loss, backward and gradient sync, on every rank
+        step.report  # a Report, the same on every rank: inputs, output gradients, reduction, RNG and gradients
 
-    (cpdoctor.examinations.step.watch)."""
-    from cpdoctor.examinations.step import watch_step as watch
+    `step` names the step (every rank must watch the same one; default: this process's count of watched steps);
+    `reference` is the precision of the one-process recomputation (fp64 or fp32); `loss_scale` is the factor this
+    CP step multiplies its loss by that one process would not (e.g. cp_size, as NeMo Automodel and SimpleTuner do;
+    read from the autograd graph when not given); `timeout_s` bounds every wait for a peer. The watcher itself is
+    examinations/step/watch.py's `StepWatch`."""
+    from cpdoctor.examinations.step.watch import StepWatch
 
-    return watch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)
+    return StepWatch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)
 
 
 def examine_step(
@@ -418,9 +422,10 @@ def examine_step(
 def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
     """`cpdoctor env` in this process: versions, devices, one row per attention backend (found by trying it),
     the known defects of the installed code (see cpdoctor.examinations.env)."""
-    from cpdoctor.examinations.env.examination import examine_environment as run
+    from cpdoctor.examinations.env import examination
+    from cpdoctor.examinations.env.request import EnvRequest
 
-    return run(device=device, dtype=dtype, emulate=emulate)
+    return examination.run(EnvRequest(device, dtype, emulate))
 
 
 def plan_model(
@@ -434,21 +439,41 @@ def plan_model(
 ) -> Report:
     """`cpdoctor plan`: the measured length of every CP split of `model` at these settings (None: the pipeline's
     default) and the ways out of each problem (see cpdoctor.examinations.plan)."""
-    from cpdoctor.examinations.plan.planner import plan_model as run
+    from cpdoctor.examinations.plan import planner
+    from cpdoctor.examinations.plan.request import PlanRequest
 
-    return run(model, height, width, text_len, ring, ulysses, frames)
+    return planner.run(PlanRequest(model, height, width, text_len, ring, ulysses, frames))
 
 
 def list_models() -> list[Any]:
     """Every diffusers model class with a context-parallel plan (`cpdoctor plan --list`)."""
-    from cpdoctor.model_zoo.catalog import list_models as scan
+    from cpdoctor.model_zoo import catalog
 
-    return scan()
+    return catalog.list_models()
 
 
 def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
     """For an op-level FAIL: DIR/repro.py (torch + diffusers only) and DIR/ISSUE.md; with `fix_timeout_s`, also
     DIR/fix.diff for a known defect of diffusers' code, once verified on a patched copy; the paths written."""
-    from cpdoctor.examinations.attention.repro import write_repro as write
+    from cpdoctor.examinations.attention import repro
 
-    return write(report, directory, command, fix_timeout_s)
+    return repro.write_repro(report, directory, command, fix_timeout_s)
+
+
+def begin_command() -> None:
+    """A command of the CLI starts. Under torchrun every rank then keeps its process group until `end_command`,
+    so that all ranks leave at the same moment with the same exit code (launch/torchrun.py); elsewhere nothing."""
+    if torchrun.under_torchrun():
+        torchrun.hold_group_until_exit()
+
+
+def end_command(code: int) -> NoReturn:
+    """The command ends with `code`: under torchrun every rank waits for the others and all exit at once; elsewhere
+    a plain exit."""
+    torchrun.leave_together(code)
+    raise SystemExit(code)  # leave_together exits; this line states it for the type checker
+
+
+def prints_here() -> bool:
+    """Whether this process prints the report: always when cpdoctor spawned the ranks, rank 0 only under torchrun."""
+    return torchrun.is_reporting_rank()

@@ -79,11 +79,10 @@ register_commands(app)
 
 def main() -> None:
     """Console-script entry: BadInput -> one line and exit 2; CannotExamine -> one line and exit 3. Under
-    torchrun every rank leaves together with the same code (see launch.torchrun.leave_together)."""
+    torchrun every rank leaves together with the same code (api.end_command)."""
     from cpdoctor import api
 
-    if api.under_torchrun():
-        api.hold_group_until_exit()
+    api.begin_command()
     code: int | str | None = 0
     try:
         app()
@@ -98,4 +97,4 @@ def main() -> None:
     except KeyboardInterrupt:
         print("cpdoctor: interrupted", file=sys.stderr)
         code = 130
-    api.leave_together(code if isinstance(code, int) else (0 if code is None else 1))
+    api.end_command(code if isinstance(code, int) else (0 if code is None else 1))

@@ -110,9 +110,9 @@ def write_repro_files(report: object, directory: str, timeout_s: float = DEFAULT
     whether the fix was verified (on stderr)."""
     import sys
 
-    from cpdoctor.api import is_reporting_rank, write_repro
+    from cpdoctor.api import prints_here, write_repro
 
-    if not is_reporting_rank():
+    if not prints_here():
         return
     try:
         paths = write_repro(report, directory, "cpdoctor check", fix_timeout_s=timeout_s)  # type: ignore[arg-type]

@@ -225,7 +225,7 @@ def env(
     emulate: Emulate = False,
 ) -> NoReturn:
     from cpdoctor import api
-    from cpdoctor.api import is_reporting_rank
+    from cpdoctor.api import prints_here
     from cpdoctor.cli.output import check_run_options, emit, waiting
     from cpdoctor.errors import BadInput
 
@@ -234,7 +234,7 @@ def env(
     check_run_options(None, json_path, None, markdown_path)
     with waiting("examining the environment and the attention backends", quiet="-" in (json_path, markdown_path)):
         report = api.examine_environment(device=device, dtype=dtype, emulate=emulate)
-    if not is_reporting_rank():  # under torchrun every rank examines its device; rank 0 reports
+    if not prints_here():  # under torchrun every rank examines its device; rank 0 reports
         raise typer.Exit(int(report.exit_code))
     if markdown_path and markdown_path != "-":
         try:

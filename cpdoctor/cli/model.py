@@ -119,11 +119,11 @@ def render_model(report: Any, console: Any) -> None:
 def print_plan(request: Any) -> None:
     """The memory plan `prepare` made, and its time plan when there is one (a half dtype on the CPU, with the
     warning where that dtype is far slower than fp32 here), on stderr, before any rank starts."""
-    from cpdoctor.api import is_reporting_rank
+    from cpdoctor.api import prints_here
     from cpdoctor.cli.output import console
 
     plan = request.memory
-    if plan is None or not is_reporting_rank():
+    if plan is None or not prints_here():
         return
     err = console(stderr=True)
     timing = request.timing.lines() if request.timing is not None else []

@@ -52,9 +52,9 @@ def check_run_options(
         from cpdoctor.api import validate_timeout
 
         validate_timeout(timeout)
-    from cpdoctor.api import is_reporting_rank
+    from cpdoctor.api import prints_here
 
-    if not is_reporting_rank():
+    if not prints_here():
         return
     for option, path in (("--json", json_path), ("--junit", junit_path), ("--markdown", markdown_path)):
         if path and path != "-":
@@ -83,9 +83,9 @@ def emit(
 ) -> NoReturn:
     """Render the table unless a document goes to stdout; write JSON / JUnit XML / Markdown where asked; exit
     with the report's code (it never returns: every command ends here). Under torchrun only rank 0 prints and writes; every rank exits with the same code."""
-    from cpdoctor.api import is_reporting_rank
+    from cpdoctor.api import prints_here
 
-    if not is_reporting_rank():
+    if not prints_here():
         raise typer.Exit(report.exit_code)
     if "-" not in (json_path, junit_path, markdown_path):
         render(report, console())

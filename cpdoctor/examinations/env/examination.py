@@ -12,7 +12,7 @@ The parts, each a plain function of the machine (nothing here prints):
   remedy and, where more than one process is needed to settle it, the `cpdoctor check` command that measures
   it. Nothing is decided from a version number.
 
-`examine_environment()` puts them together into the `cpdoctor.report.Report` every examination returns; the backend rows
+`run(request)` puts them together into the `cpdoctor.report.Report` every examination returns; the backend rows
 are its `backends` key.
 """
 
@@ -30,7 +30,7 @@ from cpdoctor.examinations.env.request import EnvRequest, resolve_device, resolv
 from cpdoctor.report import Report
 
 
-def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
+def run(request: EnvRequest) -> Report:
     """The whole `cpdoctor env` examination in this process. BadInput (exit 2) without torch or a diffusers with
     CP (a missing required package, as errors.py has it); CannotExamine (exit 3) for --device cuda without a GPU.
     With `emulate`, the CUDA backends' ops run here on cpdoctor's kernel stand-ins, so their capabilities (LSE,
@@ -39,7 +39,8 @@ def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool
     from cpdoctor.examinations.env.code_facts import gather
 
     t0 = time.perf_counter()
-    request = EnvRequest(device, dtype, emulate).validate()
+    request = request.validate()
+    device, dtype, emulate = request.device, request.dtype, request.emulate
     if importlib.util.find_spec("torch") is None:
         raise BadInput("torch is not installed; pip install torch")
     if emulate:

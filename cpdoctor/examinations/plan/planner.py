@@ -8,7 +8,7 @@ come from diffusers' code; the only thing cpdoctor supplies is how a pipeline sh
 (`cpdoctor.model_zoo.catalog` builders). For every problem it then measures the ways out (`remedies`), and `judge`
 turns the problems into findings.
 
-It never prints: `plan_model()` returns the `cpdoctor.report.Report` every examination returns, the measured
+It never prints: `run(request)` returns the `cpdoctor.report.Report` every examination returns, the measured
 plan under its own keys (`model`, `settings`, `tensors`, `skipped`, `heads`, `problems`, `notes`, `seconds`).
 """
 
@@ -23,26 +23,17 @@ from cpdoctor.model_zoo.splits.plan import measure_plan
 from cpdoctor.report import Report
 from cpdoctor.report.environment import Environment
 
-__all__ = ["PlanRequest", "plan_model"]
+__all__ = ["PlanRequest", "run"]
 
 
-def plan_model(
-    model: str,
-    height: int | None = None,
-    width: int | None = None,
-    text_len: int | None = None,
-    ring: int = 1,
-    ulysses: int = 1,
-    frames: int | None = None,
-) -> Report:
-    """Measure every CP split of `model` (short name, class name or checkpoint directory) at these settings.
+def run(request: PlanRequest) -> Report:
+    """Measure every CP split of `request.model` (short name, class name or checkpoint directory) at its settings.
 
-    height / width / text_len / frames default to the family's pipeline defaults. Raises BadInput for unknown
+    height / width / text_len / frames left None take the family's pipeline defaults. Raises BadInput for unknown
     models and impossible settings, CannotExamine when the model's inputs cannot be built or its meta forward
     fails. Problems found are FAIL findings of the report, not raised.
     """
     started = time.perf_counter()
-    request = PlanRequest(model, height, width, text_len, ring, ulysses, frames)
     plan = measure_plan(request.setup())
     plan.seconds = time.perf_counter() - started
     findings = plan_findings(plan, request.model)

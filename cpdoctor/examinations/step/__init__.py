@@ -23,15 +23,7 @@ __all__ = [
     "arm_first_step",
     "step_request",
     "model_degrees",
-    "watch_step",
 ]
-
-
-def watch_step(model: Any, **options: Any) -> Any:
-    """`with watch_step(model) as step: <one training step>`; then `step.report` (watch.py, where the options are)."""
-    from cpdoctor.examinations.step.watch import watch_step as _watch
-
-    return _watch(model, **options)
 
 
 def model_degrees(model: Any) -> tuple[int, int]:

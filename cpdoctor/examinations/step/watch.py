@@ -507,21 +507,3 @@ def _evidence(numbers: Any, finding: Finding, reference: str, plan: Any = None) 
         loss_factors=tuple(f for r in numbers.loss for f in r.constants()),
         reference_gib=None if plan is None else round(plan.total / 2**30, 3),
     )
-
-
-def watch_step(
-    model: Any,
-    *,
-    step: int | None = None,
-    reference: str = "fp64",
-    loss_scale: float | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> StepWatch:
-    """Watch one CP training step of `model` (a diffusers transformer with enable_parallelism, bare, in DDP, prepared
-    by accelerate, compiled, or under FSDP2's fully_shard): use as `with cpdoctor.watch_step(model) as step:` around
-    the forward(s), the loss, backward and the gradient sync, on every rank; `step.report` is a cpdoctor Report, the
-    same on every rank. `step` names the step (every rank must watch the same one; default: this process's count
-    of watched steps); `reference` is the precision of the one-process recomputation (fp64 or fp32); `loss_scale`
-    is the factor this CP step multiplies its loss by that one process would not (e.g. cp_size, as NeMo Automodel
-    and SimpleTuner do; read from the autograd graph when not given); `timeout_s` bounds every wait for a peer."""
-    return StepWatch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)
