@@ -194,3 +194,19 @@ def test_render_prints_as_the_documents_do():
     assert render(2.7409723629500027e-07, ".1e") == "2.7e-7"
     assert render(3.0e12, ".1e") == "3.0e12"
     assert render(0.502538923944293, ".3f") == "0.503"
+
+
+def test_a_results_file_without_its_record_is_named():
+    full = {
+        "machine": {"cpu_model": "AMD EPYC"},
+        "versions": {"torch": "2.13.0"},
+        "load_average": {"before": [1.0, 1.0, 1.0]},
+        "reps": 5,
+        "median_spread": [1.0, 2.0],
+    }
+    assert _provenance_missing(full) == []
+    assert _provenance_missing({**full, "reps": 2}) == ["repetitions ≥ 5 (or deterministic)"]
+    assert _provenance_missing({**full, "reps": 1, "deterministic": True}) == []
+    assert len(_provenance_missing({})) == 5
+    listed = _stored_before("# B\n\n### Stored before this convention\n\n- `results/old.json`: no load\n\n## C\nresults/x.json\n")
+    assert listed == {"results/old.json"}
