@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 
-from side_by_side import alternate  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+import run_record  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from side_by_side import alternate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -24,9 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    import diffusers  # noqa: F401 - only to record the version
-    import torch
-
+    load_before = run_record.load_average()
     bare = [
         sys.executable,
         "-m",
@@ -39,6 +37,7 @@ def main() -> None:
     ]
     ours = [sys.executable, "-m", "cpdoctor", "check", "--ring", "2", "--json", os.devnull]
     t_bare, t_ours = alternate(bare, ours, args.repeats)
+    paired = [o / b for o, b in zip(t_ours, t_bare)]
     result = {
         "bare_torchrun_s": [round(t, 3) for t in t_bare],
         "cpdoctor_check_s": [round(t, 3) for t in t_ours],
@@ -46,10 +45,14 @@ def main() -> None:
         "median_cpdoctor_s": round(statistics.median(t_ours), 3),
         "ratio": round(statistics.median(t_ours) / statistics.median(t_bare), 3),
         "target_ratio": 1.0,
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
+        "bare_spread_s": run_record.summary(t_bare)["spread"],
+        "cpdoctor_spread_s": run_record.summary(t_ours)["spread"],
+        "paired_ratio": run_record.summary(paired),
+        "reps": args.repeats,
+        "machine": run_record.machine(),
+        "versions": run_record.versions(),
+        "load_average": {"before": load_before, "after": run_record.load_average()},
+        "command": f"python benchmarks/bench_check.py --repeats {args.repeats}",
     }
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "check_speed.json"), "w") as fh:

@@ -25,6 +25,7 @@ from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch import torchrun
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.report import Finding, Report, RunResult, Verdict
+from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Kind
 
 __all__ = [
@@ -57,28 +58,23 @@ DEFAULT_TIMEOUT_S = 300.0
 Tick = Callable[[], None] | None
 
 
-def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = True) -> dict[str, Any]:
+def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = True) -> Environment:
     """What the parent knows when no rank got far enough to report: the versions installed, where the ranks
     ran (`ranks_ran`: the device and process group they chose by their own rule, `launch.context.
     device_and_group`; it costs importing torch to count the GPUs), and the layout asked for (the backend as
     requested, e.g. "auto")."""
     from cpdoctor.launch.context import device_and_group
 
-    env: dict[str, Any] = {
-        "torch": installed_version("torch"),
-        "diffusers": installed_version("diffusers"),
-        "python": platform.python_version(),
-        "world_size": world_size,
-    }
+    env = Environment(
+        torch=installed_version("torch"), diffusers=installed_version("diffusers"), python=platform.python_version(), world_size=world_size
+    )
     if ranks_ran:
-        preference = str(getattr(req, "device", "auto"))
-        env["device"], env["process_group"] = device_and_group(preference, visible_gpus(), world_size)
-    for key in ("backend", "ring", "ulysses", "dtype"):
-        if req is not None and hasattr(req, key):
-            env[key] = getattr(req, key)
+        device, group = device_and_group(str(getattr(req, "device", "auto")), visible_gpus(), world_size)
+        env = env.replace(device=device, process_group=group)
+    asked = {key: getattr(req, key) for key in ("backend", "ring", "ulysses", "dtype") if req is not None and hasattr(req, key)}
     if getattr(req, "emulate", False):
-        env["emulated"] = emulation_note(str(getattr(req, "backend", "auto")))
-    return env
+        asked["emulated"] = emulation_note(str(getattr(req, "backend", "auto")))
+    return env.replace(**asked)
 
 
 def visible_gpus() -> int:
@@ -127,21 +123,31 @@ def outcome_findings(kind: Kind, outcome: CaseOutcome, timeout_s: float) -> list
     return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
-def case_findings(
-    kind: Kind, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float, *, with_environment: bool = False
-) -> list[Finding]:
-    """One finding per case, in order. A case without an outcome (under torchrun a job ends at a collective
-    that timed out: nobody can relaunch the rest) says so instead of disappearing. `with_environment`: each
-    finding keeps the environment its ranks reported (what the parent knows when they reported none)."""
+def ran_in(kind: Kind, outcome: CaseOutcome) -> Environment:
+    """The environment a case's ranks reported with their numbers, else what the parent knows of where they ran."""
+    ran = getattr(outcome.evaluated, "environment", None)
+    if ran is not None:
+        return ran
+    return fallback_environment(registry.get(kind).world_size(outcome.case.request), outcome.case.request)
+
+
+def outcome_findings_in(kind: Kind, outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
+    """`outcome_findings`, each finding keeping the environment its case ran in (`ran_in`)."""
+    findings = outcome_findings(kind, outcome, timeout_s)
+    env = ran_in(kind, outcome)
+    for finding in findings:
+        finding.environment = env
+    return findings
+
+
+def case_findings(kind: Kind, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
+    """One finding per case, in order, each keeping the environment its ranks ran in. A case without an outcome
+    (under torchrun a job ends at a collective that timed out: nobody can relaunch the rest) says so instead of
+    disappearing."""
     findings = []
     for n, case in enumerate(cases):
         if n < len(outcomes):
-            finding = outcome_findings(kind, outcomes[n], timeout_s)[0]
-            if with_environment:
-                ran = getattr(outcomes[n].evaluated, "environment", None)
-                world = registry.get(kind).world_size(case.request)
-                finding.environment = dict(ran) if ran else fallback_environment(world, case.request)
-            findings.append(finding)
+            findings.append(outcome_findings_in(kind, outcomes[n], timeout_s)[0])
         else:
             reason = Unsupported(UnsupportedKind.NOT_EXAMINED, "not examined: an earlier case of the same launch timed out in a collective")
             findings.append(unsupported_finding(registry.get(kind).describe(case.request), reason))
@@ -165,16 +171,12 @@ def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
     return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
 
 
-PER_CHECK = ("world_size", "ring", "ulysses", "backend", "dtype", "model", "impl", "variant", "kernel", "layout", "emulated")
-"""The environment keys that belong to one check of a suite, not to the machine it ran on."""
-
-
-def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], Environment]) -> Environment:
     """The environment the first evaluated case reported, else what the parent knows (`fallback()`)."""
     for outcome in outcomes:
         env = getattr(outcome.evaluated, "environment", None)
-        if env:
-            return dict(env)
+        if env is not None:
+            return env
     return fallback()
 
 
@@ -188,7 +190,7 @@ def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick
     if missing is not None:  # answered from the parent, before any rank starts
         finding = entry.unsupported_finding(request, missing)
         environment = fallback_environment(entry.world_size(request), request, ranks_ran=False)
-        return Report.of([finding], environment, request.to_dict())
+        return Report.of([finding], environment, request)
     req = entry.prepare(request)
     try:
         for cases, world in entry.stages(req):  # every stage but the last prepares the last (the step's run without CP)
@@ -198,14 +200,14 @@ def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick
                 break
     finally:
         entry.finish(req)
-    runs = [RunResult.of(outcome_findings(kind, o, timeout_s)) for o in result.outcomes]
+    runs = [RunResult.of(outcome_findings_in(kind, o, timeout_s)) for o in result.outcomes]
     if not runs:
         return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
-                         fallback_environment(world, req), req.to_dict(), wall_s=result.wall_s)  # fmt: skip
+                         fallback_environment(world, req), req, wall_s=result.wall_s)  # fmt: skip
     final = runs[-1]
     before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
     env = _environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
-    return Report.of(final.findings, env, req.to_dict(), before=before, wall_s=result.wall_s, extra=warnings_seen(result.outcomes))
+    return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, extra=warnings_seen(result.outcomes))
 
 
 def check_attention(
@@ -243,7 +245,7 @@ def check_model(
 def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
     """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
     `before`). Checks of the same kind, world size and device run as the cases of one launch."""
-    from cpdoctor.suite import build_requests
+    from cpdoctor.suite import SuiteRequest, build_requests
 
     validate_timeout(timeout_s)
     requests = build_requests(suite, patch)
@@ -263,7 +265,7 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
         result = run_cases(kind, [case for _, case in owned], world, device, timeout_s, on_tick)
         wall += result.wall_s
         outcomes_seen += result.outcomes
-        judged = case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s, with_environment=True)
+        judged = case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s)
         for (i, case), finding in zip(owned, judged):
             if case.patched:
                 final[i] = finding
@@ -271,15 +273,15 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
                 before[i] = finding
                 final[i] = final[i] or finding
     widest = max(requests, key=lambda r: registry.of(r).world_size(r))
-    environment = _environment(outcomes_seen, lambda: fallback_environment(registry.of(widest).world_size(widest), widest))
-    for varying in PER_CHECK:  # each finding keeps its own (Finding.environment); the suite's is the machine's
-        environment.pop(varying, None)
-    environment.setdefault("diffusers", installed_version("diffusers"))  # a peer's ranks do not report it
+    ran = _environment(outcomes_seen, lambda: fallback_environment(registry.of(widest).world_size(widest), widest))
+    environment = ran.machine_only()  # each finding keeps its own (Finding.environment); the suite's is the machine's
+    if environment.diffusers is None:  # a peer's ranks do not report it
+        environment = environment.replace(diffusers=installed_version("diffusers"))
     findings = [f for f in final if f is not None]
     before_run = None
     if patch or any(getattr(r, "patch", False) for r in requests):
         before_run = RunResult.of([b for b in before if b is not None])
-    request = {"suite": suite.name, "source": suite.source, "patch": patch, "checks": [{r.kind.value: r.to_dict()} for r in requests]}
+    request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
     return Report.of(
         findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name, **warnings_seen(outcomes_seen)}
     )

@@ -161,6 +161,20 @@ class DoctorSummary:
     not_passed_before: list[str] | None = None
 
 
+@dataclass(frozen=True)
+class DoctorRequest:
+    """The doctor's request: the suite it ran (every check as its full, validated request), marked as the
+    doctor's, with the accelerators it counted and the torchrun world it joined (JSON: the suite's keys plus
+    `doctor`, `accelerators`, `torchrun_world`)."""
+
+    suite: Any
+    accelerators: int
+    torchrun_world: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.suite.to_dict(), "doctor": True, "accelerators": self.accelerators, "torchrun_world": self.torchrun_world}
+
+
 def run_doctor(
     *, patch: bool = False, timeout_s: float | None = None, on_tick: Callable[[], None] | None = None, accelerators: int | None = None
 ) -> Report:
@@ -187,15 +201,13 @@ def run_doctor(
             )
         )
     backends = sorted({b for f in report.findings if (b := _backend_of(f))})
-    environment = {**report.environment, "accelerators": n}
-    environment["backend"] = ", ".join(backends) if backends else "auto"
-    report.environment = environment
+    report.environment = report.environment.replace(accelerators=n, backend=", ".join(backends) if backends else "auto")
     # run_suite's request (every check as its full, validated request), marked as the doctor's.
-    report.request = {**report.request, "doctor": True, "accelerators": n, "torchrun_world": torchrun_world}
+    report.request = DoctorRequest(report.request, n, torchrun_world)
     summary = DoctorSummary(
         n,
         torchrun_world,
-        environment["backend"],
+        report.environment.backend,
         len({(c.kind, c.world_size) for c in checks}),
         rows,
         [r.label for r in rows if r.verdict != Verdict.PASS],

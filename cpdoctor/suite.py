@@ -34,6 +34,25 @@ class Suite:
     checks: list[tuple[Kind, dict[str, Any]]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SuiteRequest:
+    """What a suite's report says was asked: the suite, whether every check ran patched too, and every check as
+    its full, validated request (JSON `request`: `suite`, `source`, `patch`, `checks` as [{kind: request}])."""
+
+    suite: str
+    source: str
+    patch: bool
+    checks: tuple[Any, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "suite": self.suite,
+            "source": self.source,
+            "patch": self.patch,
+            "checks": [{r.kind.value: r.to_dict()} for r in self.checks],
+        }
+
+
 def shipped() -> dict[str, str]:
     """Suites that come with cpdoctor: name -> path."""
     return {f[: -len(".yaml")]: os.path.join(SUITES_DIR, f) for f in sorted(os.listdir(SUITES_DIR)) if f.endswith(".yaml")}

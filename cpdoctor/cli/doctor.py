@@ -28,16 +28,17 @@ def render_doctor(report: Any, out: Any) -> None:
     _verdict(report, summary, befores, out)
 
 
-def _header(env: dict[str, Any], summary: Any, out: Any) -> None:
+def _header(env: Any, summary: Any, out: Any) -> None:
     from rich.markup import escape
 
     n = summary.accelerators
     out.print("[bold]cpdoctor[/] — the context-parallel examinations that matter on this machine")
-    out.print(f"  torch {env.get('torch')} · diffusers {env.get('diffusers')} · python {env.get('python')}")
+    out.print(f"  torch {env.torch} · diffusers {env.diffusers} · python {env.python}")
     seen = f"accelerators visible: {n}" + ("" if n >= 2 else " (no ring over all accelerators)")
     if summary.torchrun_world:
         seen += f" · torchrun world {summary.torchrun_world}"
-    out.print(f"  device {escape(str(env.get('device', '?')))} · process group {env.get('process_group', '?')} · {seen}")
+    device, group = (v if v is not None else "?" for v in (env.device, env.process_group))
+    out.print(f"  device {escape(str(device))} · process group {group} · {seen}")
     if summary.backend == "auto":
         out.print("  CP backend here: [bold]auto[/] (asked for; no rank got far enough to say which backend it chose)")
     else:

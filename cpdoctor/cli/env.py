@@ -74,7 +74,7 @@ def _fmt_value(value: Any) -> str:
     return str(value)
 
 
-def _env_lines(env: dict) -> list[tuple[str, str]]:
+def _env_lines(env: Any) -> list[tuple[str, str]]:
     """(label, value) lines of the environment list, in report order."""
     lines = []
     for key, value in env.items():
@@ -89,7 +89,7 @@ def _env_lines(env: dict) -> list[tuple[str, str]]:
     return lines
 
 
-def _render_environment(env: dict, console: Any) -> None:
+def _render_environment(env: Any, console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -110,7 +110,7 @@ def _render_backends(report: Any, console: Any) -> None:
 
     env = report.environment
     table = Table(
-        title=f"attention backends on {env.get('probe_device')} ({env.get('probe_dtype')})",
+        title=f"attention backends on {env.probe_device} ({env.probe_dtype})",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -132,14 +132,14 @@ def _render_backends(report: Any, console: Any) -> None:
         console.print(f"  [dim]✗ {escape(', '.join(names))}: {escape(note)}[/]")
 
 
-def _peer_line(peer: Any, env: dict) -> str:
+def _peer_line(peer: Any, env: Any) -> str:
     """One peer: installed version (and the version CI tests), what it offers, and how it runs on this device."""
     if not peer.installed:
         return f"{peer.impl}: not installed ({peer.install})"
     tested = (
         "" if peer.installed_version == peer.tested_version or peer.tested_version.startswith("(") else f", CI tests {peer.tested_version}"
     )
-    where = "CPU ranks through cpdoctor's kernel stand-ins" if str(env.get("probe_device", "cpu")).startswith("cpu") else "this GPU"
+    where = "CPU ranks through cpdoctor's kernel stand-ins" if str(env.probe_device or "cpu").startswith("cpu") else "this GPU"
     ulysses = " × Ulysses" if peer.ulysses else ""
     lse = f"; LSE from {', '.join(peer.lse)}" if peer.lse else ""
     return (
@@ -148,7 +148,7 @@ def _peer_line(peer: Any, env: dict) -> str:
     )
 
 
-def _render_peers(peers: list[Any], env: dict, console: Any) -> None:
+def _render_peers(peers: list[Any], env: Any, console: Any) -> None:
     from rich.markup import escape
 
     if peers:
@@ -194,7 +194,7 @@ def markdown(report: Any) -> str:
     env = report.environment
     out = [f"### `cpdoctor env`: {report.verdict} (exit {int(report.exit_code)})", "", "| fact | value |", "|---|---|"]
     out += [f"| {_md(label)} | {_md(value)} |" for label, value in _env_lines(env)]
-    out += ["", f"Attention backends on {env.get('probe_device')} ({env.get('probe_dtype')}):", ""]
+    out += ["", f"Attention backends on {env.probe_device} ({env.probe_dtype}):", ""]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in report.extra["backends"]:
         out.append("| " + " | ".join([f"`{row.name}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")

@@ -19,7 +19,7 @@ def render_suite(report: Any, out: Any) -> None:
 
     out.print(f"[dim]{environment_line(report.environment)}[/]")
     befores = report.before.findings if report.before is not None else None
-    table = Table(title=f"suite {report.request['suite']} ({report.request['source']})", title_justify="left")
+    table = Table(title=f"suite {report.request.suite} ({report.request.source})", title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("check")
     if befores is not None:

@@ -12,6 +12,7 @@ from cpdoctor.errors import Unsupported
 from cpdoctor.examinations import judging
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.report import Finding
+from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Kind
 
 
@@ -105,6 +106,6 @@ class Examination:
         """In the parent: receives the ranks that failed a case; returns its CRASH / HANG findings."""
         return judging.failure_findings(self.describe(case.request), failures, timeout_s)
 
-    def environment(self, evaluated: CaseNumbers) -> dict[str, Any] | None:
+    def environment(self, evaluated: CaseNumbers) -> Environment | None:
         """The environment the ranks reported with their numbers (None when they reported none)."""
         return getattr(evaluated, "environment", None)

@@ -8,6 +8,7 @@ from typing import Any
 
 from cpdoctor.errors import Unsupported
 from cpdoctor.launch.jobs import CaseNumbers
+from cpdoctor.report.environment import Environment
 from cpdoctor.report.numbers import Comparison, TensorRow
 from cpdoctor.vocabulary import DType
 
@@ -20,7 +21,7 @@ class Measurement(CaseNumbers):
 
     backend: str
     facts: Any = None
-    environment: dict[str, Any] = field(default_factory=dict)
+    environment: Environment = field(default_factory=Environment)
     tensors: dict[str, TensorRow] = field(default_factory=dict)
     unsupported: Unsupported | None = None
     baseline_error: str | None = None
@@ -61,7 +62,7 @@ def sharded_row(shards: list[Any], order: list[int], refs: list[Any], whole_ref:
     return TensorRow.of(whole, worst_rank=worst, per_rank_rel_err=tuple(per_rank), baseline_rel_err=baseline)
 
 
-def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = None) -> dict[str, Any]:
+def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = None) -> Environment:
     """The environment line of a report, as rank 0 saw it."""
     import platform
 
@@ -72,18 +73,16 @@ def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = No
     device = str(ctx.device)
     if ctx.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(ctx.device)})"
-    env: dict[str, Any] = {
-        "torch": str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
-        "diffusers": compat.diffusers_version(),
-        "python": platform.python_version(),
-        "device": device,
-        "process_group": ctx.pg_backend,
-        "world_size": ctx.world_size,
-        "ring": req.ring,
-        "ulysses": req.ulysses,
-        "backend": backend,
-        "dtype": req.dtype,
-    }
-    if emulated:
-        env["emulated"] = emulated
-    return env
+    return Environment(
+        torch=str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
+        diffusers=compat.diffusers_version(),
+        python=platform.python_version(),
+        device=device,
+        process_group=ctx.pg_backend,
+        world_size=ctx.world_size,
+        ring=req.ring,
+        ulysses=req.ulysses,
+        backend=backend,
+        dtype=req.dtype,
+        emulated=emulated or None,
+    )

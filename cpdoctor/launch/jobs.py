@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from cpdoctor.launch.context import DistContext
+    from cpdoctor.report.environment import Environment
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class CaseNumbers:
     """Base of what rank 0 evaluates from every rank's RankResult for one case (judged later, in the parent).
     `environment` is what rank 0 saw (versions, device, process group, layout): the report's environment."""
 
-    environment: dict[str, Any]
+    environment: Environment
 
 
 class RankProgram(Protocol):

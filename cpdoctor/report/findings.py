@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from cpdoctor.report.environment import Environment
 from cpdoctor.report.numbers import JudgedRow
 from cpdoctor.report.serialize import to_jsonable
 from cpdoctor.report.verdict import ExitCode, Verdict, overall
@@ -61,10 +62,11 @@ class Finding:
     emulated: str | None = None
     """What an emulated examination examined and what it did not (every report of one says it)."""
     failure: FailureEvidence | None = None
-    environment: dict[str, Any] | None = None
+    environment: Environment | None = None
     """Where this finding's ranks ran (versions, device, process group, layout, backend, a peer's impl/variant/
-    kernel/layout), as they reported it: set where one report holds findings of several launches (a suite, the
-    doctor), whose own environment is then the machine's only. JSON `environment` of the finding."""
+    kernel/layout), as they reported it (what the parent knew when they reported none); a finding made without
+    one gets its report's (`Report.of`). A suite's or the doctor's own environment is the machine's only, so
+    there the finding's is the one that says how it ran. JSON `environment` of the finding."""
 
     def __post_init__(self) -> None:
         self.verdict = Verdict(self.verdict)
@@ -112,24 +114,37 @@ class RunResult:
         return {"verdict": Verdict(self.verdict).value, "findings": [f.to_dict() for f in self.findings]}
 
 
+class Request(Protocol):
+    """What a report says was asked: the examination's request dataclass itself (`AttentionRequest`, ...), a
+    suite's, the doctor's or a watched step's; JSON `request` is its `to_dict()`."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class Report:
     """Everything one command found, with its verdict and exit code; `extra` holds what an examination adds
-    under its own top-level keys (typed values, serialised with the rest)."""
+    under its own top-level keys (typed values, serialised with the rest; `object`: each key's reader knows its
+    type)."""
 
     verdict: Verdict
     exit_code: ExitCode
-    environment: dict[str, Any]
-    request: dict[str, Any]
+    environment: Environment
+    request: Request
     findings: list[Finding]
     before: RunResult | None = None
     wall_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, findings: list[Finding], environment: dict[str, Any], request: dict[str, Any], **kwargs: Any) -> Report:
-        """The report of `findings`, its verdict and exit code derived from them."""
+    def of(cls, findings: list[Finding], environment: Environment, request: Request, **kwargs: Any) -> Report:
+        """The report of `findings`, its verdict and exit code derived from them; a finding (or a `before`
+        finding) that does not know where it ran ran in `environment`."""
         verdict, code = overall(findings)
+        before = kwargs.get("before")
+        for finding in [*findings, *(before.findings if before is not None else [])]:
+            if finding.environment is None:
+                finding.environment = environment
         return cls(verdict, code, environment, request, findings, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,7 +152,7 @@ class Report:
             "verdict": Verdict(self.verdict).value,
             "exit_code": int(self.exit_code),
             "environment": to_jsonable(self.environment),
-            "request": to_jsonable(self.request),
+            "request": to_jsonable(self.request.to_dict()),
             "findings": [f.to_dict() for f in self.findings],
             "wall_s": round(self.wall_s, 3),
         }

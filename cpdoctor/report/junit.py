@@ -44,8 +44,8 @@ def to_junit(report: Report, command: str) -> str:
         time=f"{report.wall_s:.3f}",
     )
     props = ET.SubElement(suite, "properties")
-    for key, value in report.environment.items():
-        ET.SubElement(props, "property", name=str(key), value=str(value))
+    for key, value in report.environment.to_jsonable().items():
+        ET.SubElement(props, "property", name=key, value=str(value))
     befores = report.before.findings if report.before is not None else []
     counts = {"failure": 0, "error": 0, "skipped": 0}
     for i, finding in enumerate(report.findings):

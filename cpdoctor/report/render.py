@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cpdoctor.report.environment import Environment
 from cpdoctor.report.findings import Finding, Report
 from cpdoctor.report.numbers import JudgedRow
 from cpdoctor.report.verdict import Verdict
@@ -24,10 +25,15 @@ def styled(verdict: Verdict | str) -> str:
     return f"[{v.style}]{v.value}[/]"
 
 
-def environment_line(env: dict[str, Any]) -> str:
+def environment_line(env: Environment) -> str:
     keys = ("torch", "diffusers", "device", "process_group", "world_size", "backend", "dtype", "emulated")
     names = {"world_size": "ranks", "process_group": "pg"}
-    return " · ".join(f"{names.get(k, k)} {env[k]}" for k in keys if k in env)
+    return " · ".join(f"{names.get(k, k)} {_plain(v)}" for k in keys if (v := getattr(env, k)) is not None)
+
+
+def _plain(value: Any) -> str:
+    """A value as the JSON shows it (an enum by its value: `fp32`, not `DType.FP32`)."""
+    return str(getattr(value, "value", value))
 
 
 def row_numbers(t: JudgedRow) -> list[str]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cpdoctor.launch.jobs import Case, CaseNumbers, Job, RankResult
 from cpdoctor.launch.torchrun import HELD, run_in_this_process
+from cpdoctor.report import Environment
 
 
 class Echo:
@@ -24,7 +25,7 @@ class Echo:
 
     def evaluate(self, case, results, ctx):
         numbers = CaseNumbers()
-        numbers.environment = {}
+        numbers.environment = Environment()
         return numbers
 
 

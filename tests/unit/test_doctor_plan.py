@@ -104,11 +104,11 @@ def test_fallback_environment_names_where_the_ranks_ran(monkeypatch):
 
     monkeypatch.setattr(api, "visible_gpus", lambda: 0)
     env = api.fallback_environment(2, build_request(ring=2))
-    assert (env["device"], env["process_group"], env["backend"]) == ("cpu", "gloo", "auto")
-    assert {"torch", "diffusers", "python"} <= set(env)
+    assert (env.device, env.process_group, env.backend) == ("cpu", "gloo", "auto")
+    assert {"torch", "diffusers", "python"} <= set(env.to_jsonable())
     monkeypatch.setattr(api, "visible_gpus", lambda: 1)
     shared = api.fallback_environment(2, build_request(ring=2))
-    assert (shared["device"], shared["process_group"]) == ("cuda", "gloo")  # two ranks share one GPU
+    assert (shared.device, shared.process_group) == ("cuda", "gloo")  # two ranks share one GPU
     monkeypatch.setattr(api, "visible_gpus", lambda: 8)
     own = api.fallback_environment(2, build_request(ring=2))
-    assert (own["device"], own["process_group"]) == ("cuda", "nccl")
+    assert (own.device, own.process_group) == ("cuda", "nccl")

@@ -13,7 +13,8 @@ from cpdoctor.examinations.env import findings as rules
 from cpdoctor.examinations.env.backend_table import BackendRow, Cell, OpProbe, judge_cells, kernel_flags, requirement_hint
 from cpdoctor.examinations.env.facts import NOT_COLLECTED, collect
 from cpdoctor.examinations.env.findings import CodeFacts, DispatchTrial, RingSource
-from cpdoctor.report import ExitCode, Report, Verdict, overall
+from cpdoctor.examinations.env.request import EnvRequest
+from cpdoctor.report import Environment, ExitCode, Report, Verdict, overall
 
 UNIFIED = ["TemplatedRingAttention", "_templated_unified_attention"]
 RING_0_39 = RingSource(passes_tensors=False, sends_to_next=True, gathers_mask=False, callers=UNIFIED)
@@ -226,7 +227,7 @@ def test_default_backend_and_uneven_modes():
 
 
 def _report(code: CodeFacts, rows: list[BackendRow]) -> Report:
-    return Report.of(rules.judge(code, rows, "fp32"), {}, {"kind": "env"})
+    return Report.of(rules.judge(code, rows, "fp32"), Environment(), EnvRequest())
 
 
 def test_a_0_39_install_fails_with_exit_1():

@@ -655,3 +655,44 @@ def test_the_str_kind_rule_catches_an_offender():
         "    kind = Kind.ATTENTION\n"
     )
     assert sorted(str_kinds(ast.parse(planted))) == [2, 4, 5]
+
+
+REPORT_CLASSES = ("Report", "Finding")
+"""The classes every examination returns: what they hold is typed (an Environment, a request object, rows,
+evidence dataclasses), a dict of anything only at the JSON boundary (report/serialize.py, `to_dict`)."""
+
+
+def untyped_report_fields(tree: ast.AST) -> list[str]:
+    """`Class.field` for each annotated field of Report / Finding whose annotation holds `dict[str, Any]` (or
+    `Dict[str, Any]`, in a union or Optional)."""
+    found = []
+    for cls in ast.walk(tree):
+        if not (isinstance(cls, ast.ClassDef) and cls.name in REPORT_CLASSES):
+            continue
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                text = ast.unparse(stmt.annotation).replace(" ", "").replace("typing.", "")
+                if re.search(r"(?i:dict)\[str,Any\]", text):
+                    found.append(f"{cls.name}.{stmt.target.id}")
+    return found
+
+
+def test_no_untyped_dict_on_a_report_or_a_finding():
+    offences = [f"{p.relative_to(PACKAGE)}: {f}" for p in PACKAGE.rglob("*.py") for f in untyped_report_fields(ast.parse(p.read_text()))]
+    assert offences == []
+
+
+def test_the_untyped_report_field_rule_catches_an_offender():
+    planted = (
+        "class Report:\n"
+        "    environment: dict[str, Any]\n"
+        "    request: Dict[str, typing.Any] | None = None\n"
+        "    extra: dict[str, object] = field(default_factory=dict)\n"
+        "    def to_dict(self) -> dict[str, Any]:\n"
+        "        out: dict[str, Any] = {}\n"
+        "class Finding:\n"
+        "    environment: 'dict[str, Any] | None' = None\n"
+        "class Other:\n"
+        "    environment: dict[str, Any]\n"
+    )
+    assert untyped_report_fields(ast.parse(planted)) == ["Report.environment", "Report.request", "Finding.environment"]

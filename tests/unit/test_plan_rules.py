@@ -18,7 +18,9 @@ from cpdoctor.model_zoo.splits import remedies
 from cpdoctor.model_zoo.splits.measure import Key, MeasuredSplits, SplitKind
 from cpdoctor.model_zoo.splits.plan import check_int
 from cpdoctor.model_zoo.splits.result import HeadsCheck, Plan, Problem, Remedy
-from cpdoctor.report import ExitCode, Report, Verdict
+from cpdoctor.report import Environment, ExitCode, Report, Verdict
+
+NOTHING_ASKED = SimpleNamespace(to_dict=dict)  # a report's request: anything with to_dict
 
 IMG = Key("", "hidden_states", SplitKind.SPLIT, 1)
 TXT = Key("", "encoder_hidden_states", SplitKind.SPLIT, 1)
@@ -213,7 +215,7 @@ def test_each_problem_is_a_fail_finding_with_its_ways_out_and_a_command():
     assert findings[0].remedy == "text_padding: pad the text to 78 tokens; ring_anything: ContextParallelConfig(...) (predicted)"
     assert findings[0].command == "cpdoctor plan '/ckpt dir' --height 1328 --width 1328 --text-len 78 --ring 2 --ulysses 1"
     assert findings[1].command == "cpdoctor plan '/ckpt dir' --height 1328 --width 1328 --text-len 77 --ring 4 --ulysses 1"
-    report = Report.of(findings, {}, {"kind": "plan"}, extra=_plan([text, image]).extra())
+    report = Report.of(findings, Environment(), NOTHING_ASKED, extra=_plan([text, image]).extra())
     assert (report.verdict, report.exit_code) == (Verdict.FAIL, ExitCode.FOUND)
     assert report.to_dict()["problems"][1]["tensors"] == ["hidden_states", "img_ids"]
 
@@ -223,7 +225,7 @@ def test_no_problem_is_one_pass_finding():
     assert [(f.subject, f.verdict, f.diagnosis) for f in findings] == [
         ("plan: every split", Verdict.PASS, "every split divides over 2 ranks")
     ]
-    assert Report.of(findings, {}, {}).exit_code == ExitCode.OK
+    assert Report.of(findings, Environment(), NOTHING_ASKED).exit_code == ExitCode.OK
     assert Remedy("ulysses_anything", "x", True, {"ring": 1, "ulysses": 2}).settings() is None
 
 

@@ -4,15 +4,17 @@ on gloo ranks in tests/integration/test_step_targets.py; here only the wiring, w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from cpdoctor import api
 from cpdoctor.examinations import step
-from cpdoctor.report import Finding, Report, Verdict
+from cpdoctor.report import Environment, Finding, Report, Verdict
 
 
 def report(verdict: Verdict) -> Report:
-    return Report.of([Finding("x", verdict, f"{verdict} diagnosis")], {}, {})
+    return Report.of([Finding("x", verdict, f"{verdict} diagnosis")], Environment(), SimpleNamespace(to_dict=dict))
 
 
 def test_preflight_with_a_model_reads_its_degrees_and_arms_the_first_step(monkeypatch):

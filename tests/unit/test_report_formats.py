@@ -4,10 +4,11 @@ systems read) rather than compared as strings."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from cpdoctor.report import FailureEvidence, Finding, JudgedRow, Report, RunResult, Verdict
+from cpdoctor.report import Environment, FailureEvidence, Finding, JudgedRow, Report, RunResult, Verdict
 from cpdoctor.report.junit import to_junit
 from cpdoctor.report.markdown import to_markdown
 
@@ -35,7 +36,7 @@ def report() -> Report:
         ),
         Finding("attention ring=2 mask", Verdict.HANG, "rank 1 did not finish within 25 s", "raise --timeout"),
     ]
-    return Report.of(findings, {"torch": "2.13", "diffusers": "0.42.1"}, {}, wall_s=12.5)
+    return Report.of(findings, Environment(torch="2.13", diffusers="0.42.1"), SimpleNamespace(to_dict=dict), wall_s=12.5)
 
 
 def test_junit_parses_with_one_testcase_per_finding(tmp_path):
@@ -60,8 +61,8 @@ def test_junit_keeps_the_unpatched_verdict_in_system_out(tmp_path):
     junitparser = pytest.importorskip("junitparser")
     after = Report.of(
         [Finding("attention ring=3", Verdict.PASS, "exact")],
-        {},
-        {},
+        Environment(),
+        SimpleNamespace(to_dict=dict),
         before=RunResult.of([Finding("attention ring=3", Verdict.FAIL, "wrong way")]),
     )
     path = tmp_path / "r.xml"

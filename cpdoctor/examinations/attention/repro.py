@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from cpdoctor.cpu_kernels import cpu_backend
+from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.report import TENSOR_LABELS, Report, Verdict
 from cpdoctor.vocabulary import DType
 
@@ -192,17 +193,15 @@ def write_repro(report: Report, directory: str, command: str, fix_timeout_s: flo
     the outcome's line goes to `report.extra["upstream_fix"]`."""
     finding = _failing(report)
     req = report.request
-    if finding is None or "seq" not in req:
+    if finding is None or not isinstance(req, AttentionRequest):
         return []
-    backend = report.environment.get("backend") or req["backend"]
-    layout = " × ".join(
-        p for p in (f"ring {req['ring']}" if req["ring"] > 1 else "", f"Ulysses {req['ulysses']}" if req["ulysses"] > 1 else "") if p
-    )
+    backend = report.environment.backend or req.backend
+    layout = " × ".join(p for p in (f"ring {req.ring}" if req.ring > 1 else "", f"Ulysses {req.ulysses}" if req.ulysses > 1 else "") if p)
     title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if t.failed)} wrong under {layout}"
     os.makedirs(directory, exist_ok=True)
     script = os.path.join(directory, "repro.py")
     with open(script, "w") as fh:
-        fh.write(_script(req, finding, backend, title))
+        fh.write(_script(req.to_dict(), finding, backend, title))
     issue = _issue(report, finding, backend, title, layout, command)
     issue_path = os.path.join(directory, "ISSUE.md")
     with open(issue_path, "w") as fh:
@@ -242,6 +241,7 @@ def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:
 def _issue(report: Report, finding: Any, backend: str, title: str, layout: str, command: str) -> str:
     """The bug report in diffusers' shape: what is wrong, how to reproduce it, the figures, the system."""
     req, env = report.request, report.environment
+    assert isinstance(req, AttentionRequest)  # write_repro's check
     rows = "\n".join(
         f"| {TENSOR_LABELS.get(n, n)} | {t.rel_err:.3e} | {t.tolerance:.2e} | {t.verdict.value} |" for n, t in finding.tensors.items()
     )
@@ -249,21 +249,23 @@ def _issue(report: Report, finding: Any, backend: str, title: str, layout: str, 
         f"{TENSOR_LABELS.get(n, n)} {t.baseline_rel_err:.1e}" for n, t in finding.tensors.items() if t.baseline_rel_err is not None
     )
     system = "\n".join(
-        f"- {k}: {env[k]}" for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend") if k in env
+        f"- {k}: {v}"
+        for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend")
+        if (v := getattr(env, k)) is not None
     )
     return ISSUE.format(
         title=title,
         layout=layout,
         backend=backend,
-        dtype=req["dtype"],
+        dtype=req.dtype,
         diagnosis=finding.diagnosis,
         filename="repro.py",
-        world=req["ring"] * req["ulysses"],
-        batch=req["batch"],
-        seq=req["seq"],
-        heads=req["heads"],
-        head_dim=req["head_dim"],
-        mask=f", last {req['mask_pad']} keys masked" if req.get("mask_pad") else "",
+        world=req.ring * req.ulysses,
+        batch=req.batch,
+        seq=req.seq,
+        heads=req.heads,
+        head_dim=req.head_dim,
+        mask=f", last {req.mask_pad} keys masked" if req.mask_pad else "",
         rows=rows,
         baseline=baseline or "–",
         system=system,

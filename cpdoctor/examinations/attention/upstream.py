@@ -112,7 +112,7 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
     """Make, verify and (only when verified) write DIR/fix.diff for the FAIL; the outcome says what happened."""
     from cpdoctor.launch import under_torchrun
 
-    req = report.request
+    req = report.request.to_dict()  # the plain fields defects_of and the launches read
     try:
         source = dispatch_source()
         defects = defects_of(req, finding, lambda d: present(source, d))

@@ -51,15 +51,17 @@ def run(request: EnvRequest) -> Report:
     dtype_name = resolve_dtype(dtype, dev, emulate)
     environment = collect_environment()
     if emulate:
-        environment["emulated"] = (
-            "CUDA kernels of the GPU backends emulated on CPU by cpdoctor's stand-ins: examined the installed diffusers' "
-            "ops around them; not examined: the CUDA kernels themselves"
+        environment = environment.replace(
+            emulated=(
+                "CUDA kernels of the GPU backends emulated on CPU by cpdoctor's stand-ins: examined the installed diffusers' "
+                "ops around them; not examined: the CUDA kernels themselves"
+            )
         )
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.cpu_kernels import cpu_backend
 
     compat.dispatch_module()  # BadInput (exit 2) when diffusers, or its CP support, is missing
-    environment.update(probe_device=str(dev), probe_dtype=dtype_name, ring_class=collect(ring_class))
+    environment = environment.replace(probe_device=str(dev), probe_dtype=dtype_name, ring_class=collect(ring_class))
     cpu_backend.register()
     config = compat.meshless_parallel_config(ring=1, ulysses=2, device=dev)
     with quiet(), one_thread():
@@ -69,4 +71,4 @@ def run(request: EnvRequest) -> Report:
     from cpdoctor.examinations.peer.catalog import installed_peers
 
     extra = {"backends": rows, "peers": installed_peers()}
-    return Report.of(findings, environment, request.to_dict(), wall_s=time.perf_counter() - t0, extra=extra)
+    return Report.of(findings, environment, request, wall_s=time.perf_counter() - t0, extra=extra)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpdoctor.launch.jobs import CaseNumbers, RankResult
+from cpdoctor.report.environment import Environment
 
 
 @dataclass
@@ -45,7 +46,7 @@ class StepNumbers(CaseNumbers):
     worst_param_rel_err: float
     rng_untouched: bool
     forward_vs_other: float | None = None
-    environment: dict[str, Any] = field(default_factory=dict)
+    environment: Environment = field(default_factory=Environment)
 
 
 DEFAULTS = {

@@ -33,6 +33,7 @@ from cpdoctor.examinations.model.spec import REFERENCE_BACKEND, ModelSpec, model
 from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.launch.progress import tick, ticking
 from cpdoctor.report import BlockRow, ParamRow, TensorRow
+from cpdoctor.report.environment import Environment
 
 
 def op_level_requests(req: ModelRequest) -> tuple[AttentionRequest, ...]:
@@ -291,10 +292,8 @@ def _op_level(op_request: AttentionRequest, i: int, case: Case, shards: list[Mod
         return OpLevel(op_request, error=first_line(exc))
 
 
-def _environment(ctx: Any, backend: str, req: ModelRequest, emulated: str | None) -> dict[str, Any]:
-    env = rank_environment(ctx, backend, req, emulated)
-    env["model"] = req.model
-    return env
+def _environment(ctx: Any, backend: str, req: ModelRequest, emulated: str | None) -> Environment:
+    return rank_environment(ctx, backend, req, emulated).replace(model=req.model)
 
 
 def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layout: ParamLayout, read: Any) -> ModelInfo:

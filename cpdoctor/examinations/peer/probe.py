@@ -21,6 +21,7 @@ from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.peer_impls.base import PeerOutputs, RunShape, Shim
 from cpdoctor.peer_impls.layouts import cu_seqlens, token_indices, varlen_lengths
 from cpdoctor.peer_impls.source import package_root
+from cpdoctor.report.environment import Environment
 from cpdoctor.report.numbers import TensorRow
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -191,26 +192,24 @@ def evaluate(case: Case, results: list[PeerRankResult], ctx: Any) -> Measurement
     return result
 
 
-def environment(ctx: Any, req: PeerRequest, facts: PeerFacts) -> dict[str, Any]:
+def environment(ctx: Any, req: PeerRequest, facts: PeerFacts) -> Environment:
     """The report's environment line, as rank 0 saw it (no diffusers import: peers do not need it)."""
     import platform
 
     import torch
 
-    env: dict[str, Any] = {
-        "torch": str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
-        "python": platform.python_version(),
-        "device": str(ctx.device),
-        "process_group": ctx.pg_backend,
-        "world_size": ctx.world_size,
-        "ring": req.ring,
-        "ulysses": req.ulysses,
-        "impl": f"{req.impl} {facts.version}",
-        "variant": req.variant,
-        "kernel": req.kernel,
-        "layout": facts.layout,
-        "dtype": req.dtype,
-    }
-    if facts.emulated:
-        env["emulated"] = "CUDA kernels emulated on CPU by cpdoctor's stand-ins"
-    return env
+    return Environment(
+        torch=str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
+        python=platform.python_version(),
+        device=str(ctx.device),
+        process_group=ctx.pg_backend,
+        world_size=ctx.world_size,
+        ring=req.ring,
+        ulysses=req.ulysses,
+        impl=f"{req.impl} {facts.version}",
+        variant=req.variant,
+        kernel=req.kernel,
+        layout=facts.layout,
+        dtype=req.dtype,
+        emulated="CUDA kernels emulated on CPU by cpdoctor's stand-ins" if facts.emulated else None,
+    )

@@ -15,13 +15,13 @@ plan under its own keys (`model`, `settings`, `tensors`, `skipped`, `heads`, `pr
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from cpdoctor.compat.packages import installed_version
 from cpdoctor.examinations.plan.judge import plan_findings
 from cpdoctor.examinations.plan.request import PlanRequest
 from cpdoctor.model_zoo.splits.plan import measure_plan
 from cpdoctor.report import Report
+from cpdoctor.report.environment import Environment
 
 __all__ = ["PlanRequest", "run"]
 
@@ -37,11 +37,11 @@ def run(request: PlanRequest) -> Report:
     plan = measure_plan(request.setup())
     plan.seconds = time.perf_counter() - started
     findings = plan_findings(plan, request.model)
-    return Report.of(findings, _environment(), request.to_dict(), wall_s=plan.seconds, extra=plan.extra())
+    return Report.of(findings, _environment(), request, wall_s=plan.seconds, extra=plan.extra())
 
 
-def _environment() -> dict[str, Any]:
+def _environment() -> Environment:
     """What the measurement ran on: no weights, no compute, the meta device."""
     import torch
 
-    return {"torch": str(torch.__version__), "diffusers": installed_version("diffusers"), "device": "meta"}
+    return Environment(torch=str(torch.__version__), diffusers=installed_version("diffusers"), device="meta")

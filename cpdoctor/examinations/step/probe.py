@@ -11,6 +11,7 @@ from typing import Any
 from cpdoctor.errors import BadInput
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Report
+from cpdoctor.report.environment import Environment
 
 
 @dataclass
@@ -23,7 +24,7 @@ class StepRankResult(RankResult):
 @dataclass
 class StepCaseNumbers(CaseNumbers):
     reports: list[Report]
-    environment: dict[str, Any]
+    environment: Environment
 
 
 def load_function(path: str, name: str) -> Any:
@@ -74,5 +75,5 @@ def run_rank(case: Case, ctx: Any) -> StepRankResult:
 def evaluate(case: Case, results: list[RankResult], ctx: Any) -> StepCaseNumbers:
     first = results[0]
     assert isinstance(first, StepRankResult)
-    env = dict(first.reports[-1].environment) if first.reports else {"world_size": ctx.world_size}
+    env = first.reports[-1].environment if first.reports else Environment(world_size=ctx.world_size)
     return StepCaseNumbers(first.reports, env)

@@ -33,7 +33,7 @@ from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.record import Hooks, PeerRecord, rng_digest, weights_digest
 from cpdoctor.examinations.step.reference import ReferenceTooLarge, canonical
 from cpdoctor.launch import progress, watcher_comm
-from cpdoctor.report import FailureEvidence, Finding, Report, Verdict
+from cpdoctor.report import Environment, FailureEvidence, Finding, Report, Verdict
 from cpdoctor.vocabulary import DType
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -131,6 +131,21 @@ def compute_dtype(module: Any, out_dtypes: list[str]) -> str:
     seen = {DType.of_torch(p.dtype) or DType.FP32 for p in module.parameters()}
     seen |= {DType.of_torch(d) or DType.FP32 for d in out_dtypes if d}
     return max(seen or {DType.FP32}, key=DType.most_precise_first().index).value
+
+
+@dataclass(frozen=True)
+class WatchedStep:
+    """What a watched step's report says was asked: the layout it ran in and which step it was, against which
+    baseline (JSON `request`: `ring`, `ulysses`, `world_size`, `step`, `reference`)."""
+
+    ring: int
+    ulysses: int
+    world_size: int
+    step: int
+    reference: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ring": self.ring, "ulysses": self.ulysses, "world_size": self.world_size, "step": self.step, "reference": self.reference}
 
 
 class StepWatch:
@@ -240,14 +255,8 @@ class StepWatch:
 
         from cpdoctor.compat.diffusers import diffusers_version
 
-        env = {"torch": str(torch.__version__), "diffusers": diffusers_version(), "world_size": self.world, "device": str(self._device())}
-        request = {
-            "ring": self.ring,
-            "ulysses": self.ulysses,
-            "world_size": self.world,
-            "step": self.index,
-            "reference": self.baseline.name,
-        }
+        env = Environment(torch=str(torch.__version__), diffusers=diffusers_version(), world_size=self.world, device=str(self._device()))
+        request = WatchedStep(self.ring, self.ulysses, self.world, self.index, self.baseline.name)
         return Report.of(findings, env, request, wall_s=time.perf_counter() - self._t0)
 
     def _device(self) -> Any:

@@ -1,0 +1,53 @@
+"""What every stored run records next to its figures (benchmarks/README.md, "Figures and their runs"): the machine,
+the versions, the load average before and after, the repetitions and each figure's spread [min, max].
+
+Kept free of torch and diffusers imports so a script can record the load average before it imports them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+
+
+def machine() -> dict:
+    """The CPU the figures come from: model, logical cores, cores this process may use, bf16 support."""
+    model, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line
+    except OSError:
+        pass
+    return {
+        "cpu_model": model or platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "native_bf16": any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")),
+        "platform": platform.platform(),
+    }
+
+
+def versions() -> dict:
+    """torch, diffusers and python as the run imported them (imported here, after the load was recorded)."""
+    import diffusers
+    import torch
+
+    return {"torch": str(torch.__version__), "diffusers": diffusers.__version__, "python": platform.python_version()}
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages now: on a shared machine a figure means little without them."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def summary(values: list[float], digits: int = 3) -> dict:
+    """A figure's median and its spread [min, max] over the repetitions."""
+    return {
+        "median": round(statistics.median(values), digits),
+        "spread": [round(min(values), digits), round(max(values), digits)],
+    }
