@@ -51,6 +51,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import run_record  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 B, H, D = 1, 8, 64
 WARMUP_SEQ = 512
@@ -404,28 +406,6 @@ def gathered_source_of(rev: str, tmp: str) -> str:
     return path
 
 
-def machine() -> dict:
-    """The CPU these figures come from: model, logical cores, cores this process may use, bf16 support."""
-    model, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine()
-    return {
-        "cpu_model": model,
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "native_bf16": any(f in flags.split() for f in ("avx512_bf16", "amx_bf16")),
-        "platform": platform.platform(),
-    }
-
-
 def revision() -> str | None:
     """The git revision measured (with "+dirty" when the tree had changes)."""
     try:
@@ -516,7 +496,7 @@ def main() -> None:
             "reps": args.reps,
             "spread": "*_spread = [min, max] over the repetitions; a *_x_spread is over the per-repetition ratios",
             "wall_s": time.perf_counter() - started,
-            "machine": machine(),
+            "machine": run_record.machine(),
             "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
             "torch": torch.__version__,
             "diffusers": diffusers.__version__,
