@@ -192,22 +192,26 @@ def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick
         environment = fallback_environment(entry.world_size(request), request, ranks_ran=False)
         return Report.of([finding], environment, request)
     req = entry.prepare(request)
+    advice: list[str] = []
     try:
         for cases, world in entry.stages(req):  # every stage but the last prepares the last (the step's run without CP)
             result = run_cases(kind, cases, world, entry.device(req), timeout_s, on_tick)
+            advice += [line for line in result.advice if line not in advice]
             failed = [f for o in result.outcomes if not o.completed for f in outcome_findings(kind, o, timeout_s)]
             if failed or not result.outcomes:
                 break
     finally:
         entry.finish(req)
     runs = [RunResult.of(outcome_findings_in(kind, o, timeout_s)) for o in result.outcomes]
+    advised: dict[str, object] = {"advice": advice} if advice else {}
     if not runs:
         return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
-                         fallback_environment(world, req), req, wall_s=result.wall_s)  # fmt: skip
+                         fallback_environment(world, req), req, wall_s=result.wall_s, extra=advised)  # fmt: skip
     final = runs[-1]
     before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
     env = _environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
-    return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, extra=warnings_seen(result.outcomes))
+    extra = warnings_seen(result.outcomes) | advised
+    return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, extra=extra)
 
 
 def check_attention(

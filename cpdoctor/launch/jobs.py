@@ -145,3 +145,5 @@ class LaunchResult:
     cannot_examine: str | None = None
     wall_s: float = 0.0
     launches: int = 0
+    advice: list[str] = field(default_factory=list)
+    """What the ranks advised while they ran (`progress.advise`), each line once, printed as it came."""

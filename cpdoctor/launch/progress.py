@@ -125,23 +125,53 @@ def read_text(path: str) -> str | None:
 
 
 class ActiveLog:
-    """The step log `tick` writes to in this process, and the file `raised` writes to. Lifetime: set once per
-    rank by the worker (`activate`) before its first case, kept for the rank's life; None in every other process
-    (the parent, a training script), where `tick` and `raised` are no-ops."""
+    """The step log `tick` writes to in this process, and the files `raised` and `advise` write to. Lifetime: set
+    once per rank by the worker (`activate`) before its first case, kept for the rank's life; None in every other
+    process (the parent, a training script), where `tick` and `raised` are no-ops and `advise` prints. `advised`
+    holds the advice given so far in this process (each said once)."""
 
     def __init__(self) -> None:
         self.log: StepLog | None = None
         self.raised_path: str | None = None
+        self.advice_path: str | None = None
+        self.advised: list[str] = []
 
 
 ACTIVE = ActiveLog()
 
 
-def activate(log: StepLog | None, raised_path: str | None = None) -> None:
-    """Make `log` the one `tick` writes to, and `raised_path` where `raised` notes an exception (the worker
-    does, once per rank)."""
+def activate(log: StepLog | None, raised_path: str | None = None, advice_path: str | None = None) -> None:
+    """Make `log` the one `tick` writes to, `raised_path` where `raised` notes an exception and `advice_path`
+    where `advise` writes (the worker does, once per rank)."""
     ACTIVE.log = log
     ACTIVE.raised_path = raised_path
+    ACTIVE.advice_path = advice_path
+    ACTIVE.advised = []
+
+
+def advise(text: str) -> None:
+    """Advice for the user that a rank learns while it runs (one line, e.g. "bf16 is 240× slower than fp32 on
+    this CPU"), said once per process. Under a supervising parent it goes to this rank's advice file, which the
+    parent prints as soon as it reads it and keeps for the report (spawn.py); in any other process (a training
+    script under torchrun) it is printed to stderr here. Cheap; never a collective."""
+    import sys
+
+    line = text.replace("\n", " ")
+    if line in ACTIVE.advised:
+        return
+    ACTIVE.advised.append(line)
+    if ACTIVE.advice_path is None:
+        print(f"cpdoctor: warning: {line}", file=sys.stderr, flush=True)
+        return
+    tmp = ACTIVE.advice_path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write("\n".join(ACTIVE.advised) + "\n")
+    os.replace(tmp, ACTIVE.advice_path)
+
+
+def read_advice(path: str) -> list[str]:
+    """The lines a rank gave with `advise` (none when it gave none)."""
+    return [line for line in (read_text(path) or "").splitlines() if line]
 
 
 def raised(message: str, traceback: str) -> None:

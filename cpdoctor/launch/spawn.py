@@ -30,8 +30,8 @@ from cpdoctor.launch.jobs import (
     RankStatus,
     wall_bound_s,
 )
-from cpdoctor.launch.progress import Step, blame, read_raised, read_step, read_text
-from cpdoctor.launch.worker import outcome_path, raised_path, status_path, step_path
+from cpdoctor.launch.progress import Step, blame, read_advice, read_raised, read_step, read_text
+from cpdoctor.launch.worker import advice_path, outcome_path, raised_path, status_path, step_path
 
 GRACE_AFTER_FAILURE_S = 3.0
 """How long the survivors of a failed rank get to report before they are killed."""
@@ -105,6 +105,15 @@ class _Watch:
     seen: dict[int, str | None] = field(default_factory=dict)  # rank -> the text of its step file last read
     moved: dict[int, float] = field(default_factory=dict)  # rank -> when its step file last changed
     why: str = "stalled"  # why the launch was stopped: "stalled" (nobody moved) or "wall" (the wall bound)
+    advice: list[str] = field(default_factory=list)  # what the ranks advised (progress.advise), in the order first read
+
+    def read_advice(self) -> None:
+        """Print each line of advice a rank gave, the first time it is read (on stderr, above a spinner)."""
+        for rank in range(len(self.procs)):
+            for line in read_advice(advice_path(self.out_dir, rank)):
+                if line not in self.advice:
+                    self.advice.append(line)
+                    print(f"cpdoctor: warning: {line}", file=sys.stderr, flush=True)
 
     def watch_progress(self, now: float) -> None:
         """Note every rank whose step file changed since the last poll: it moved."""
@@ -205,8 +214,11 @@ def _where(step: Step | None) -> str:
     return step.describe() if step is not None else "not started"
 
 
-def _launch_once(job: Job, world_size: int, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
-    """One launch: the outcomes of a prefix of the job's cases (the last one possibly a failure), or a refusal."""
+def _launch_once(
+    job: Job, world_size: int, on_tick: Callable[[], None] | None, advice: list[str]
+) -> tuple[list[CaseOutcome], RankPayload | None]:
+    """One launch: the outcomes of a prefix of the job's cases (the last one possibly a failure), or a refusal;
+    the ranks' advice is added to `advice`."""
     with tempfile.TemporaryDirectory(prefix="cpdoctor-") as out_dir:
         job_path = os.path.join(out_dir, "job.pkl")
         with open(job_path, "wb") as fh:
@@ -227,7 +239,11 @@ def _launch_once(job: Job, world_size: int, on_tick: Callable[[], None] | None) 
                             start_new_session=True,
                         )
                     )
-            return _supervise(_Watch(out_dir, procs), job, on_tick)
+            watch = _Watch(out_dir, procs, advice=advice)
+            try:
+                return _supervise(watch, job, on_tick)
+            finally:
+                watch.read_advice()  # what a rank advised just before it finished
         finally:
             _kill_all(procs)
 
@@ -238,6 +254,7 @@ def _supervise(watch: _Watch, job: Job, on_tick: Callable[[], None] | None) -> t
     while True:
         now = time.monotonic()
         watch.watch_progress(now)
+        watch.read_advice()
         watch.poll(now)
         refused = watch.refusal()
         if refused is not None:
@@ -276,7 +293,7 @@ def run_spawned(job: Job, world_size: int, on_tick: Callable[[], None] | None = 
     result = LaunchResult()
     remaining = list(job.cases)
     while remaining:
-        outcomes, refused = _launch_once(replace(job, cases=tuple(remaining)), world_size, on_tick)
+        outcomes, refused = _launch_once(replace(job, cases=tuple(remaining)), world_size, on_tick, result.advice)
         result.launches += 1
         if refused is not None:
             setattr(result, "bad_input" if refused.status is RankStatus.BAD_INPUT else "cannot_examine", refused.message)

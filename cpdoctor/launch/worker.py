@@ -167,6 +167,10 @@ def raised_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.raised")
 
 
+def advice_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.advice")
+
+
 def outcome_path(out_dir: str, index: int) -> str:
     return os.path.join(out_dir, f"case{index}.outcome")
 
@@ -179,7 +183,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
     rank = int(os.environ["RANK"])
     log = StepLog(step_path(out_dir, rank))
     log.mark(0, "joining")
-    activate(log, raised_path(out_dir, rank))
+    activate(log, raised_path(out_dir, rank), advice_path(out_dir, rank))
     heartbeat = Heartbeat()  # importing torch and joining move too
 
     def report_error(index: int, payload: RankPayload) -> None:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cpdoctor.memo import Memo
 from cpdoctor.vocabulary import DType
 
 SLOW_HALF_FACTOR = 8.0
@@ -64,15 +65,30 @@ def _timed(a: Any, b: Any) -> float:
     return time.perf_counter() - start
 
 
-def slow_half_warning(dtype: str, half_gflops: float, fp32_gflops: float) -> str | None:
+FP32_OPTION = "`--dtype fp32` finds the same ones sooner"
+
+
+def slow_half_warning(dtype: str, half_gflops: float, fp32_gflops: float, suggestion: str = FP32_OPTION) -> str | None:
     """The warning to print before a `dtype` examination when this CPU runs it far slower than fp32; None when not."""
     if not DType(dtype).is_half or fp32_gflops < SLOW_HALF_FACTOR * half_gflops:
         return None
     return (
         f"{dtype} is {fp32_gflops / max(half_gflops, 1e-9):.0f}× slower than fp32 on this CPU ({half_gflops:.3g} against "
         f"{fp32_gflops:.3g} GFLOP/s, one thread, measured now): the defects cpdoctor finds do not depend on the dtype; "
-        "`--dtype fp32` finds the same ones sooner"
+        f"{suggestion}"
     )
+
+
+MEASURED: Memo[Throughput] = Memo("dtype -> this CPU's one-thread matmul rate (measured once per process)")
+
+
+def slow_half_here(dtype: str, suggestion: str = FP32_OPTION) -> str | None:
+    """`slow_half_warning` for `dtype` on this process's CPU, each rate measured once per process (None for
+    fp32/fp64: nothing is measured)."""
+    if not DType(dtype).is_half:
+        return None
+    half, fp32 = (MEASURED.get(d, lambda d=d: measure(d)) for d in (dtype, "fp32"))
+    return slow_half_warning(dtype, half.gflops, fp32.gflops, suggestion)
 
 
 @dataclass(frozen=True)

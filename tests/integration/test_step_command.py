@@ -49,6 +49,22 @@ BAD_STEPS = textwrap.dedent(
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=mesh["ring"].get_group())
 
+    def slow_bf16(watch):  # this CPU's rates as on issue 22's machine (no native bf16): 0.3 against 73 GFLOP/s
+        from torch.distributed.device_mesh import init_device_mesh
+        from cpdoctor.cpu_kernels import cpu_backend
+        from cpdoctor.model_zoo import throughput
+        throughput.MEASURED.get("bf16", lambda: throughput.Throughput("bf16", 0.3, 1024))
+        throughput.MEASURED.get("fp32", lambda: throughput.Throughput("fp32", 73.0, 1024))
+        mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+        model = ex.enable_cp(ex.build_model("flux"), mesh, cpu_backend.register())
+        with watch(model):
+            x = torch.randn(1, 16, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # entered inside the block: seen in the outputs
+                out = model(hidden_states=x, timestep=torch.tensor([0.5]), **ex.conditioning(model, 0, 0))[0]
+            out.float().sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=mesh["ring"].get_group())
+
     def raises(watch):
         from torch.distributed.device_mesh import init_device_mesh
         from cpdoctor.cpu_kernels import cpu_backend
@@ -77,6 +93,7 @@ def test_a_correct_step_passes_with_json(has_stale_kv_backward):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert report["verdict"] == "PASS"
     assert report["findings"][0]["tensors"]["grads"]["rel_err"] < 1e-5
+    assert "advice" not in report and "warning" not in proc.stderr  # an fp32 step: nothing measured, nothing said
 
 
 def test_a_wrong_target_is_bad_input_before_any_rank():
@@ -112,3 +129,16 @@ def test_a_reference_that_does_not_fit_is_bad_input_with_what_fits(bad_steps):
     proc = cpdoctor_step(f"{bad_steps}:too_large", "--nproc", "2")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the reference needs" in proc.stderr and "cpdoctor step" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_step_in_bf16_on_a_cpu_slow_at_it_is_warned_about_while_it_runs(bad_steps):
+    """The ranks find the step computing in bf16 (autocast inside the block) on a CPU whose measured bf16 rate
+    is 243× below fp32: the parent prints the warning as soon as a rank gives it, and the report keeps it."""
+    proc = cpdoctor_step(f"{bad_steps}:slow_bf16", "--nproc", "2", "--json", "-")
+    report = json.loads(proc.stdout)
+    assert report["advice"] == [
+        "the watched step computes in bf16: bf16 is 243× slower than fp32 on this CPU (0.3 against 73 GFLOP/s, one thread, "
+        "measured now): the defects cpdoctor finds do not depend on the dtype; build the model in fp32 (or leave autocast "
+        "off) for the examination: it finds the same ones sooner"
+    ], proc.stderr[-2000:]
+    assert proc.stderr.count("cpdoctor: warning: the watched step computes in bf16") == 1

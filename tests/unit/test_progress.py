@@ -43,6 +43,33 @@ def test_ticks_without_a_supervisor_are_nothing():
     StepLog(None).tick("anything")
 
 
+def test_advice_reaches_the_parent_once_and_is_printed_as_it_comes(tmp_path, capsys):
+    from cpdoctor.launch.spawn import _Watch
+    from cpdoctor.launch.worker import advice_path
+
+    progress.activate(StepLog(None), advice_path=advice_path(str(tmp_path), 1))
+    try:
+        progress.advise("bf16 is 243× slower\nthan fp32 here")
+        progress.advise("bf16 is 243× slower\nthan fp32 here")  # said once per process
+        progress.advise("a second thing")
+    finally:
+        progress.activate(None)
+    assert capsys.readouterr().err == ""  # a supervised rank writes its file, never its own stderr
+    watch = _Watch(str(tmp_path), procs=[None, None], started=0.0)  # type: ignore[list-item]
+    watch.read_advice()
+    watch.read_advice()
+    assert watch.advice == ["bf16 is 243× slower than fp32 here", "a second thing"]
+    assert capsys.readouterr().err.splitlines() == [f"cpdoctor: warning: {line}" for line in watch.advice]
+
+
+def test_advice_without_a_supervisor_is_printed_here_once(capsys):
+    progress.activate(None)
+    progress.advise("the watched step computes in bf16")
+    progress.advise("the watched step computes in bf16")
+    assert capsys.readouterr().err == "cpdoctor: warning: the watched step computes in bf16\n"
+    progress.activate(None)
+
+
 def _write(out_dir, rank: int, text: str) -> None:
     (out_dir / f"rank{rank}.step").write_text(text)
 

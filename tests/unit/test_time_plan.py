@@ -61,3 +61,39 @@ def test_the_probe_measures_a_rate_quickly():
     rate = throughput.measure("fp32")
     assert rate.gflops > 0 and 128 <= rate.size <= 1024
     assert time.perf_counter() - start < 5  # ~50 ms on an idle machine; generous for a loaded one
+
+
+def test_a_watched_step_in_bf16_on_a_slow_cpu_is_advised_once_and_fp32_or_cuda_never(monkeypatch):
+    """The step's side (examinations/step/watch.py): the rates are measured once per process (a pre-filled memo
+    stands in for a CPU without native bf16), the warning names the dtype and says what to do in a step."""
+    import torch
+
+    from cpdoctor.examinations.step import watch
+    from cpdoctor.launch import progress
+
+    said: list[str] = []
+    monkeypatch.setattr(progress, "advise", said.append)
+    monkeypatch.setattr(throughput, "measure", lambda d: pytest.fail("measured again"))
+    throughput.MEASURED.clear()
+    throughput.MEASURED.get("bf16", lambda: Throughput("bf16", 0.3, 1024))
+    throughput.MEASURED.get("fp32", lambda: Throughput("fp32", 73.0, 1024))
+    try:
+        watch.advise_slow_half("fp32", "cpu")
+        watch.advise_slow_half("bf16", "cuda")
+        assert said == []
+        watch.advise_slow_half("bf16", torch.device("cpu"))
+        assert len(said) == 1 and said[0].startswith("the watched step computes in bf16: bf16 is 243× slower than fp32")
+        assert said[0].endswith("build the model in fp32 (or leave autocast off) for the examination: it finds the same ones sooner")
+    finally:
+        throughput.MEASURED.clear()
+
+
+def test_autocast_entered_here_is_seen_as_the_step_dtype():
+    import torch
+
+    from cpdoctor.examinations.step.watch import autocast_dtypes, compute_dtype
+
+    model = torch.nn.Linear(2, 2)
+    assert autocast_dtypes() == [] and compute_dtype(model, autocast_dtypes()) == "fp32"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(model, autocast_dtypes()) == "bf16"

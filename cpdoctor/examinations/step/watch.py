@@ -133,6 +133,32 @@ def compute_dtype(module: Any, out_dtypes: list[str]) -> str:
     return max(seen or {DType.FP32}, key=DType.most_precise_first().index).value
 
 
+STEP_IN_FP32 = "build the model in fp32 (or leave autocast off) for the examination: it finds the same ones sooner"
+
+
+def advise_slow_half(dtype: str, device: Any) -> None:
+    """Where a step computes in a half dtype on a CPU that runs it far slower than fp32 (model_zoo/throughput.py:
+    a probe of a few tens of milliseconds, once per process), say so while the step runs (progress.advise: the
+    parent prints it at once): on such a CPU a bf16 step can outlast any timeout, and the dtype is why."""
+    if getattr(device, "type", str(device)) == "cpu" and DType(dtype).is_half:
+        from cpdoctor.model_zoo.throughput import slow_half_here
+
+        warning = slow_half_here(dtype, STEP_IN_FP32)
+        if warning is not None:
+            progress.advise(f"the watched step computes in {dtype}: {warning}")
+
+
+def autocast_dtypes() -> list[str]:
+    """The dtype CPU autocast computes in, when it is on here (empty when it is off)."""
+    import torch
+
+    try:
+        on, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    except (TypeError, AttributeError):  # torch before 2.4: the CPU-specific names
+        on, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    return [str(dtype)] if on else []
+
+
 @dataclass(frozen=True)
 class WatchedStep:
     """What a watched step's report says was asked: the layout it ran in and which step it was, against which
@@ -205,6 +231,8 @@ class StepWatch:
             self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
         self._hooks = Hooks(self.module, keep_full=self.leader and self.baseline.needs_inputs, snapshot_weights=self._weights).install()
         self._roots = BackwardRoots().install()
+        if self.leader:
+            advise_slow_half(compute_dtype(self.module, autocast_dtypes()), self._device())
         return self
 
     def _weights(self) -> dict[str, Any]:
@@ -226,6 +254,8 @@ class StepWatch:
         assert hooks is not None and roots is not None
         hooks.remove()
         roots.remove()
+        if self.leader:  # autocast entered inside the block shows in the outputs' dtypes
+            advise_slow_half(compute_dtype(self.module, [f.out_dtype for f in hooks.calls]), self._device())
         error = "".join(traceback.format_exception(exc_type, exc, tb)) if exc is not None else None
         if error is not None:  # a peer may never arrive (stuck in a collective this rank left): the parent names this
             progress.raised(f"{exc_type.__name__}: {exc}", error)
