@@ -99,6 +99,8 @@ class ChunkMasks:
         self.full: torch.Tensor | None = None
         self.local: torch.Tensor | None = None
         self.chunk_len = chunk_len
+        self.per_head = False
+        """The mask differs between heads: the ring then runs all heads in one pass (`head_passes`)."""
         self._skip: dict[int, bool] = {}
         self._empty_rows: dict[int, torch.Tensor | None] = {}
         if attn_mask is None:
@@ -110,6 +112,7 @@ class ChunkMasks:
             m = m[:, None]
         if m.ndim != 4:
             raise ValueError(f"ring attention: an attention mask must be 2-, 3- or 4-D, got shape {tuple(attn_mask.shape)}")
+        self.per_head = m.shape[1] > 1
         length = m.shape[-1]
         if length == comm.world * chunk_len:
             self.full = m
@@ -306,6 +309,98 @@ def ring_backward(
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Passes over the heads
+# ----------------------------------------------------------------------------------------------------------
+
+MAX_PASSES = 4
+PASS_MIN_KV_BYTES = 1 << 20
+"""Below this much K and V per pass, a pass's W−1 hops cost more in latency than its memory is worth."""
+PASS_MIN_TILES_PER_SLOT = 4
+"""A pass keeps at least this many 128-query tiles (B × heads × ⌈S/128⌉) per parallel slot of the device
+(streaming multiprocessors on CUDA, torch threads on CPU): fewer, and a fused kernel on fewer heads leaves the
+device partly idle, so the passes would cost time."""
+
+
+def _parallel_slots(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.get_num_threads()
+
+
+def head_passes(query: torch.Tensor, key: torch.Tensor, masks: ChunkMasks, comm: GroupComm) -> list[slice]:
+    """The heads, in the groups the ring runs one after another ("passes"; model layout (B, S, H, D)).
+
+    Heads are independent, so a pass is the whole ring for its heads and the results are bit-identical to one
+    pass (tested). What the ring holds beyond its inputs and results (two K/V buffers, two dK/dV accumulators,
+    dQ in the accumulation dtype, one block's outputs, the kernel's scratch: about 13 local chunks in fp32 and
+    20 in bf16 with one pass) scales with the heads of a pass, so 2 passes halve it and 4 quarter it. A pass
+    costs W−1 more hops and runs kernels on fewer heads: split (into up to `MAX_PASSES`, dividing the heads)
+    only while every pass still moves ≥ `PASS_MIN_KV_BYTES` of K/V and fills the device
+    (`PASS_MIN_TILES_PER_SLOT`). A ring of one has nothing in flight, and a mask with a per-head dimension is
+    kept whole: one pass."""
+    batch, seq, heads, _ = query.shape
+    kv_bytes = 2 * key.numel() * key.element_size()
+    slots = _parallel_slots(query.device)
+    passes = 1
+    if comm.world > 1 and not masks.per_head:
+        for n in range(MAX_PASSES, 1, -1):
+            tiles = batch * (heads // n) * -(-seq // 128)
+            if heads % n == 0 and kv_bytes // n >= PASS_MIN_KV_BYTES and tiles >= PASS_MIN_TILES_PER_SLOT * slots:
+                passes = n
+                break
+    per = heads // passes
+    return [slice(i * per, (i + 1) * per) for i in range(passes)]
+
+
+def forward_in_passes(
+    passes: list[slice],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masks: ChunkMasks,
+    kernel: block_kernels.BlockKernel,
+    comm: GroupComm,
+    scale: float,
+    acc_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ring_forward` once per pass, each pass's out and lse written into the whole (B, S, H, ·) results."""
+    if len(passes) == 1:
+        return ring_forward(q, k, v, masks, kernel, comm, scale, acc_dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for h in passes:
+        out[:, :, h], lse[:, :, h] = ring_forward(q[:, :, h], k[:, :, h], v[:, :, h], masks, kernel, comm, scale, acc_dtype)
+    return out, lse
+
+
+def backward_in_passes(
+    passes: list[slice],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    masks: ChunkMasks,
+    kernel: block_kernels.BlockKernel,
+    comm: GroupComm,
+    scale: float,
+    acc_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ring_backward` once per pass; dQ, dK, dV in `grad_dtype`, each pass's written into the whole."""
+    if len(passes) == 1:
+        grads = ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, acc_dtype)
+        return tuple(g.to(grad_dtype) for g in grads)  # type: ignore[return-value]
+    dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k, v))
+    for h in passes:
+        dq[:, :, h], dk[:, :, h], dv[:, :, h] = ring_backward(
+            dout[:, :, h], q[:, :, h], k[:, :, h], v[:, :, h], out[:, :, h], lse[:, :, h], masks, kernel, comm, scale, acc_dtype
+        )
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------
 # diffusers' interface
 # ----------------------------------------------------------------------------------------------------------
 
@@ -344,10 +439,11 @@ class RingAttention(torch.autograd.Function):
         # the fp32 lse (so it is fp32 too for half inputs), while the backward accumulates in the grad dtype.
         to_fp32 = compat.convert_to_fp32(_parallel_config)
         fwd_dtype = torch.float32 if to_fp32 else torch.promote_types(query.dtype, torch.float32)
-        out, lse = ring_forward(query, key, value, masks, kernel, comm, scale, fwd_dtype)
+        passes = head_passes(query, key, masks, comm)
+        out, lse = forward_in_passes(passes, query, key, value, masks, kernel, comm, scale, fwd_dtype)
 
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.masks, ctx.kernel, ctx.comm, ctx.scale = masks, kernel, comm, scale
+        ctx.masks, ctx.kernel, ctx.comm, ctx.scale, ctx.passes = masks, kernel, comm, scale, passes
         ctx.acc_dtype = torch.float32 if to_fp32 else query.dtype
         if return_lse:
             ctx.mark_non_differentiable(lse)
@@ -357,8 +453,19 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *args: Any):  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(
-            grad_out.to(query.dtype), query, key, value, out, lse, ctx.masks, ctx.kernel, ctx.comm, ctx.scale, ctx.acc_dtype
+        dq, dk, dv = backward_in_passes(
+            ctx.passes,
+            grad_out.to(query.dtype),
+            query,
+            key,
+            value,
+            out,
+            lse,
+            ctx.masks,
+            ctx.kernel,
+            ctx.comm,
+            ctx.scale,
+            ctx.acc_dtype,
+            grad_out.dtype,
         )
-        dq, dk, dv = (x.to(grad_out.dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None

@@ -166,9 +166,10 @@ def rank_mask(inp: dict[str, Any], local: slice) -> torch.Tensor | None:
     return keep[:, local]
 
 
-def run_ring(world: int, inp: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[ThreadComm]]:
+def run_ring(world: int, inp: dict[str, Any], passes: list[slice] | None = None) -> tuple[dict[str, torch.Tensor], list[ThreadComm]]:
     """Every rank's forward and backward; the shards concatenated, and every rank's communicator after the
-    forward (`fwd_sent`: the buffers its forward sent) and the backward."""
+    forward (`fwd_sent`: the buffers its forward sent) and the backward. With `passes`, the ring runs once per
+    group of heads (`forward_in_passes` / `backward_in_passes`)."""
     kernel = block_kernels.CpuFlashKernel()
     scale = D**-0.5
 
@@ -176,9 +177,15 @@ def run_ring(world: int, inp: dict[str, Any]) -> tuple[dict[str, torch.Tensor], 
         local = slice(comm.rank * S_LOCAL, (comm.rank + 1) * S_LOCAL)
         q, k, v, dout = (inp[n][:, local].contiguous() for n in ("q", "k", "v", "dout"))
         masks = ring.ChunkMasks(rank_mask(inp, local), S_LOCAL, comm)
-        out, lse = ring.ring_forward(q, k, v, masks, kernel, comm, scale, torch.float32)
-        comm.fwd_sent = list(comm.sent)
-        dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32)
+        if passes is None:
+            out, lse = ring.ring_forward(q, k, v, masks, kernel, comm, scale, torch.float32)
+            comm.fwd_sent = list(comm.sent)
+            dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32)
+        else:
+            out, lse = ring.forward_in_passes(passes, q, k, v, masks, kernel, comm, scale, torch.float32)
+            comm.fwd_sent = list(comm.sent)
+            args = (dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32, torch.float32)
+            dq, dk, dv = ring.backward_in_passes(passes, *args)
         return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, comm
 
     per_rank = run_ranks(world, rank_fn)
@@ -235,6 +242,64 @@ def test_wrong_direction_is_caught_at_three_ranks(monkeypatch: pytest.MonkeyPatc
     at3 = errors(3, None)
     assert at3["out"] < TOL and at3["dq"] < TOL, at3  # forward and dQ never travel
     assert at3["dk"] > 0.1 and at3["dv"] > 0.1, at3
+
+
+@pytest.mark.parametrize("mask", [None, "pad", "rows"])
+def test_passes_over_heads_are_bit_identical(mask: str | None) -> None:
+    """The ring run head group by head group gives exactly the one-pass results (heads are independent), with
+    W−1 forward hops and 2W−1 backward hops per pass."""
+    world, heads = 3, 4
+    inp = make_inputs(world, mask, seed=7, heads=heads)
+    whole, _ = run_ring(world, inp)
+    passes = [slice(0, 2), slice(2, 4)]
+    split, comms = run_ring(world, inp, passes)
+    for name in whole:
+        assert torch.equal(whole[name], split[name]), name
+    assert [c.calls for c in comms] == [{"shift": len(passes) * (3 * world - 2)}] * world
+    ref = reference(inp)
+    assert rel_err(split["dk"], ref["dk"]) < TOL
+
+
+class _Place:
+    """A ring position (what `head_passes` reads of a communicator)."""
+
+    def __init__(self, world: int) -> None:
+        self.rank, self.world = 0, world
+
+
+@pytest.mark.parametrize(
+    "heads,seq,dim,dtype,world,slots,mask_heads,expected",
+    [
+        (8, 4096, 64, torch.bfloat16, 4, 1, 1, 4),  # the benchmark's shape on a CPU rank: quarters
+        (8, 2048, 64, torch.bfloat16, 8, 1, 1, 4),  # 1 MiB of K/V per pass: still worth a pass
+        (8, 1024, 64, torch.bfloat16, 8, 1, 1, 2),  # halves keep ≥ 1 MiB per pass, quarters would not
+        (6, 4096, 64, torch.float32, 4, 1, 1, 3),  # the most passes that divide the heads
+        (24, 1152, 128, torch.bfloat16, 4, 132, 1, 1),  # FLUX at 1024² on a 132-SM GPU: a pass must fill it
+        (40, 18944, 128, torch.bfloat16, 4, 132, 1, 4),  # a long video sequence on the same GPU
+        (8, 4096, 64, torch.bfloat16, 1, 1, 1, 1),  # a ring of one: nothing in flight
+        (8, 4096, 64, torch.bfloat16, 4, 1, 8, 1),  # a per-head mask stays whole
+        (8, 24, 16, torch.float32, 4, 1, 1, 1),  # tiny: hops' latency, not memory
+    ],
+)
+def test_head_passes_split_only_where_memory_is_worth_it(
+    monkeypatch: pytest.MonkeyPatch,
+    heads: int,
+    seq: int,
+    dim: int,
+    dtype: torch.dtype,
+    world: int,
+    slots: int,
+    mask_heads: int,
+    expected: int,
+) -> None:
+    monkeypatch.setattr(ring, "_parallel_slots", lambda device: slots)
+    q = torch.empty(1, seq, heads, dim, dtype=dtype, device="meta")
+    mask = torch.ones(1, mask_heads, 1, seq, dtype=torch.bool) if mask_heads > 1 else None
+    masks = ring.ChunkMasks(mask, seq, _Place(world))
+    passes = ring.head_passes(q, q, masks, _Place(world))
+    assert len(passes) == expected
+    covered = [h for p in passes for h in range(heads)[p]]
+    assert covered == list(range(heads))
 
 
 def test_packing_keeps_dtypes_and_alignment() -> None:
