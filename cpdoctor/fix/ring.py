@@ -24,9 +24,12 @@ backward  stream K/V (and mask) round again; for every chunk j compute the block
 
 Memory per rank, whatever W is: two K/V buffers, two dK/dV accumulators, dQ and one block's outputs (about
 13 local chunks at the backward's peak in fp32, 20 in bf16, where the fp32 accumulators are twice the input's
-size; kernels get views, not layout copies, and no block's results are held through the next kernel).
-Measured against diffusers' ring on the same kernel calls (benchmarks/README.md, S 16384): 0.503 / 0.288× its
-peak at ring 4 / 8 in fp32, 0.656 / 0.410× in bf16. Two variants were measured and dropped: the all-gathered K/V this ring used
+size; kernels get views, not layout copies, and no block's results are held through the next kernel), for the
+heads of one pass: where the chunks are large enough the ring runs over 2-4 groups of heads one after another
+(`head_passes`; bit-identical results), which divides that working set by the number of passes. Measured
+against diffusers' ring on the same kernel calls (benchmarks/README.md, S 16384, H 8 in 4 passes): 0.283 /
+0.177× its peak at ring 4 / 8 in fp32, 0.294 / 0.205× in bf16, and 0.94× (fp32) / 0.93× (bf16) its time at ring 4 (one pass
+measured 0.503 / 0.288 and 0.656 / 0.410). Two variants were measured and dropped: the all-gathered K/V this ring used
 before (W chunks per rank: 0.75 / 0.82 / 0.88× the built-in ring's memory at S 4096; its one collective saved the
 streamed forward's hop latency only at tiny chunks, ~2 ms at ring 4, S 512), and reduce-scattering every
 chunk's dK/dV from a (W, |K|+|V|) buffer (W chunks of fp32; 1.11× the built-in ring's memory at ring 4 and no

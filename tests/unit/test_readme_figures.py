@@ -177,7 +177,9 @@ def test_a_missing_results_file_is_reported(docs, tmp_path):
 
 
 def test_a_figure_whose_section_does_not_name_its_file_is_reported():
-    doc = "# A\n\nresults/ring_cpu.json\n\n# B\n\nwe measured 0.503 here\n"
+    rows = json.loads((BENCH / "results" / "ring_cpu.json").read_text())["rows"]
+    stored = next(r for r in rows if (r["world"], r["seq"], r["dtype"]) == (4, 16384, "fp32"))["patched_memory_x"]
+    doc = f"# A\n\nresults/ring_cpu.json\n\n# B\n\nwe measured {stored:.3f} here\n"
     entry = {
         "doc": "README.md",
         "results": "results/ring_cpu.json",
