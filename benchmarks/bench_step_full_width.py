@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import time
 
+import run_record  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -130,7 +130,7 @@ def two_runs(out_path: str) -> None:
         "verdict": report["verdict"],
         "diagnosis": f["diagnosis"],
         "grads_rel_err": f["tensors"].get("grads", {}).get("rel_err"),
-        "load_average": os.getloadavg(),
+        "load_average": run_record.load_average(),
     }
     with open(out_path, "w") as fh:
         json.dump(result, fh, indent=1)
@@ -140,11 +140,12 @@ def two_runs(out_path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--two-runs", action="store_true")
     a = p.parse_args()
     if a.two_runs:
         return two_runs(a.out)
+    load_before = run_record.load_average()
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -167,13 +168,18 @@ def main() -> None:
         evidence = f.details()
         result = {
             "what": "one full-width FLUX.1-dev double block (cpdoctor model --blocks 1 slice), CP 2, fp32, 256 image + 64 text tokens",
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
-            "versions": {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__},
+            "machine": run_record.machine(),
+            "versions": run_record.versions(),
+            "load_average": {"before": load_before, "after": run_record.load_average()},
+            "command": "python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_step_full_width.py --reps " + str(a.reps),
             "parameters": params,
             "reps": a.reps,
             "unwatched_s": plain,
             "watched_s": watched,
+            "unwatched_spread_s": run_record.summary(plain, 2)["spread"],
+            "watched_spread_s": run_record.summary(watched, 2)["spread"],
             "watched_over_unwatched": statistics.median(w / u for w, u in zip(watched, plain)),
+            "watched_over_unwatched_spread": run_record.summary([w / u for w, u in zip(watched, plain)], 2)["spread"],
             "verdict": str(report.verdict),
             "diagnosis": f.diagnosis,
             "grads_rel_err": f.tensors["grads"].rel_err if "grads" in f.tensors else None,
