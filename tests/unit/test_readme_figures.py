@@ -109,7 +109,9 @@ def _provenance_missing(data: dict) -> list[str]:
     """What a results file lacks of the convention's record (empty: it has it all)."""
     runs = data.get("runs", [])
     loads = "load_average" in data or any("load_average" in r for r in runs)
-    reps = [data.get("reps")] + [r.get("reps") for r in runs + data.get("rows", [])]
+    rows = data.get("rows", [])
+    rows = list(rows.values()) if isinstance(rows, dict) else rows  # rows by name (commands_*.json) or a list
+    reps = [data.get("reps")] + [r.get("reps") for r in runs + rows]
     reps = [r for r in reps if isinstance(r, int)]
     has = {
         "machine (CPU model)": "cpu_model" in data.get("machine", {}),
