@@ -25,7 +25,6 @@ import resource
 import statistics
 import time
 
-import run_record  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -116,6 +115,8 @@ def two_runs(out_path: str) -> None:
     import subprocess
     import sys
 
+    import run_record  # benchmarks/ is on sys.path when run as a script (the ranks of `cpdoctor step` import this file without it)
+
     cmd = [sys.executable, "-m", "cpdoctor", "step", f"{os.path.abspath(__file__)}:full_width_step", "--ring", "2", "--json", "-"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -138,6 +139,8 @@ def two_runs(out_path: str) -> None:
 
 
 def main() -> None:
+    import run_record  # see two_runs
+
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=5)
