@@ -45,16 +45,18 @@ def measure(dtype: str, budget_s: float = PROBE_BUDGET_S) -> Throughput:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        n = 128
-        while True:
-            gen = torch.Generator().manual_seed(0)
-            a = torch.randn(n, n, generator=gen).to(tdtype)
-            b = torch.randn(n, n, generator=gen).to(tdtype)
-            first = _timed(a, b)
-            best = first if first > budget_s else min(first, _timed(a, b))  # a slow path: measured once is enough
-            if n >= 1024 or 8 * best > budget_s:
-                return Throughput(dtype, 2 * n**3 / max(best, 1e-9) / 1e9, n)
-            n *= 2
+        # a watched step may call this inside CPU autocast, which would run the fp32 probe in bf16
+        with torch.autocast("cpu", enabled=False):
+            n = 128
+            while True:
+                gen = torch.Generator().manual_seed(0)
+                a = torch.randn(n, n, generator=gen).to(tdtype)
+                b = torch.randn(n, n, generator=gen).to(tdtype)
+                first = _timed(a, b)
+                best = first if first > budget_s else min(first, _timed(a, b))  # a slow path: measured once is enough
+                if n >= 1024 or 8 * best > budget_s:
+                    return Throughput(dtype, 2 * n**3 / max(best, 1e-9) / 1e9, n)
+                n *= 2
     finally:
         torch.set_num_threads(threads)
 

@@ -97,3 +97,14 @@ def test_autocast_entered_here_is_seen_as_the_step_dtype():
     assert autocast_dtypes() == [] and compute_dtype(model, autocast_dtypes()) == "fp32"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compute_dtype(model, autocast_dtypes()) == "bf16"
+
+
+def test_the_probe_measures_its_own_dtype_inside_cpu_autocast(monkeypatch):
+    """A watched step may probe inside `torch.autocast("cpu", bf16)`: the fp32 rate must still be fp32's."""
+    import torch
+
+    computed = []
+    monkeypatch.setattr(throughput, "_timed", lambda a, b: computed.append((a @ b).dtype) or 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        throughput.measure("fp32")
+    assert computed == [torch.float32]
