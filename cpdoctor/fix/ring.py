@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -195,6 +196,19 @@ def stream(packing: Packing, buf: torch.Tensor, comm: GroupComm) -> Iterator[tup
 # ----------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RingSetup:
+    """What one ring attention call runs with besides its tensors: each chunk's mask, the block kernel, the ring's
+    group, the softmax scale and the dtype blocks are merged / gradients accumulated in (the forward's and the
+    backward's may differ: `dataclasses.replace`)."""
+
+    masks: ChunkMasks
+    kernel: block_kernels.BlockKernel
+    comm: GroupComm
+    scale: float
+    acc_dtype: torch.dtype
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, out_j: torch.Tensor, lse_j: torch.Tensor, guard: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold block j into the running (out, lse): out -= sigmoid(lse_j − lse)·(out − out_j) and
     lse −= logsigmoid(lse − lse_j), in place on out (the stable form: no exp of a large lse). `guard`
@@ -211,18 +225,10 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_j: torch.Tensor, lse_j: torc
     return out, new_lse
 
 
-def ring_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    masks: ChunkMasks,
-    kernel: block_kernels.BlockKernel,
-    comm: GroupComm,
-    scale: float,
-    acc_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: RingSetup) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's queries against every rank's keys. q, k, v: this rank's shards, model layout (B, S, H, D).
-    Returns out (model layout, q's dtype, merged in `acc_dtype`) and the merged fp32 lse (B, S, H)."""
+    Returns out (model layout, q's dtype, merged in `setup.acc_dtype`) and the merged fp32 lse (B, S, H)."""
+    masks, kernel, comm, scale, acc_dtype = setup.masks, setup.kernel, setup.comm, setup.scale, setup.acc_dtype
     q = kernel.to_layout(q)  # a view: every kernel takes strided layouts (as SDPA hands them), a copy costs a chunk
     out = lse = None
     for j, (k_j, v_j, *travelled) in stream(*pack_chunk(kernel, k, v, masks), comm):  # own chunk first
@@ -279,20 +285,11 @@ class DkvRing:
 
 
 def ring_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    masks: ChunkMasks,
-    kernel: block_kernels.BlockKernel,
-    comm: GroupComm,
-    scale: float,
-    acc_dtype: torch.dtype,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, setup: RingSetup
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of this rank's shards (model layout, `acc_dtype`), from what `ring_forward` took and gave
+    """dQ, dK, dV of this rank's shards (model layout, `setup.acc_dtype`), from what `ring_forward` took and gave
     (out and lse are the global merged ones)."""
+    masks, kernel, comm, scale, acc_dtype = setup.masks, setup.kernel, setup.comm, setup.scale, setup.acc_dtype
     q, dout, out = (kernel.to_layout(x) for x in (q, dout, out))  # views (measured: copies cost 3 chunks at the peak)
     lse = kernel.lse_to_layout(lse)
     k_shape, v_shape = kernel.to_layout(k).shape, kernel.to_layout(v).shape
@@ -356,23 +353,15 @@ def head_passes(query: torch.Tensor, key: torch.Tensor, masks: ChunkMasks, comm:
 
 
 def forward_in_passes(
-    passes: list[slice],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    masks: ChunkMasks,
-    kernel: block_kernels.BlockKernel,
-    comm: GroupComm,
-    scale: float,
-    acc_dtype: torch.dtype,
+    passes: list[slice], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: RingSetup
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_forward` once per pass, each pass's out and lse written into the whole (B, S, H, ·) results."""
     if len(passes) == 1:
-        return ring_forward(q, k, v, masks, kernel, comm, scale, acc_dtype)
+        return ring_forward(q, k, v, setup)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for h in passes:
-        out[:, :, h], lse[:, :, h] = ring_forward(q[:, :, h], k[:, :, h], v[:, :, h], masks, kernel, comm, scale, acc_dtype)
+        out[:, :, h], lse[:, :, h] = ring_forward(q[:, :, h], k[:, :, h], v[:, :, h], setup)
     return out, lse
 
 
@@ -384,22 +373,16 @@ def backward_in_passes(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    masks: ChunkMasks,
-    kernel: block_kernels.BlockKernel,
-    comm: GroupComm,
-    scale: float,
-    acc_dtype: torch.dtype,
+    setup: RingSetup,
     grad_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ring_backward` once per pass; dQ, dK, dV in `grad_dtype`, each pass's written into the whole."""
     if len(passes) == 1:
-        grads = ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, acc_dtype)
+        grads = ring_backward(dout, q, k, v, out, lse, setup)
         return tuple(g.to(grad_dtype) for g in grads)  # type: ignore[return-value]
     dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k, v))
     for h in passes:
-        dq[:, :, h], dk[:, :, h], dv[:, :, h] = ring_backward(
-            dout[:, :, h], q[:, :, h], k[:, :, h], v[:, :, h], out[:, :, h], lse[:, :, h], masks, kernel, comm, scale, acc_dtype
-        )
+        dq[:, :, h], dk[:, :, h], dv[:, :, h] = ring_backward(*(x[:, :, h] for x in (dout, q, k, v, out, lse)), setup)
     return dq, dk, dv
 
 
@@ -442,12 +425,12 @@ class RingAttention(torch.autograd.Function):
         # the fp32 lse (so it is fp32 too for half inputs), while the backward accumulates in the grad dtype.
         to_fp32 = compat.convert_to_fp32(_parallel_config)
         fwd_dtype = torch.float32 if to_fp32 else torch.promote_types(query.dtype, torch.float32)
-        passes = head_passes(query, key, masks, comm)
-        out, lse = forward_in_passes(passes, query, key, value, masks, kernel, comm, scale, fwd_dtype)
+        setup = RingSetup(masks, kernel, comm, scale, fwd_dtype)
+        ctx.passes = head_passes(query, key, masks, comm)
+        out, lse = forward_in_passes(ctx.passes, query, key, value, setup)
 
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.masks, ctx.kernel, ctx.comm, ctx.scale, ctx.passes = masks, kernel, comm, scale, passes
-        ctx.acc_dtype = torch.float32 if to_fp32 else query.dtype
+        ctx.setup = replace(setup, acc_dtype=torch.float32 if to_fp32 else query.dtype)
         if return_lse:
             ctx.mark_non_differentiable(lse)
             return out, lse
@@ -456,19 +439,5 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *args: Any):  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_in_passes(
-            ctx.passes,
-            grad_out.to(query.dtype),
-            query,
-            key,
-            value,
-            out,
-            lse,
-            ctx.masks,
-            ctx.kernel,
-            ctx.comm,
-            ctx.scale,
-            ctx.acc_dtype,
-            grad_out.dtype,
-        )
+        dq, dk, dv = backward_in_passes(ctx.passes, grad_out.to(query.dtype), query, key, value, out, lse, ctx.setup, grad_out.dtype)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None

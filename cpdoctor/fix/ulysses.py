@@ -28,7 +28,7 @@ import torch
 
 from cpdoctor.fix import block_kernels
 from cpdoctor.fix.comm import GroupComm, all_gather_last
-from cpdoctor.fix.ring import ChunkMasks, ring_backward, ring_forward
+from cpdoctor.fix.ring import ChunkMasks, RingSetup, ring_backward, ring_forward
 
 
 def heads_to_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
@@ -82,9 +82,10 @@ class _FixedUlysses(torch.autograd.Function):
         q, k, v = (heads_to_sequence(x, comm) for x in (query, key, value))
         alone = GroupComm.alone()
         masks = ChunkMasks(mask, k.shape[1], alone)
-        out, lse = ring_forward(q, k, v, masks, kernel, alone, scale, q.dtype)
+        ctx.setup = RingSetup(masks, kernel, alone, scale, q.dtype)
+        out, lse = ring_forward(q, k, v, ctx.setup)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.masks, ctx.kernel, ctx.comm, ctx.scale = masks, kernel, comm, scale
+        ctx.comm = comm
         out_local = sequence_to_heads(out, comm)
         if return_lse:
             lse_local = sequence_to_heads(lse.unsqueeze(-1), comm).squeeze(-1)
@@ -96,7 +97,7 @@ class _FixedUlysses(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor, *args: Any):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dout = heads_to_sequence(grad_out.to(q.dtype), ctx.comm)
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.masks, ctx.kernel, GroupComm.alone(), ctx.scale, q.dtype)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.setup)
         dq, dk, dv = (sequence_to_heads(x, ctx.comm).to(grad_out.dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None
 

@@ -83,6 +83,7 @@ W3 = {
     "bf16": attention_case(ring=3, seq=513, dtype="bf16"),
     "mask_whole_chunk": attention_case(ring=3, seq=513, mask_pad=200),
     "unpatched": attention_case(patched=False, ring=3, seq=513),
+    "head_passes_mask": attention_case(ring=3, seq=3072, heads=8, head_dim=64, batch=1, mask_pad=40),
 }
 W4 = {
     "ring4": attention_case(ring=4),
@@ -182,6 +183,21 @@ def test_ulysses2_patched(att2, name, dtype):
 @pytest.mark.parametrize("name,dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("mask_whole_chunk", "fp32")])
 def test_ring3_patched(att3, name, dtype):
     assert_pass(att3[name], dtype)
+
+
+def test_ring3_in_passes_over_heads_with_a_mask(att3, monkeypatch):
+    """Chunks large enough for the fixed ring to run over groups of heads (fix/ring.py `head_passes`), with a mask
+    that travels with the keys, through diffusers' real templates on gloo: exact."""
+    from cpdoctor.fix import ring
+    from cpdoctor.launch.spawn import _threads_per_rank
+
+    assert_pass(att3["head_passes_mask"])
+    q = torch.empty(1, 1024, 8, 64, device="meta")
+    place = dataclasses.make_dataclass("Place", ["rank", "world"])(0, 3)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or _threads_per_rank(3))  # what each rank got (spawn.py)
+    monkeypatch.setattr(ring, "_parallel_slots", lambda device: threads)
+    passes = ring.head_passes(q, q, ring.ChunkMasks(None, 1024, place), place)
+    assert len(passes) > 1 or threads > 4, (threads, passes)  # up to 4 threads a rank, the ranks ran in passes
 
 
 @pytest.mark.parametrize("name", ["ring8", "ring8_mask_whole_chunk"])

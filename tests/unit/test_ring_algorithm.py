@@ -177,15 +177,15 @@ def run_ring(world: int, inp: dict[str, Any], passes: list[slice] | None = None)
         local = slice(comm.rank * S_LOCAL, (comm.rank + 1) * S_LOCAL)
         q, k, v, dout = (inp[n][:, local].contiguous() for n in ("q", "k", "v", "dout"))
         masks = ring.ChunkMasks(rank_mask(inp, local), S_LOCAL, comm)
+        setup = ring.RingSetup(masks, kernel, comm, scale, torch.float32)
         if passes is None:
-            out, lse = ring.ring_forward(q, k, v, masks, kernel, comm, scale, torch.float32)
+            out, lse = ring.ring_forward(q, k, v, setup)
             comm.fwd_sent = list(comm.sent)
-            dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32)
+            dq, dk, dv = ring.ring_backward(dout, q, k, v, out, lse, setup)
         else:
-            out, lse = ring.forward_in_passes(passes, q, k, v, masks, kernel, comm, scale, torch.float32)
+            out, lse = ring.forward_in_passes(passes, q, k, v, setup)
             comm.fwd_sent = list(comm.sent)
-            args = (dout, q, k, v, out, lse, masks, kernel, comm, scale, torch.float32, torch.float32)
-            dq, dk, dv = ring.backward_in_passes(passes, *args)
+            dq, dk, dv = ring.backward_in_passes(passes, dout, q, k, v, out, lse, setup, torch.float32)
         return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, comm
 
     per_rank = run_ranks(world, rank_fn)
