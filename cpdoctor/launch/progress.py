@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -154,19 +155,22 @@ def advise(text: str) -> None:
     this CPU"), said once per process. Under a supervising parent it goes to this rank's advice file, which the
     parent prints as soon as it reads it and keeps for the report (spawn.py); in any other process (a training
     script under torchrun) it is printed to stderr here. Cheap; never a collective."""
-    import sys
-
     line = text.replace("\n", " ")
     if line in ACTIVE.advised:
         return
     ACTIVE.advised.append(line)
     if ACTIVE.advice_path is None:
-        print(f"cpdoctor: warning: {line}", file=sys.stderr, flush=True)
+        show_advice(line)
         return
     tmp = ACTIVE.advice_path + ".tmp"
     with open(tmp, "w") as fh:
         fh.write("\n".join(ACTIVE.advised) + "\n")
     os.replace(tmp, ACTIVE.advice_path)
+
+
+def show_advice(line: str) -> None:
+    """Print one line of advice for the user, on stderr (above a spinner, which redirects it)."""
+    print(f"cpdoctor: warning: {line}", file=sys.stderr, flush=True)
 
 
 def read_advice(path: str) -> list[str]:

@@ -30,7 +30,7 @@ from cpdoctor.launch.jobs import (
     RankStatus,
     wall_bound_s,
 )
-from cpdoctor.launch.progress import Step, blame, read_advice, read_raised, read_step, read_text
+from cpdoctor.launch.progress import Step, blame, read_advice, read_raised, read_step, read_text, show_advice
 from cpdoctor.launch.worker import advice_path, outcome_path, raised_path, status_path, step_path
 
 GRACE_AFTER_FAILURE_S = 3.0
@@ -113,7 +113,7 @@ class _Watch:
             for line in read_advice(advice_path(self.out_dir, rank)):
                 if line not in self.advice:
                     self.advice.append(line)
-                    print(f"cpdoctor: warning: {line}", file=sys.stderr, flush=True)
+                    show_advice(line)
 
     def watch_progress(self, now: float) -> None:
         """Note every rank whose step file changed since the last poll: it moved."""
