@@ -47,6 +47,7 @@ __all__ = [
     "examine_environment",
     "examine_step",
     "watch_step",
+    "warm_ranks",
     "plan_model",
     "preflight",
     "request_for",
@@ -98,16 +99,52 @@ def visible_gpus() -> int:
     return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
 
 
+RANK_IMPORTS = (
+    "torch",
+    "torch.distributed",
+    "diffusers.models.attention_dispatch",
+    "cpdoctor.launch.worker",
+    "cpdoctor.examinations.attention",
+    "cpdoctor.examinations.peer",
+)
+"""What every rank of an op-level examination imports (3.3-3.8 s of a cold rank's start on 2 cores)."""
+
+MODEL_RANK_IMPORTS = RANK_IMPORTS + (
+    "diffusers.models.modeling_utils",
+    "diffusers.models.transformers.transformer_flux",  # with it the modules every transformer shares (~1.5 s)
+    "cpdoctor.examinations.model",
+    "cpdoctor.examinations.step",
+)
+"""What the ranks of a model or step examination import besides."""
+
+
+def warm_ranks(models: bool = False) -> None:
+    """Start, in the background, the process the ranks of this command fork from, importing torch, diffusers and
+    the examinations once while this process plans (launch/warm.py); `models`: the model classes too. For a CLI
+    command: a script calling the API keeps spawned ranks (a fork server would import its `__main__` again).
+    Nothing under torchrun, whose ranks exist already."""
+    if torchrun.under_torchrun():
+        return
+    from cpdoctor.launch.warm import WARM
+
+    WARM.start(MODEL_RANK_IMPORTS if models else RANK_IMPORTS)
+
+
 def request_for(kind: Kind, **fields: Any) -> Any:
     """The validated, prepared request of an examination from keyword fields (None = default)."""
     entry = registry.get(kind)
     return entry.prepare(entry.build_request(**fields))
 
 
-def run_cases(kind: Kind, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None) -> launch.LaunchResult:
-    """Launch the cases of one kind in one job; BadInput / CannotExamine for what the ranks refused."""
+def run_cases(
+    kind: Kind | None, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None
+) -> launch.LaunchResult:
+    """Launch the cases in one job (`kind` None: cases of several kinds, each run and evaluated by its request's
+    entry, `registry.ByRequest`); BadInput / CannotExamine for what the ranks refused."""
     validate_timeout(timeout_s)
-    result = launch.run(Job(registry.get(kind), tuple(cases), device, timeout_s), world_size, on_tick)
+    program = registry.get(kind) if kind is not None else registry.ByRequest()
+    fresh = any(registry.of(case.request).fresh_interpreter(case.request) for case in cases)
+    result = launch.run(Job(program, tuple(cases), device, timeout_s, fresh_interpreter=fresh), world_size, on_tick)
     if result.bad_input:
         raise BadInput(result.bad_input)
     if result.cannot_examine:
@@ -115,51 +152,52 @@ def run_cases(kind: Kind, cases: list[Case], world_size: int, device: str, timeo
     return result
 
 
-def outcome_findings(kind: Kind, outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
-    """A case's findings: the judged numbers, or CRASH / HANG from the ranks that failed."""
-    entry = registry.get(kind)
+def outcome_findings(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
+    """A case's findings, judged by its request's entry: the judged numbers, or CRASH / HANG from the ranks that failed."""
+    entry = registry.of(outcome.case.request)
     if outcome.completed:
         return entry.findings(outcome.case, outcome.evaluated)
     return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
-def ran_in(kind: Kind, outcome: CaseOutcome) -> Environment:
+def ran_in(outcome: CaseOutcome) -> Environment:
     """The environment a case's ranks reported with their numbers, else what the parent knows of where they ran."""
     ran = getattr(outcome.evaluated, "environment", None)
     if ran is not None:
         return ran
-    return fallback_environment(registry.get(kind).world_size(outcome.case.request), outcome.case.request)
+    request = outcome.case.request
+    return fallback_environment(registry.of(request).world_size(request), request)
 
 
-def outcome_findings_in(kind: Kind, outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
+def outcome_findings_in(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
     """`outcome_findings`, each finding keeping the environment its case ran in (`ran_in`)."""
-    findings = outcome_findings(kind, outcome, timeout_s)
-    env = ran_in(kind, outcome)
+    findings = outcome_findings(outcome, timeout_s)
+    env = ran_in(outcome)
     for finding in findings:
         finding.environment = env
     return findings
 
 
-def case_findings(kind: Kind, cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
+def case_findings(cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
     """One finding per case, in order, each keeping the environment its ranks ran in. A case without an outcome
     (under torchrun a job ends at a collective that timed out: nobody can relaunch the rest) says so instead of
     disappearing."""
     findings = []
     for n, case in enumerate(cases):
         if n < len(outcomes):
-            findings.append(outcome_findings_in(kind, outcomes[n], timeout_s)[0])
+            findings.append(outcome_findings_in(outcomes[n], timeout_s)[0])
         else:
             reason = Unsupported(UnsupportedKind.NOT_EXAMINED, "not examined: an earlier case of the same launch timed out in a collective")
-            findings.append(unsupported_finding(registry.get(kind).describe(case.request), reason))
+            findings.append(unsupported_finding(registry.of(case.request).describe(case.request), reason))
     return findings
 
 
 def run_findings(
-    kind: Kind, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+    kind: Kind | None, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[Finding]:
-    """Launch the given cases of one kind once and return one finding per case, in order."""
+    """Launch the given cases once (of one kind, or of several with `kind` None) and return one finding per case, in order."""
     result = run_cases(kind, cases, world_size, device, timeout_s)
-    return case_findings(kind, cases, result.outcomes, timeout_s)
+    return case_findings(cases, result.outcomes, timeout_s)
 
 
 def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
@@ -197,12 +235,12 @@ def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick
         for cases, world in entry.stages(req):  # every stage but the last prepares the last (the step's run without CP)
             result = run_cases(kind, cases, world, entry.device(req), timeout_s, on_tick)
             advice += [line for line in result.advice if line not in advice]
-            failed = [f for o in result.outcomes if not o.completed for f in outcome_findings(kind, o, timeout_s)]
+            failed = [f for o in result.outcomes if not o.completed for f in outcome_findings(o, timeout_s)]
             if failed or not result.outcomes:
                 break
     finally:
         entry.finish(req)
-    runs = [RunResult.of(outcome_findings_in(kind, o, timeout_s)) for o in result.outcomes]
+    runs = [RunResult.of(outcome_findings_in(o, timeout_s)) for o in result.outcomes]
     advised: dict[str, object] = {"advice": advice} if advice else {}
     if not runs:
         return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
@@ -256,20 +294,23 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     groups: dict[tuple, list[int]] = {}
     for i, req in enumerate(requests):
         entry = registry.of(req)
-        kind = entry.kind
-        emulate = bool(getattr(req, "emulate", False))  # stand-ins are per process: never mixed in one launch
-        groups.setdefault((kind, entry.world_size(req), entry.device(req), emulate), []).append(i)
+        # One launch per world size and device, whatever the kinds: the ranks import torch and diffusers once.
+        # Stand-ins are per process (an emulating rank imports diffusers after them): never mixed with the rest.
+        groups.setdefault((entry.world_size(req), entry.device(req), entry.fresh_interpreter(req)), []).append(i)
     final: list[Finding | None] = [None] * len(requests)
     before: list[Finding | None] = [None] * len(requests)
     outcomes_seen: list[CaseOutcome] = []
     wall = 0.0
-    for (kind, world, device, _emulate), members in groups.items():
-        entry = registry.get(kind)
-        owned = [(i, case) for i in members for case in entry.cases(requests[i])]
-        result = run_cases(kind, [case for _, case in owned], world, device, timeout_s, on_tick)
+    launches = 0
+    for (world, device, _fresh), members in groups.items():
+        # diffusers' own examinations before the peers': a peer's rank puts the flash-attn stand-in on sys.path
+        ordered = sorted(members, key=lambda i: registry.of(requests[i]).kind is Kind.PEER)
+        owned = [(i, case) for i in ordered for case in registry.of(requests[i]).cases(requests[i])]
+        result = run_cases(None, [case for _, case in owned], world, device, timeout_s, on_tick)
         wall += result.wall_s
+        launches += result.launches
         outcomes_seen += result.outcomes
-        judged = case_findings(kind, [c for _, c in owned], result.outcomes, timeout_s)
+        judged = case_findings([c for _, c in owned], result.outcomes, timeout_s)
         for (i, case), finding in zip(owned, judged):
             if case.patched:
                 final[i] = finding

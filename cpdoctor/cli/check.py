@@ -74,6 +74,8 @@ def check(
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
     quiet = "-" in (json_path, junit_path, markdown_path)
+    if not emulate:  # emulating ranks import diffusers themselves, after the stand-ins
+        api.warm_ranks()
     if impl.is_peer:  # the request is built once, here, and validated by its type (None: the type's default)
         _refuse_diffusers_options(impl, backend=backend, patch=patch, mask_pad=mask_pad, repro=repro_dir)
         peer = api.PeerRequest.of(

@@ -116,6 +116,9 @@ def doctor(
 
     timeout_s = DEFAULT_TIMEOUT_S if timeout is None else timeout
     check_run_options(timeout_s, json_path, junit_path, markdown_path)
+    from cpdoctor.api import warm_ranks
+
+    warm_ranks()  # the ranks of every launch fork from it: torch and diffusers imported once, while the doctor plans
     with waiting(
         "examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)
     ):

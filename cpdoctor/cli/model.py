@@ -185,6 +185,8 @@ def model(
     from cpdoctor import api
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
+    if not emulate:  # emulating ranks import diffusers themselves, after the stand-ins
+        api.warm_ranks(models=True)
     request = api.request_for(
         Kind.MODEL,
         model=model_name,

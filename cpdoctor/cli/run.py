@@ -8,6 +8,7 @@ import typer
 
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, console, emit, waiting
+from cpdoctor.vocabulary import Kind
 
 
 def render_suite(report: Any, out: Any) -> None:
@@ -70,6 +71,10 @@ def run(
     from cpdoctor.api import run_suite
 
     loaded = suites.load(suite)
+    if not all(fields.get("emulate") for _, fields in loaded.checks):  # emulating ranks import diffusers themselves
+        from cpdoctor.api import warm_ranks
+
+        warm_ranks(models=any(kind is Kind.MODEL for kind, _ in loaded.checks))
     with waiting(f"running suite {loaded.name} ({len(loaded.checks)} checks)", quiet="-" in (json_path, junit_path, markdown_path)):
         report = run_suite(loaded, patch=patch, timeout_s=timeout)
     emit(report, json_path, render_suite, junit_path=junit_path, markdown_path=markdown_path, command="run")

@@ -43,6 +43,7 @@ def step(
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
+    api.warm_ranks(models=True)
     with waiting(f"running {target}", quiet="-" in (json_path, junit_path, markdown_path)):
         report = api.examine_step(
             target, nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference, timeout_s=timeout

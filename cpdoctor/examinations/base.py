@@ -73,6 +73,12 @@ class Examination:
         """The number of ranks the request's cases run on."""
         return int(request.world_size)
 
+    def fresh_interpreter(self, request: Any) -> bool:
+        """Whether the ranks must import diffusers themselves, after something is put first on sys.path: with
+        `emulate`, the CUDA kernels' stand-ins (diffusers looks for flash-attn when it is imported), so they are
+        spawned, never forked from the warm server (launch/warm.py)."""
+        return bool(getattr(request, "emulate", False))
+
     def device(self, request: Any) -> str:
         """The device preference of the request ("auto", "cpu" or "cuda")."""
         return str(getattr(request, "device", "auto"))

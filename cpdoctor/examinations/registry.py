@@ -11,6 +11,8 @@ from cpdoctor.vocabulary import Kind
 
 if TYPE_CHECKING:
     from cpdoctor.examinations.base import Examination
+    from cpdoctor.launch.context import DistContext
+    from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 
 ENTRIES: dict[Kind, str] = {
     Kind.ATTENTION: "cpdoctor.examinations.attention",
@@ -47,3 +49,15 @@ def parse_kind(name: object) -> Kind:
 def suite_kinds() -> tuple[Kind, ...]:
     """The kinds a suite or the API may name (internal probes excluded)."""
     return tuple(k for k in ENTRIES if get(k).in_suites)
+
+
+class ByRequest:
+    """The program of a launch whose cases are of several kinds (a suite's or the doctor's launch of one world
+    size): each case runs on every rank and is evaluated on rank 0 by its own request's entry, so the ranks import
+    torch and diffusers once for all of them (a `launch.jobs.RankProgram`)."""
+
+    def run_rank(self, case: Case, ctx: DistContext) -> RankResult:
+        return of(case.request).run_rank(case, ctx)
+
+    def evaluate(self, case: Case, results: list[RankResult], ctx: DistContext) -> CaseNumbers:
+        return of(case.request).evaluate(case, results, ctx)

@@ -71,6 +71,9 @@ class Job:
     cases: tuple[Case, ...]
     device: str = "auto"
     timeout_s: float = 300.0
+    fresh_interpreter: bool = False
+    """The ranks must import diffusers themselves, after the job put something first on sys.path (the CUDA kernels'
+    stand-ins): they are spawned, never forked from the warm server (warm.py)."""
 
 
 class RankStatus(enum.Enum):

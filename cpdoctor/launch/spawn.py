@@ -31,7 +31,11 @@ from cpdoctor.launch.jobs import (
     wall_bound_s,
 )
 from cpdoctor.launch.progress import Step, blame, read_advice, read_raised, read_step, read_text, show_advice
+from cpdoctor.launch.warm import WARM, WarmRank
 from cpdoctor.launch.worker import advice_path, outcome_path, raised_path, status_path, step_path
+
+RankProcess = subprocess.Popen | WarmRank
+"""A rank the parent supervises: spawned (Popen) or forked from the warm server; both have pid, poll and wait."""
 
 GRACE_AFTER_FAILURE_S = 3.0
 """How long the survivors of a failed rank get to report before they are killed."""
@@ -81,11 +85,13 @@ def _load(path: str) -> object | None:
     return None
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def _kill_all(procs: list[RankProcess]) -> None:
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a fork killed before its setsid
+                os.kill(p.pid, signal.SIGKILL)
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
@@ -96,7 +102,7 @@ class _Watch:
     """What the parent has seen of one launch so far."""
 
     out_dir: str
-    procs: list[subprocess.Popen]
+    procs: list[RankProcess]
     outcomes: dict[int, CaseOutcome] = field(default_factory=dict)
     errors: dict[int, tuple[int, RankPayload]] = field(default_factory=dict)  # rank -> (case index, payload)
     failed_at: float | None = None
@@ -214,6 +220,24 @@ def _where(step: Step | None) -> str:
     return step.describe() if step is not None else "not started"
 
 
+def start_rank(job: Job, job_path: str, out_dir: str, env: dict[str, str], log_path: str) -> RankProcess:
+    """One rank of `job`: forked from the warm server where it serves this environment and the job needs no fresh
+    interpreter (warm.py), else a fresh `python -m cpdoctor.launch` in a session of its own. Either dies with
+    this process (worker_main's parent-death signal) and writes its output to `log_path`."""
+    if not job.fresh_interpreter and WARM.serves(env):
+        with contextlib.suppress(OSError):  # the server could not fork: spawn this one
+            return WARM.fork_rank(job_path, out_dir, env, log_path)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "cpdoctor.launch", job_path, out_dir],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
 def _launch_once(
     job: Job, world_size: int, on_tick: Callable[[], None] | None, advice: list[str]
 ) -> tuple[list[CaseOutcome], RankPayload | None]:
@@ -224,21 +248,11 @@ def _launch_once(
         with open(job_path, "wb") as fh:
             pickle.dump(job, fh)
         port = free_port()
-        procs: list[subprocess.Popen] = []
+        procs: list[RankProcess] = []
         try:
             for rank in range(world_size):
                 env = rank_environment(rank, world_size, port, CPDOCTOR_SPAWNED="1", PYTHONUNBUFFERED="1")
-                with open(os.path.join(out_dir, f"rank{rank}.log"), "wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, "-m", "cpdoctor.launch", job_path, out_dir],
-                            env=env,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            start_new_session=True,
-                        )
-                    )
+                procs.append(start_rank(job, job_path, out_dir, env, os.path.join(out_dir, f"rank{rank}.log")))
             watch = _Watch(out_dir, procs, advice=advice)
             try:
                 return _supervise(watch, job, on_tick)
