@@ -120,9 +120,10 @@ MODEL_RANK_IMPORTS = RANK_IMPORTS + (
 
 def warm_ranks(models: bool = False) -> None:
     """Start, in the background, the process the ranks of this command fork from, importing torch, diffusers and
-    the examinations once while this process plans (launch/warm.py); `models`: the model classes too. For a CLI
-    command: a script calling the API keeps spawned ranks (a fork server would import its `__main__` again).
-    Nothing under torchrun, whose ranks exist already."""
+    the examinations once while this process plans (launch/warm.py); `models`: the model classes too. The CLI's
+    commands call it; a script may too, if its own code runs under `if __name__ == "__main__":` (each rank imports
+    the script again, as with any multiprocessing start method but fork). Nothing under torchrun, whose ranks
+    exist already."""
     if torchrun.under_torchrun():
         return
     from cpdoctor.launch.warm import WARM

@@ -1,4 +1,9 @@
-"""Shared helpers: run the real CLI in a subprocess, know which diffusers release is under test."""
+"""Shared helpers: run the real CLI in a subprocess, know which diffusers release is under test; and the tiers.
+
+Tiers (README, "Tests"): `python -m pytest -q` runs the fast default tier, the unit tests and the integration tests
+marked `smoke` (real gloo ranks through diffusers' real code: one check per verdict kind, the patch, one model,
+one step, one peer), in a few minutes on 2 cores. The full integration tier runs with `CPDOCTOR_TESTS=full` in the
+environment (CI sets it) or `--full`; naming a file or folder under tests/integration runs all of it too."""
 
 from __future__ import annotations
 
@@ -9,6 +14,55 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+
+FULL_TIER_ENV = "CPDOCTOR_TESTS"
+"""`CPDOCTOR_TESTS=full python -m pytest -q`: the README's test command with the full integration tier (CI)."""
+INTEGRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help=f"run the full integration tier (as {FULL_TIER_ENV}=full does)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "smoke: an integration test of the fast default tier (the rest need the full tier)")
+
+
+def full_tier(config: pytest.Config) -> bool:
+    """The full integration tier: asked for, or a path under tests/integration named on the command line."""
+    if config.getoption("--full") or os.environ.get(FULL_TIER_ENV) == "full":
+        return True
+    named = [os.path.abspath(str(arg).split("::")[0]) for arg in config.args]
+    return any(path == INTEGRATION or path.startswith(INTEGRATION + os.sep) for path in named)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if full_tier(config):
+        return
+    kept, left = [], []
+    for item in items:
+        in_integration = str(item.path).startswith(INTEGRATION + os.sep)
+        (left if in_integration and item.get_closest_marker("smoke") is None else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if full_tier(config):
+        return "cpdoctor tiers: the full integration tier"
+    return f"cpdoctor tiers: the fast default tier (unit + integration marked smoke); the full tier: {FULL_TIER_ENV}=full or --full"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(request: pytest.FixtureRequest) -> None:
+    """Ranks launched from this process (tests calling the API) fork from a server that imported torch and
+    diffusers once, as the CLI's do (cpdoctor/launch/warm.py); a test that changes the environment gets
+    spawned ranks, as a fresh interpreter would see it."""
+    if any(str(item.path).startswith(INTEGRATION + os.sep) for item in request.session.items):
+        from cpdoctor import api
+
+        api.warm_ranks(models=True)
 
 
 @dataclass

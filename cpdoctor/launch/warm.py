@@ -118,7 +118,9 @@ class WarmStarts:
         if pid is not None:  # not asked to stop politely: it may be in the middle of an import, and would finish it
             with contextlib.suppress(OSError):  # it is gone already
                 os.kill(pid, signal.SIGKILL)
-        # Left for `ensure_running` to reap: a later `start` finds it dead and starts a new one.
+                # Dead before this returns, but not reaped (WNOWAIT): `ensure_running` reaps it, so a later `start`
+                # finds it dead and starts a new server instead of connecting to the dying one.
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
         self.context = None
         self.environment = None
         self.sys_path = None

@@ -53,6 +53,7 @@ def test_a_word_outside_the_vocabulary_is_refused_by_the_parser(option, word):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.smoke
 def test_unknown_backend_names_the_closest():
     run = run_cli("check", "--backend", "_native_flsh")
     assert run.code == 2, run
@@ -88,6 +89,7 @@ def test_table_shows_every_tensor_and_the_verdict_line(tmp_path):
     assert '"verdict": "PASS"' in out.read_text()
 
 
+@pytest.mark.smoke
 def test_unsupported_backend_exits_3():
     run = run_cli("check", "--backend", "flash", "--json", "-")
     assert run.code == 3
@@ -102,6 +104,7 @@ def test_version():
     assert run.code == 0 and run.stdout.startswith("cpdoctor ")
 
 
+@pytest.mark.smoke
 def test_backend_without_a_backward_here_is_unsupported():
     run = run_cli("check", "--backend", "flex", "--json", "-")
     assert run.code == 3, run.stderr

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import run_cli
 
 LABELS = ["ring 2", "ring 3", "Ulysses 2", "ring 2 × Ulysses 2", "ring 2, mask_pad 3"]
 
 
+@pytest.mark.smoke
 def test_doctor_alone_names_the_defects_of_this_diffusers(has_stale_kv_backward):
     from cpdoctor.doctor import peer_checks
 

@@ -43,6 +43,7 @@ def no_leftovers():
     assert not _workers_alive(), "processes left behind"
 
 
+@pytest.mark.smoke
 def test_a_rank_that_raises_is_a_crash_with_its_traceback():
     start = time.monotonic()
     run = run_tagged("check", "--ring", "2", "--timeout", "120", "--json", "-", env={"CPDOCTOR_INJECT_FAULT": "raise@1"})
@@ -64,6 +65,7 @@ def test_a_rank_that_dies_is_a_crash():
     assert finding["verdict"] == "CRASH" and "rank 0" in finding["diagnosis"] and "exit code 17" in finding["diagnosis"]
 
 
+@pytest.mark.smoke
 def test_a_rank_that_hangs_is_a_hang_within_the_timeout():
     """A rank asleep for ever: no rank moves (its peer waits in the first collective), and the launch is a HANG
     once nobody has moved for --timeout, naming the sleeper."""
@@ -176,3 +178,52 @@ def test_a_clean_torchrun_run(tmp_path):
     assert terminal.count("exitcode  : 1") == 3 and "exitcode  : -15" not in terminal and "Signal 15" not in terminal, terminal
     for message in data.get("warnings", {}).get("messages", {}):
         assert "Warning" in message.split(":")[0]
+
+
+WARM_SCRIPT = r"""
+import json, os, sys
+from cpdoctor import api
+from cpdoctor.launch import spawn
+from cpdoctor.launch.warm import WARM
+
+
+def main():
+    started = []
+    real = spawn.start_rank
+    spawn.start_rank = lambda *a: started.append(type(p := real(*a)).__name__) or p
+    seen = []
+    for round in range(2):  # the owner entered twice: started, used, stopped
+        api.warm_ranks()
+        assert WARM.started
+        report = api.check_attention(ring=2)
+        seen.append([report.verdict.value, started[:]])
+        started.clear()
+        os.environ["CPDOCTOR_WARM_PROBE"] = "changed"  # an environment the server did not start in: spawned
+        report = api.check_attention(ring=2)
+        seen.append([report.verdict.value, started[:]])
+        started.clear()
+        del os.environ["CPDOCTOR_WARM_PROBE"]
+        WARM.stop()
+        assert not WARM.started and WARM.environment is None
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":  # a forked rank imports this script again (as multiprocessing does): nothing may run then
+    main()
+"""
+
+
+def test_warm_ranks_fork_from_the_server_only_where_a_fresh_interpreter_would_see_the_same(tmp_path, has_stale_kv_backward):
+    """The warm server (launch/warm.py) started, used and stopped twice in one process: ranks are forks of it in
+    the environment it started in, spawned interpreters in any other, the verdicts the same either way, and
+    nothing is left behind (this module's `no_leftovers`)."""
+    script = tmp_path / "warm.py"  # a script on disk: a forked child imports the parent's main module again
+    script.write_text(WARM_SCRIPT)
+    key, value = TAG.split("=")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env={**os.environ, key: value})
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    verdict = "FAIL" if has_stale_kv_backward else "PASS"
+    warm, cold = ["WarmRank", "WarmRank"], ["Popen", "Popen"]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [[verdict, warm], [verdict, cold]] * 2

@@ -96,6 +96,7 @@ def assert_backward_only(f):
     assert f.evidence.op_level[0].verdict == "FAIL"
 
 
+@pytest.mark.smoke
 def test_ring2(world2, has_stale_kv_backward):
     for f in (world2["flux"], world2["qwen"]):
         if has_stale_kv_backward:  # 0.39.0: stale iteration-0 K/V in the ring backward

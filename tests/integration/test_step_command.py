@@ -79,6 +79,7 @@ BAD_STEPS = textwrap.dedent(
 )
 
 
+@pytest.mark.smoke
 def test_a_correct_step_passes_with_json(has_stale_kv_backward):
     """The example's step is right; on a release whose stock ring backward is wrong at ring 2 (0.39.0) the
     examination says it is the attention that makes it wrong, and names the op-level check."""

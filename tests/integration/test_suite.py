@@ -27,6 +27,7 @@ def test_quick_suite_verdicts(has_stale_kv_backward, tmp_path):
     assert data["suite"] == "quick"
 
 
+@pytest.mark.smoke
 def test_patched_suite_side_by_side(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("name: mini\nchecks:\n  - attention: {ring: 3, dtype: bf16}\n  - attention: {ring: 3, mask_pad: 5}\n")

@@ -389,6 +389,7 @@ STATE_OWNERS = {
     "fix/patch.py": "STATE",
     "launch/torchrun.py": "HELD",
     "launch/progress.py": "ACTIVE",
+    "launch/warm.py": "WARM",
     "cpu_kernels/standins.py": "LIBRARY",
     "examinations/step/watch.py": "WATCHED",
     "autopatch.py": "AUTOPATCH",

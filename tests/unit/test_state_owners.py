@@ -1,6 +1,6 @@
 """Every owner of process-wide state (docs/ARCHITECTURE.md, "State with an owner") entered twice, its state
 checked after each entry and each exit: what one use leaves behind must not change the next one.
-The held process group's real entry needs a process group: tests/integration/test_state_owners.py."""
+The held process group's real entry needs a process group: tests/integration/test_held_group_owner.py."""
 
 from __future__ import annotations
 
