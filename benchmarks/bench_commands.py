@@ -3,7 +3,9 @@
 verified upstream fix costs), each run N times in a fresh process (JSON report to a file), with the number of
 findings and the exit codes.
 
-These are single commands as a user runs them, not a comparison: the figure is the median and the spread of
+Each command runs as a user runs it (warm ranks: forked from the server the CLI starts, launch/warm.py) and, in
+the same repetition, with CPDOCTOR_WARM=0 (every rank a fresh interpreter, as before issue 28): the baseline of the
+ratio `warm / cold`, and the check that both give the same verdicts. The figures are the median and the spread of
 the repetitions on this machine, with its load average (a 2-core machine shared with other jobs reads long).
 
 Usage: python benchmarks/bench_commands.py [--repeats 5] [--only NAME ...]
@@ -34,15 +36,16 @@ COMMANDS = {
 }
 
 
-def run_once(args: list[str]) -> tuple[float, int, dict]:
-    """(wall seconds, exit code, the report's JSON) of `cpdoctor ARGS --json FILE` in a fresh process."""
+def run_once(args: list[str], cold: bool = False) -> tuple[float, int, dict]:
+    """(wall seconds, exit code, the report's JSON) of `cpdoctor ARGS --json FILE` in a fresh process (`cold`: with
+    CPDOCTOR_WARM=0)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
         start = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, "-m", "cpdoctor", *(a.replace("{tmp}", tmp) for a in args), "--json", out],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": ROOT},
+            env={**os.environ, "PYTHONPATH": ROOT, **({"CPDOCTOR_WARM": "0"} if cold else {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -50,6 +53,12 @@ def run_once(args: list[str]) -> tuple[float, int, dict]:
         with open(out) as fh:
             report = json.load(fh)
     return wall, proc.returncode, report
+
+
+def _verdicts(report: dict) -> list:
+    """Every finding's verdict, and those before the patch: what warm and cold runs must agree on."""
+    before = (report.get("before") or {}).get("findings", [])
+    return [f["verdict"] for f in report.get("findings", [])] + ["before:" + f["verdict"] for f in before]
 
 
 def main() -> None:
@@ -60,24 +69,33 @@ def main() -> None:
     load_before = run_record.load_average()
     rows = {}
     for name in args.only:
-        walls, codes, checks = [], set(), None
+        walls, colds, codes, checks, same = [], [], set(), None, True
         for _ in range(args.repeats):
             wall, code, report = run_once(COMMANDS[name])
+            cold_wall, cold_code, cold_report = run_once(COMMANDS[name], cold=True)
             walls.append(wall)
+            colds.append(cold_wall)
             codes.add(code)
             checks = len(report.get("findings", []))
+            same = same and code == cold_code and _verdicts(report) == _verdicts(cold_report)
         rows[name] = {
             "command": "cpdoctor " + " ".join(COMMANDS[name]),
             "wall_s": [round(w, 2) for w in walls],
             **{f"wall_{k}": v for k, v in run_record.summary(walls, 1).items()},
+            "cold_wall_s": [round(w, 2) for w in colds],
+            **{f"cold_wall_{k}": v for k, v in run_record.summary(colds, 1).items()},
+            **{f"warm_over_cold_{k}": v for k, v in run_record.summary([w / c for w, c in zip(walls, colds)], 2).items()},
+            "same_verdicts_warm_and_cold": same,
             "exit_codes": sorted(codes),
             "findings": checks,
+            "launches": (report.get("doctor") or {}).get("launches"),
         }
         print(name, rows[name], flush=True)
     import diffusers
 
     result = {
-        "what": "wall seconds of each command in a fresh process, JSON report to a file; median and [min, max]",
+        "what": "wall seconds of each command in a fresh process, JSON report to a file, warm ranks and (paired, same "
+        "repetition) CPDOCTOR_WARM=0; median and [min, max]",
         "rows": rows,
         "reps": args.repeats,
         "machine": run_record.machine(),

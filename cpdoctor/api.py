@@ -118,13 +118,20 @@ MODEL_RANK_IMPORTS = RANK_IMPORTS + (
 """What the ranks of a model or step examination import besides."""
 
 
+WARM_ENV = "CPDOCTOR_WARM"
+"""`CPDOCTOR_WARM=0`: no warm server; every rank is spawned as a fresh interpreter."""
+
+
 def warm_ranks(models: bool = False) -> None:
     """Start, in the background, the process the ranks of this command fork from, importing torch, diffusers and
     the examinations once while this process plans (launch/warm.py); `models`: the model classes too. The CLI's
     commands call it; a script may too, if its own code runs under `if __name__ == "__main__":` (each rank imports
     the script again, as with any multiprocessing start method but fork). Nothing under torchrun, whose ranks
-    exist already."""
-    if torchrun.under_torchrun():
+    exist already, nor with CPDOCTOR_WARM=0 (every rank a fresh interpreter, as before: the baseline of
+    benchmarks/bench_commands.py, and a way out should a fork ever misbehave here)."""
+    import os
+
+    if torchrun.under_torchrun() or os.environ.get(WARM_ENV) == "0":
         return
     from cpdoctor.launch.warm import WARM
 
