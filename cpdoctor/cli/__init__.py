@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from cpdoctor.cli import check, doctor, env, model, plan, run, step
-from cpdoctor.cli.options import JsonPath, flag
+from cpdoctor.cli.options import Command, Group, JsonPath, flag
 from cpdoctor.errors import BadInput, CannotExamine
 
 app = typer.Typer(
@@ -25,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=False,  # `cpdoctor` alone is the doctor (cli/doctor.py)
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=Group,
 )
 
 
@@ -65,13 +66,13 @@ def _root(
 
 def register_commands(app: typer.Typer) -> None:
     """Every command, listed once."""
-    app.command("check")(check.check)
-    app.command("doctor", help=doctor.DOCTOR_HELP)(doctor.doctor_command)
-    app.command("env", help=env.ENV_HELP)(env.env)
-    app.command("model", help=model.MODEL_HELP)(model.model)
-    app.command("plan", help=plan.PLAN_HELP)(plan.plan)
-    app.command("run")(run.run)
-    app.command("step")(step.step)
+    app.command("check", cls=Command)(check.check)
+    app.command("doctor", help=doctor.DOCTOR_HELP, cls=Command)(doctor.doctor_command)
+    app.command("env", help=env.ENV_HELP, cls=Command)(env.env)
+    app.command("model", help=model.MODEL_HELP, cls=Command)(model.model)
+    app.command("plan", help=plan.PLAN_HELP, cls=Command)(plan.plan)
+    app.command("run", cls=Command)(run.run)
+    app.command("step", cls=Command)(step.step)
 
 
 register_commands(app)

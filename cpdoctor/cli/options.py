@@ -4,7 +4,8 @@ help text and its type cannot drift between `check`, `model`, `run`, `doctor`, `
 
 Choices are the vocabulary's enums (cpdoctor/vocabulary.py; typer's docs: parameter-types/enum), so `--help` lists
 them and typer refuses any other word before a command runs (exit 2, in typer's words). A flag's type column is
-empty (`flag`): rich help would otherwise print `<bool>` after every switch, which takes no value."""
+empty (`flag`, and `Command`/`Group` for typer's own `--help`): rich help would otherwise print `<bool>` after every
+switch, which takes no value."""
 
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ import typer
 
 from cpdoctor.vocabulary import Device as DeviceName
 from cpdoctor.vocabulary import ExaminedDType
+
+
+class Command(typer.core.TyperCommand):
+    """typer's command class (`app.command(cls=...)`, its documented hook) whose own `--help` takes no type column
+    either: typer builds that flag itself, without a metavar, and rich help would print `<bool>` after it."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Group(typer.core.TyperGroup):
+    """The same for the app itself (`typer.Typer(cls=...)`): `cpdoctor --help`."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
 
 
 def flag(*names: str, **settings: Any) -> Any:

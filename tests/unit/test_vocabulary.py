@@ -88,3 +88,11 @@ def test_help_lists_the_choices_and_no_type_after_a_switch():
     assert "<fp32|bf16|fp16>" in rows["--dtype"] and "<auto|cpu|cuda>" in rows["--device"]
     assert "<diffusers|ring-flash-attn|yunchang|torch>" in rows["--impl"]
     assert "<bool>" not in rows["--patch"] and "<bool>" not in rows["--emulate"] and "<bool>" not in rows["--causal"]
+
+
+@pytest.mark.parametrize("command", [[], ["check"], ["doctor"], ["env"], ["model"], ["plan"], ["run"], ["step"]])
+def test_no_help_prints_a_type_after_a_switch(command):
+    """Not even typer's own `--help` (issue 32): every command, and the app."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output, [line for line in result.output.splitlines() if "<bool>" in line]
