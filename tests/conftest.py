@@ -87,6 +87,17 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 240) -> CliRun
     return CliRun(proc.returncode, proc.stdout, proc.stderr)
 
 
+def run_cli_many(calls: list[list[str]], env: dict | None = None, timeout: float = 240) -> list[CliRun]:
+    """`run_cli` for several command lines that end before any rank starts (bad input), in one interpreter
+    (tests/cli_many.py): each through the CLI's own entry, with its own argv, output and exit code."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_many.py")
+    proc = subprocess.run(
+        [sys.executable, script, json.dumps(calls)], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [CliRun(r["code"], r["stdout"], r["stderr"]) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 @pytest.fixture(scope="session")
 def diffusers_release() -> tuple[int, ...]:
     """The installed release, used only to pick the expected verdicts (the tool itself never looks)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_many
 from hub_cache import add_to_cache, files_of, hub_env, save_pipeline, tiny_flux
 
 REPO = "org/tiny-flux"
@@ -55,20 +55,26 @@ def test_hub_id_from_the_offline_cache(sources, has_stale_kv_backward):
         assert finding["tensors"]["grads"]["rel_err"] < 1e-6
 
 
-@pytest.mark.parametrize(
-    "source, words",
-    [
-        ("org/missing", "org/missing@main is not in the Hugging Face cache at {hub} "),
-        ("pickle", "only the pickle file diffusion_pytorch_model.bin; cpdoctor loads safetensors only (--allow-pickle"),
-        ("truncated", "diffusion_pytorch_model-00001-of-00015.safetensors is not a readable safetensors file"),
-        ("missing", "names the shard diffusion_pytorch_model-00015-of-00015.safetensors, which is missing"),
-        ("empty", "has no transformer: no config.json with a _class_name and no transformer/ folder"),
-    ],
-)
-def test_bad_sources_are_one_line(sources, source, words):
-    model = str(sources["bad"].get(source, source))
-    run = run_cli("model", model, "--ring", "2", env=sources["env"], timeout=120)
+BAD_SOURCES = {
+    "org/missing": "org/missing@main is not in the Hugging Face cache at {hub} ",
+    "pickle": "only the pickle file diffusion_pytorch_model.bin; cpdoctor loads safetensors only (--allow-pickle",
+    "truncated": "diffusion_pytorch_model-00001-of-00015.safetensors is not a readable safetensors file",
+    "missing": "names the shard diffusion_pytorch_model-00015-of-00015.safetensors, which is missing",
+    "empty": "has no transformer: no config.json with a _class_name and no transformer/ folder",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(sources) -> dict:
+    """Every bad source through the CLI's own entry, in one interpreter (tests/cli_many.py): they end in the parent."""
+    calls = [["model", str(sources["bad"].get(source, source)), "--ring", "2"] for source in BAD_SOURCES]
+    return dict(zip(BAD_SOURCES, run_cli_many(calls, env=sources["env"]), strict=True))
+
+
+@pytest.mark.parametrize("source", list(BAD_SOURCES))
+def test_bad_sources_are_one_line(sources, bad_runs, source):
+    run = bad_runs[source]
     assert run.code == 2, run
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and words.format(hub=sources["hub"]) in lines[0], run.stderr
+    assert len(lines) == 1 and BAD_SOURCES[source].format(hub=sources["hub"]) in lines[0], run.stderr
     assert "Traceback" not in run.stderr

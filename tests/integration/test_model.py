@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_many
 
 from cpdoctor import api
 from cpdoctor.errors import BadInput
@@ -183,11 +183,9 @@ def test_bad_input_from_the_command_line(tmp_path):
     torch_free.mkdir()
     (torch_free / "config.json").write_text('{"_class_name": "FluxTransformer2DModel"}')
     (torch_free / "diffusion_pytorch_model.bin").write_bytes(b"")
-    for args, words in (
-        ([str(torch_free)], "no safetensors weights"),
-        (["fluxx"], "unknown model 'fluxx'; closest: flux"),
-    ):
-        run = run_cli("model", *args, "--ring", "2", timeout=120)
+    cases = (([str(torch_free)], "no safetensors weights"), (["fluxx"], "unknown model 'fluxx'; closest: flux"))
+    runs = run_cli_many([["model", *args, "--ring", "2"] for args, _ in cases])  # one interpreter: they end in the parent
+    for run, (_, words) in zip(runs, cases, strict=True):
         assert run.code == 2, run
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], run.stderr

@@ -289,17 +289,21 @@ def test_cli_flux_passes_with_table_and_json_file(tmp_path):
     assert {t["name"]: t["per_rank"] for t in doc["tensors"]}["hidden_states"] == 1024
 
 
-@pytest.mark.parametrize(
-    "args, needle",
-    [
-        (["fluxx", "--ring", "2"], "flux"),
-        (["flux", "--ring", "0"], "ring"),
-        (["flux", "--ring", "-3"], "ring"),
-    ],
-)
-def test_cli_bad_input_is_one_line_exit_2(args, needle):
-    p = _cli(*args)
-    assert p.returncode == 2
+PLAN_BAD_INPUT = [(["fluxx", "--ring", "2"], "flux"), (["flux", "--ring", "0"], "ring"), (["flux", "--ring", "-3"], "ring")]
+
+
+@pytest.fixture(scope="module")
+def bad_plans() -> list:
+    """Every bad `cpdoctor plan` line through the CLI's own entry, in one interpreter (tests/cli_many.py)."""
+    from conftest import run_cli_many
+
+    return run_cli_many([["plan", *args] for args, _ in PLAN_BAD_INPUT])
+
+
+@pytest.mark.parametrize("index", range(len(PLAN_BAD_INPUT)), ids=[" ".join(a) for a, _ in PLAN_BAD_INPUT])
+def test_cli_bad_input_is_one_line_exit_2(bad_plans, index):
+    p, needle = bad_plans[index], PLAN_BAD_INPUT[index][1]
+    assert p.code == 2
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_many
 
 
 def test_quick_suite_verdicts(has_stale_kv_backward, tmp_path):
@@ -38,25 +38,35 @@ def test_patched_suite_side_by_side(tmp_path):
     assert run.code == 0
 
 
-@pytest.mark.parametrize(
-    "text, words",
-    [
-        ("checks: [attention: {ring: 2}\n", "not valid YAML"),
-        ("checks: []\n", "non-empty list under 'checks'"),
-        ("checks:\n  - attentoin: {ring: 2}\n", "unknown kind 'attentoin'"),
-        ("checks:\n  - attention: {ring: 0}\n", "check 1 (attention): --ring must be at least 1"),
-        ("checks:\n  - attention: {rings: 2}\n", "unknown attention-request keys: rings"),
-        ("checks:\n  - attention: {ring: 3, seq: 100}\n", "does not divide"),
-        ("checks:\n  - model: {model: fluxx, ring: 2}\n", "check 1 (model)"),
-        ("name: x\nchekcs: []\n", "unknown top-level keys chekcs"),
-        ("checks:\n  - attention: {ring: 2.5}\n", "--ring must be an integer, got 2.5"),
-        ("checks:\n  - attention: {ring: 2, heads: 2.0}\n", "--heads must be an integer"),
-    ],
-)
-def test_malformed_suite_is_one_line_and_exit_2(tmp_path, text, words):
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    run = run_cli("run", str(path), timeout=120)
+MALFORMED = [
+    ("checks: [attention: {ring: 2}\n", "not valid YAML"),
+    ("checks: []\n", "non-empty list under 'checks'"),
+    ("checks:\n  - attentoin: {ring: 2}\n", "unknown kind 'attentoin'"),
+    ("checks:\n  - attention: {ring: 0}\n", "check 1 (attention): --ring must be at least 1"),
+    ("checks:\n  - attention: {rings: 2}\n", "unknown attention-request keys: rings"),
+    ("checks:\n  - attention: {ring: 3, seq: 100}\n", "does not divide"),
+    ("checks:\n  - model: {model: fluxx, ring: 2}\n", "check 1 (model)"),
+    ("name: x\nchekcs: []\n", "unknown top-level keys chekcs"),
+    ("checks:\n  - attention: {ring: 2.5}\n", "--ring must be an integer, got 2.5"),
+    ("checks:\n  - attention: {ring: 2, heads: 2.0}\n", "--heads must be an integer"),
+]
+
+
+@pytest.fixture(scope="module")
+def malformed_runs(tmp_path_factory) -> list:
+    """Every malformed suite through the CLI's own entry, in one interpreter (tests/cli_many.py): they end in the
+    parent, before any rank starts."""
+    tmp = tmp_path_factory.mktemp("malformed")
+    paths = []
+    for i, (text, _) in enumerate(MALFORMED):
+        paths.append(tmp / f"bad{i}.yaml")
+        paths[-1].write_text(text)
+    return run_cli_many([["run", str(path)] for path in paths])
+
+
+@pytest.mark.parametrize("index", range(len(MALFORMED)), ids=[words for _, words in MALFORMED])
+def test_malformed_suite_is_one_line_and_exit_2(malformed_runs, index):
+    run, words = malformed_runs[index], MALFORMED[index][1]
     assert run.code == 2, run
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], run.stderr
