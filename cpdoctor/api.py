@@ -1,6 +1,6 @@
-"""The Python API: the same examinations as the CLI, returning a `Report` instead of printing. Thin: every
-request names its examination (`request.kind`), `examine(request)` looks the entry up in the registry by the
-request's type and launches it the same way.
+"""The Python API: the same examinations as the CLI, returning a `Report` instead of printing. Thin: each function
+builds its examination's request (every request names its kind, `request.kind`) and hands it to the runner
+(examinations/runner.py), which turns it into launches, outcomes and findings.
 
     import cpdoctor
     report = cpdoctor.check_attention(ring=4)          # spawns 4 ranks (or joins torchrun's world)
@@ -9,23 +9,17 @@ request's type and launches it the same way.
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from cpdoctor import launch
-from cpdoctor.compat.packages import installed_version
-from cpdoctor.errors import BadInput, CannotExamine, Unsupported, UnsupportedKind
-from cpdoctor.examinations import registry
+from cpdoctor.examinations import registry, runner
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
-from cpdoctor.examinations.judging import emulation_note, unsupported_finding
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch import torchrun
-from cpdoctor.launch.jobs import Case, CaseOutcome, Job
+from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Report, RunResult, Verdict
-from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Kind
 
 __all__ = [
@@ -57,46 +51,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 300.0
 Tick = Callable[[], None] | None
-
-
-def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = True) -> Environment:
-    """What the parent knows when no rank got far enough to report: the versions installed, where the ranks
-    ran (`ranks_ran`: the device and process group they chose by their own rule, `launch.context.
-    device_and_group`; it costs importing torch to count the GPUs), and the layout asked for (the backend as
-    requested, e.g. "auto")."""
-    from cpdoctor.launch.context import device_and_group
-
-    env = Environment(
-        torch=installed_version("torch"), diffusers=installed_version("diffusers"), python=platform.python_version(), world_size=world_size
-    )
-    if ranks_ran:
-        device, group = device_and_group(str(getattr(req, "device", "auto")), visible_gpus(), world_size)
-        env = env.replace(device=device, process_group=group)
-    asked = {key: getattr(req, key) for key in ("backend", "ring", "ulysses", "dtype") if req is not None and hasattr(req, key)}
-    if getattr(req, "emulate", False):
-        asked["emulated"] = emulation_note(str(getattr(req, "backend", "auto")))
-    return env.replace(**asked)
-
-
-def visible_gpus() -> int:
-    """The CUDA devices the ranks would see, without importing torch in the parent (a report of ranks that hung
-    should not wait for it): torch's own count when this process already imported torch, else
-    CUDA_VISIBLE_DEVICES when set, else the NVIDIA device nodes of this host."""
-    import glob
-    import os
-    import re
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            return int(torch.cuda.device_count())
-        except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, as the ranks would find
-            return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
 
 
 RANK_IMPORTS = (
@@ -144,122 +98,6 @@ def request_for(kind: Kind, **fields: Any) -> Any:
     return entry.prepare(entry.build_request(**fields))
 
 
-def run_cases(
-    kind: Kind | None, cases: list[Case], world_size: int, device: str, timeout_s: float, on_tick: Tick = None
-) -> launch.LaunchResult:
-    """Launch the cases in one job (`kind` None: cases of several kinds, each run and evaluated by its request's
-    entry, `registry.ByRequest`); BadInput / CannotExamine for what the ranks refused."""
-    validate_timeout(timeout_s)
-    program = registry.get(kind) if kind is not None else registry.ByRequest()
-    fresh = any(registry.of(case.request).fresh_interpreter(case.request) for case in cases)
-    result = launch.run(Job(program, tuple(cases), device, timeout_s, fresh_interpreter=fresh), world_size, on_tick)
-    if result.bad_input:
-        raise BadInput(result.bad_input)
-    if result.cannot_examine:
-        raise CannotExamine(result.cannot_examine)
-    return result
-
-
-def outcome_findings(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
-    """A case's findings, judged by its request's entry: the judged numbers, or CRASH / HANG from the ranks that failed."""
-    entry = registry.of(outcome.case.request)
-    if outcome.completed:
-        return entry.findings(outcome.case, outcome.evaluated)
-    return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
-
-
-def ran_in(outcome: CaseOutcome) -> Environment:
-    """The environment a case's ranks reported with their numbers, else what the parent knows of where they ran."""
-    ran = getattr(outcome.evaluated, "environment", None)
-    if ran is not None:
-        return ran
-    request = outcome.case.request
-    return fallback_environment(registry.of(request).world_size(request), request)
-
-
-def outcome_findings_in(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
-    """`outcome_findings`, each finding keeping the environment its case ran in (`ran_in`)."""
-    findings = outcome_findings(outcome, timeout_s)
-    env = ran_in(outcome)
-    for finding in findings:
-        finding.environment = env
-    return findings
-
-
-def case_findings(cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
-    """One finding per case, in order, each keeping the environment its ranks ran in. A case without an outcome
-    (under torchrun a job ends at a collective that timed out: nobody can relaunch the rest) says so instead of
-    disappearing."""
-    findings = []
-    for n, case in enumerate(cases):
-        if n < len(outcomes):
-            findings.append(outcome_findings_in(outcomes[n], timeout_s)[0])
-        else:
-            reason = Unsupported(UnsupportedKind.NOT_EXAMINED, "not examined: an earlier case of the same launch timed out in a collective")
-            findings.append(unsupported_finding(registry.of(case.request).describe(case.request), reason))
-    return findings
-
-
-def run_findings(
-    kind: Kind | None, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
-) -> list[Finding]:
-    """Launch the given cases once (of one kind, or of several with `kind` None) and return one finding per case, in order."""
-    result = run_cases(kind, cases, world_size, device, timeout_s)
-    return case_findings(cases, result.outcomes, timeout_s)
-
-
-def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
-    """The warnings the examination raised on the ranks (kept off the terminal), counted for the JSON."""
-    counts: dict[str, int] = {}
-    for outcome in outcomes:
-        for message, n in outcome.warnings.items():
-            counts[message] = counts.get(message, 0) + n
-    return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
-
-
-def _environment(outcomes: list[CaseOutcome], fallback: Callable[[], Environment]) -> Environment:
-    """The environment the first evaluated case reported, else what the parent knows (`fallback()`)."""
-    for outcome in outcomes:
-        env = getattr(outcome.evaluated, "environment", None)
-        if env is not None:
-            return env
-    return fallback()
-
-
-def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
-    """Run the examination `request` is for (its type names it: `AttentionRequest`, `PeerRequest`, ...; unpatched,
-    then patched with `request.patch`) and assemble its Report: the exit code and top-level verdict are the last
-    run's; with patch the unpatched run is `before`. Under torchrun every rank returns the same report (rank 0's)."""
-    entry = registry.of(request)
-    kind = entry.kind
-    missing = entry.unsupported_here(request)
-    if missing is not None:  # answered from the parent, before any rank starts
-        finding = entry.unsupported_finding(request, missing)
-        environment = fallback_environment(entry.world_size(request), request, ranks_ran=False)
-        return Report.of([finding], environment, request)
-    req = entry.prepare(request)
-    advice: list[str] = []
-    try:
-        for cases, world in entry.stages(req):  # every stage but the last prepares the last (the step's run without CP)
-            result = run_cases(kind, cases, world, entry.device(req), timeout_s, on_tick)
-            advice += [line for line in result.advice if line not in advice]
-            failed = [f for o in result.outcomes if not o.completed for f in outcome_findings(o, timeout_s)]
-            if failed or not result.outcomes:
-                break
-    finally:
-        entry.finish(req)
-    runs = [RunResult.of(outcome_findings_in(o, timeout_s)) for o in result.outcomes]
-    advised: dict[str, object] = {"advice": advice} if advice else {}
-    if not runs:
-        return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
-                         fallback_environment(world, req), req, wall_s=result.wall_s, extra=advised)  # fmt: skip
-    final = runs[-1]
-    before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
-    env = _environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
-    extra = warnings_seen(result.outcomes) | advised
-    return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, extra=extra)
-
-
 def check_attention(
     request: AttentionRequest | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None, **fields: Any
 ) -> Report:
@@ -294,50 +132,34 @@ def check_model(
 
 def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
     """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
-    `before`). Checks of the same kind, world size and device run as the cases of one launch."""
+    `before`). Checks of the same world size and device share one launch (examinations/runner.py)."""
     from cpdoctor.suite import SuiteRequest, build_requests
 
     validate_timeout(timeout_s)
     requests = build_requests(suite, patch)
-    groups: dict[tuple, list[int]] = {}
-    for i, req in enumerate(requests):
-        entry = registry.of(req)
-        # One launch per world size and device, whatever the kinds: the ranks import torch and diffusers once.
-        # Stand-ins are per process (an emulating rank imports diffusers after them): never mixed with the rest.
-        groups.setdefault((entry.world_size(req), entry.device(req), entry.fresh_interpreter(req)), []).append(i)
-    final: list[Finding | None] = [None] * len(requests)
-    before: list[Finding | None] = [None] * len(requests)
-    outcomes_seen: list[CaseOutcome] = []
-    wall = 0.0
-    launches = 0
-    for (world, device, _fresh), members in groups.items():
-        # diffusers' own examinations before the peers': a peer's rank puts the flash-attn stand-in on sys.path
-        ordered = sorted(members, key=lambda i: registry.of(requests[i]).kind is Kind.PEER)
-        owned = [(i, case) for i in ordered for case in registry.of(requests[i]).cases(requests[i])]
-        result = run_cases(None, [case for _, case in owned], world, device, timeout_s, on_tick)
-        wall += result.wall_s
-        launches += result.launches
-        outcomes_seen += result.outcomes
-        judged = case_findings([c for _, c in owned], result.outcomes, timeout_s)
-        for (i, case), finding in zip(owned, judged):
-            if case.patched:
-                final[i] = finding
-            else:
-                before[i] = finding
-                final[i] = final[i] or finding
-    widest = max(requests, key=lambda r: registry.of(r).world_size(r))
-    ran = _environment(outcomes_seen, lambda: fallback_environment(registry.of(widest).world_size(widest), widest))
-    environment = ran.machine_only()  # each finding keeps its own (Finding.environment); the suite's is the machine's
-    if environment.diffusers is None:  # a peer's ranks do not report it
-        environment = environment.replace(diffusers=installed_version("diffusers"))
-    findings = [f for f in final if f is not None]
-    before_run = None
-    if patch or any(getattr(r, "patch", False) for r in requests):
-        before_run = RunResult.of([b for b in before if b is not None])
+    ran = runner.run_requests(requests, patch=patch, timeout_s=timeout_s, on_tick=on_tick)
+    before = RunResult.of(ran.before) if ran.before is not None else None
     request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
-    return Report.of(
-        findings, environment, request, before=before_run, wall_s=wall, extra={"suite": suite.name, **warnings_seen(outcomes_seen)}
-    )
+    return Report.of(ran.findings, ran.environment, request, before=before, wall_s=ran.wall_s, extra={"suite": suite.name, **ran.warnings})
+
+
+def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+    """Run the examination `request` is for (its type names it: `AttentionRequest`, `PeerRequest`, ...; unpatched,
+    then patched with `request.patch`) as one Report: the exit code and top-level verdict are the last run's; with
+    patch the unpatched run is `before` (examinations/runner.py)."""
+    return runner.examine(request, timeout_s=timeout_s, on_tick=on_tick)
+
+
+def run_findings(
+    kind: Kind | None, cases: list[Case], world_size: int, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[Finding]:
+    """Launch the given cases once (of one kind, or of several with `kind` None) and return one finding per case, in order."""
+    return runner.run_findings(kind, cases, world_size, device, timeout_s)
+
+
+def visible_gpus() -> int:
+    """The CUDA devices the ranks would see, without importing torch here (examinations/runner.py)."""
+    return runner.visible_gpus()
 
 
 class PreflightFailed(RuntimeError):

@@ -99,16 +99,16 @@ def test_torchrun_world_of_one_is_bad_input():
 def test_fallback_environment_names_where_the_ranks_ran(monkeypatch):
     """When no rank reports, the parent still says the device and process group the ranks chose (by the rule
     they use) and the backend asked for, not '?'."""
-    from cpdoctor import api
+    from cpdoctor.examinations import runner
     from cpdoctor.examinations.attention.request import build_request
 
-    monkeypatch.setattr(api, "visible_gpus", lambda: 0)
-    env = api.fallback_environment(2, build_request(ring=2))
+    monkeypatch.setattr(runner, "visible_gpus", lambda: 0)
+    env = runner.fallback_environment(2, build_request(ring=2))
     assert (env.device, env.process_group, env.backend) == ("cpu", "gloo", "auto")
     assert {"torch", "diffusers", "python"} <= set(env.to_jsonable())
-    monkeypatch.setattr(api, "visible_gpus", lambda: 1)
-    shared = api.fallback_environment(2, build_request(ring=2))
+    monkeypatch.setattr(runner, "visible_gpus", lambda: 1)
+    shared = runner.fallback_environment(2, build_request(ring=2))
     assert (shared.device, shared.process_group) == ("cuda", "gloo")  # two ranks share one GPU
-    monkeypatch.setattr(api, "visible_gpus", lambda: 8)
-    own = api.fallback_environment(2, build_request(ring=2))
+    monkeypatch.setattr(runner, "visible_gpus", lambda: 8)
+    own = runner.fallback_environment(2, build_request(ring=2))
     assert (own.device, own.process_group) == ("cuda", "nccl")

@@ -360,6 +360,7 @@ def test_suite_groups_never_mix_emulated_and_plain_checks(monkeypatch):
     """Stand-ins are installed per process: an emulated check and a plain one of the same world size run in two
     launches."""
     from cpdoctor import api
+    from cpdoctor.examinations import runner
 
     launched = []
 
@@ -367,7 +368,7 @@ def test_suite_groups_never_mix_emulated_and_plain_checks(monkeypatch):
         launched.append([c.request.emulate for c in cases])
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(api, "run_cases", fake_run_cases)
+    monkeypatch.setattr(runner, "run_cases", fake_run_cases)
     from cpdoctor.suite import Suite
 
     suite = Suite(
