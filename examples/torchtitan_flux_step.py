@@ -299,13 +299,19 @@ def main() -> None:
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--plant", choices=("input", "reduction"), default=None)
     p.add_argument("--seeding", choices=("dp", "torchtitan"), default="dp")
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="rank 0 saves every gradient, whole, under bare names here")
+    p.add_argument("--inputs", default="", help="every rank saves what the model was called with to INPUTS.rank<R>.pt")
     args = p.parse_args()
     dist.init_process_group("gloo")
     trainer, model, dims = build(args.cp, args.dp, args.plant, args.seeding)
+    seen: dict[str, torch.Tensor] = {}
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.update({k: v.detach().clone() for k, v in kw.items()}), with_kwargs=True)
     loss = run_step(trainer, dims)
+    hook.remove()
     grads = full_grads(model)
     total = torch.stack([g.double().norm() for g in grads.values()]).norm()
+    if args.inputs:
+        torch.save(seen, f"{args.inputs}.rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
         print(f"cp {args.cp} dp {args.dp}: loss {loss.item():.6f}  |grad| {total.item():.6f}  ({len(grads)} parameters)")
         if args.out:

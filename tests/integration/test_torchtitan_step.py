@@ -13,14 +13,20 @@ comes from the same example code run in one process inside this test, never type
   fake process group, one simulated rank at a time).
 
 The verdicts need the step examination to accept a model whose CP is not diffusers' and to judge inputs by their
-layout (issue 31's wiring, after issue 29's rebuild of the step's internals): until then they are xfail."""
+layout (issue 31's wiring, after issue 29's rebuild of the step's internals): until then they are xfail. The
+pieces that wiring uses pass today on torchtitan's own inputs and mesh (the example run by hand under torchrun):
+`input_layouts` reads its token shards as contiguous shards of dim 1 and the rest as replicated, and names exactly
+the inputs the one-process derivation finds drawn apart, on the ranks it finds; `degrees` reads dp 2 × cp 2 from
+`parallel_dims.get_mesh("cp")`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,27 +118,39 @@ def one_process():
             standins.uninstall()
 
 
-def titan_seeds(example, cp: int) -> list[int]:
-    """The seed torchtitan's `set_determinism` gives each CP rank of a dp-1 job, as `FluxTrainer.__init__` calls
-    it, read one simulated rank at a time on torch's fake process group (no peers needed: the seed is given)."""
+@contextlib.contextmanager
+def simulated_rank(rank: int, world: int) -> Iterator[None]:
+    """Rank `rank` of a world of `world` on torch's fake process group, in this process (nothing is exchanged:
+    what torchtitan builds from the layout can be read, not run); this process's own group is restored after."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    had = dist.is_initialized()
+    if had:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if had:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def titan_seeds(example, cp: int) -> list[int]:
+    """The seed torchtitan's `set_determinism` gives each CP rank of a dp-1 job, as `FluxTrainer.__init__` calls
+    it, read one simulated rank at a time (the seed is given, so no peer is asked)."""
     from torchtitan.config import DebugConfig
     from torchtitan.distributed import utils as dist_utils
 
-    outer = dist.group.WORLD
     seeds = []
     for r in range(cp):
-        dist.destroy_process_group() if dist.is_initialized() else None
-        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=cp)
-        dims = example.parallel_dims(cp, 1)
-        dist_utils.set_determinism(
-            dims, torch.device("cpu"), DebugConfig(seed=example.SEED), distinct_seed_mesh_dims=["fsdp", "dp_replicate"]
-        )
-        seeds.append(torch.initial_seed())
-    dist.destroy_process_group()
-    if outer is not None:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with simulated_rank(r, cp):
+            dims = example.parallel_dims(cp, 1)
+            dist_utils.set_determinism(
+                dims, torch.device("cpu"), DebugConfig(seed=example.SEED), distinct_seed_mesh_dims=["fsdp", "dp_replicate"]
+            )
+            seeds.append(torch.initial_seed())
     return seeds
 
 
@@ -187,3 +205,74 @@ def test_torchtitans_own_seeding_fails_naming_what_the_cp_ranks_draw_apart(one_p
     assert report["exit"] == 1
     (f,) = report["findings"]
     assert f["verdict"] == "FAIL" and _wrong_inputs(f) == expected, f
+
+
+# -- the pieces the wiring will use, on torchtitan's own inputs and mesh (these pass today) -----------------------
+
+
+def torchrun_example(prefix: Path, cp: int, dp: int, *args: str) -> list[dict]:
+    """The example by hand under torchrun (no cpdoctor): every rank's model inputs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp * dp}", str(EXAMPLE)]
+    cmd += ["--cp", str(cp), "--dp", str(dp), *args, "--inputs", str(prefix)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(f"{prefix}.rank{r}.pt") for r in range(cp * dp)]
+
+
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("titan-inputs")
+    return {
+        "without": torchrun_example(tmp / "without", 1, 1)[0],
+        "correct": torchrun_example(tmp / "correct", CP, 1),
+        "input_fault": torchrun_example(tmp / "input", CP, 1, "--plant", "input"),
+        "titan_without": torchrun_example(tmp / "titan-without", 1, 1, "--seeding", "torchtitan")[0],
+        "titan": torchrun_example(tmp / "titan", CP, 1, "--seeding", "torchtitan"),
+    }
+
+
+def _judged(ranks_inputs: list[dict], full: dict) -> dict:
+    from cpdoctor.examinations.step.input_layouts import classify_all, judge_inputs
+
+    per_rank = [classify_all(inputs, full, CP, r) for r, inputs in enumerate(ranks_inputs)]
+    return {g.name: g for g in judge_inputs(per_rank, tuple(range(CP)))}
+
+
+def test_torchtitans_token_shards_are_read_as_shards_and_the_rest_as_replicated(by_hand):
+    from cpdoctor.examinations.step.input_layouts import Placement
+    from cpdoctor.peer_impls.layouts import Layout
+
+    full = by_hand["without"]
+    per_token = {n for n, v in full.items() if v.ndim == 3}  # (B, tokens, features): what cp_shard splits
+    assert per_token and per_token != set(full)
+    for name, group in _judged(by_hand["correct"], full).items():
+        if name in per_token:
+            assert group.placement is Placement.SHARD and group.dim == 1 and group.layout is Layout.CONTIGUOUS, group
+        else:
+            assert group.placement is Placement.REPLICATED, group
+
+
+@pytest.mark.parametrize("case", ["input_fault", "titan"])
+def test_inputs_drawn_per_cp_rank_are_named_with_their_ranks(by_hand, one_process, case):
+    from cpdoctor.examinations.step.input_layouts import Placement
+
+    ex = one_process.example
+    seeds = [ex.step_seed(0, r, "input") for r in range(CP)] if case == "input_fault" else titan_seeds(ex, CP)
+    expected = one_process.differing(seeds)
+    full = by_hand["without" if case == "input_fault" else "titan_without"]
+    judged = _judged(by_hand[case], full)
+    wrong = {name: set(g.wrong_ranks) for name, g in judged.items() if g.placement is Placement.WRONG}
+    assert wrong == expected
+
+
+def test_degrees_from_torchtitans_own_cp_mesh(one_process):
+    from cpdoctor.examinations.step.degrees import DegreeSource, consecutive_group, job_degrees
+
+    ex = one_process.example
+    for r in range(4):  # dp 2 × cp 2
+        with simulated_rank(r, 4):
+            dims = ex.parallel_dims(2, 2)
+            d = job_degrees(rank=r, world=4, mesh=dims.get_mesh("cp"))
+        assert (d.ring, d.ulysses, d.dp, d.source) == (2, 1, 2, DegreeSource.MESH)
+        assert d.cp_ranks == consecutive_group(r, 2)
