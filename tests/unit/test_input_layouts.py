@@ -121,3 +121,14 @@ def test_judge_inputs_covers_every_name(img):
     assert got["img"].placement is Placement.SHARD
     assert got["t"].placement is Placement.WRONG and got["t"].wrong_ranks == (1,)
     assert isinstance(rank0[0], InputLayout) and rank0[0].right
+
+
+def test_a_tensor_computed_through_the_model_is_judged_within_a_tolerance(img):
+    """An output gradient of a sharded output: each rank's is its shard of the run without CP's, up to rounding."""
+    rounded = img * (1 + 1e-7)
+    assert classify("out_grad", rounded.chunk(2, 1)[1], img, 2, 1).placement is Placement.WRONG  # exact by default
+    got = classify("out_grad", rounded.chunk(2, 1)[1], img, 2, 1, rtol=1e-5)
+    assert got.placement is Placement.SHARD and got.layouts[0] is Layout.CONTIGUOUS
+    assert classify("out_grad", rounded, img, 2, 0, rtol=1e-5).placement is Placement.REPLICATED
+    assert classify("out_grad", img * 1.5, img, 2, 0, rtol=1e-5).mismatch is Mismatch.VALUES
+    assert classify_all({"o": rounded}, {"o": img}, 2, 0, rtol=1e-5)[0].right

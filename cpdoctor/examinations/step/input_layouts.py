@@ -21,8 +21,11 @@ torch's per-document head-tail and PTRR balancers depend on document lengths or 
 alone does not show: an input in those layouts is not recognised here (wrong, "not this rank's shard in any
 layout"), which is why a rank's input is also tried against the other ranks' shards before that is said.
 
-Equality is exact (NaN equal to NaN): both runs compute an input with the same code from the same data, and a
-shard is an index selection. Pure functions; nothing here talks to other ranks."""
+Equality is exact by default (NaN equal to NaN): both runs compute an input with the same code from the same data,
+and a shard is an index selection. A tensor computed through the model (its output, the gradient flowing into it:
+torchtitan's output stays sharded, so each CP rank's output gradient is its shard of the run without CP's) differs
+from the run without CP's by rounding: `rtol` accepts a relative L2 difference up to it. Pure functions; nothing
+here talks to other ranks."""
 
 from __future__ import annotations
 
@@ -85,15 +88,21 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Exactly equal tensors (shape, dtype, values; NaN equal to NaN)."""
+def _same(a: Any, b: Any, rtol: float = 0.0) -> bool:
+    """Equal tensors (shape, dtype, values; NaN equal to NaN): exactly, or within a relative L2 difference `rtol`."""
     import torch
 
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(a, b) or torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
-    return bool(torch.equal(a, b))
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    if rtol > 0:
+        x, y = a.detach().double(), b.detach().double()
+        norm = float(y.norm())
+        return norm > 0 and float((x - y).norm()) <= rtol * norm
+    return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
 
 
 def shard_of(full: Any, dim: int, layout: Layout, cp: int, rank: int) -> Any:
@@ -125,9 +134,9 @@ def _shape(x: Any) -> str:
     return "(" + ", ".join(str(n) for n in x.shape) + ")"
 
 
-def classify(name: str, local: Any, full: Any, cp: int, rank: int) -> InputLayout:
+def classify(name: str, local: Any, full: Any, cp: int, rank: int, rtol: float = 0.0) -> InputLayout:
     """What input `name` of CP rank `rank` (its place in a CP group of `cp`) is, against `full`, the same-named
-    input of the run without CP."""
+    input of the run without CP (equal within `rtol`, relative L2; exactly by default)."""
     if not _is_tensor(local) or not _is_tensor(full):
         if _is_tensor(local) != _is_tensor(full):
             kinds = f"{type(local).__name__} where the run without CP had {type(full).__name__}"
@@ -140,15 +149,15 @@ def classify(name: str, local: Any, full: Any, cp: int, rank: int) -> InputLayou
             name, Placement.WRONG, mismatch=Mismatch.DTYPE, detail=f"{local.dtype} where the run without CP had {full.dtype}"
         )
     if local.shape == full.shape:
-        if _same(local, full):
+        if _same(local, full, rtol):
             return InputLayout(name, Placement.REPLICATED)
         return InputLayout(name, Placement.WRONG, mismatch=Mismatch.VALUES, detail=_difference(local, full))
     for dim in _part_dims(local, full):
-        mine = tuple(lay for lay in SHARD_LAYOUTS if _matches(local, full, dim, lay, cp, rank))
+        mine = tuple(lay for lay in SHARD_LAYOUTS if _matches(local, full, dim, lay, cp, rank, rtol))
         if mine:
             return InputLayout(name, Placement.SHARD, dim=dim, layouts=mine)
         for other in range(cp):
-            theirs = tuple(lay for lay in SHARD_LAYOUTS if other != rank and _matches(local, full, dim, lay, cp, other))
+            theirs = tuple(lay for lay in SHARD_LAYOUTS if other != rank and _matches(local, full, dim, lay, cp, other, rtol))
             if theirs:
                 return InputLayout(
                     name,
@@ -175,9 +184,9 @@ def classify(name: str, local: Any, full: Any, cp: int, rank: int) -> InputLayou
     )
 
 
-def _matches(local: Any, full: Any, dim: int, layout: Layout, cp: int, rank: int) -> bool:
+def _matches(local: Any, full: Any, dim: int, layout: Layout, cp: int, rank: int, rtol: float = 0.0) -> bool:
     part = shard_of(full, dim, layout, cp, rank)
-    return part is not None and _same(local, part)
+    return part is not None and _same(local, part, rtol)
 
 
 def _difference(local: Any, full: Any) -> str:
@@ -188,14 +197,14 @@ def _difference(local: Any, full: Any) -> str:
     return f"differs from the run without CP's (max |Δ| {diff:.3g}, relative {rel:.3g})"
 
 
-def classify_all(local: dict[str, Any], full: dict[str, Any], cp: int, rank: int) -> tuple[InputLayout, ...]:
-    """Every input of one rank (its names first, then those only the run without CP had)."""
+def classify_all(local: dict[str, Any], full: dict[str, Any], cp: int, rank: int, rtol: float = 0.0) -> tuple[InputLayout, ...]:
+    """Every input of one rank (its names first, then those only the run without CP had), equal within `rtol`."""
     out = []
     for name, value in local.items():
         if name not in full:
             out.append(InputLayout(name, Placement.WRONG, mismatch=Mismatch.MISSING, detail="the run without CP fed no input of that name"))
         else:
-            out.append(classify(name, value, full[name], cp, rank))
+            out.append(classify(name, value, full[name], cp, rank, rtol))
     for name in full:
         if name not in local:
             out.append(InputLayout(name, Placement.WRONG, mismatch=Mismatch.MISSING, detail="this rank fed no input of that name"))
