@@ -92,7 +92,7 @@ class Recorder:
     _nodes: list = field(default_factory=list)
     _params: dict[int, int] = field(default_factory=dict)
     _grads: dict[int, int] = field(default_factory=dict)
-    _ddp: set[int] = field(default_factory=set)
+    _ddp: set[tuple[int, bool]] = field(default_factory=set)
     _probe: Any = None
     """A few elements of one gradient as the last observed event left them (None: nothing to compare with)."""
     _probed: int | None = None
@@ -161,7 +161,7 @@ class Recorder:
         if after is None or after.shape != before.shape:
             return
         b2 = float(before.dot(before))
-        if b2 == 0:
+        if b2 == 0 or float(after.dot(after)) == 0:  # nothing to compare, or zeroed (zero_grad): not a scaling
             return
         c = float(after.dot(before)) / b2
         left = float((after - c * before).norm()) / max(float(after.norm()), 1e-300)
@@ -183,13 +183,16 @@ class Recorder:
             self.captured = gather_grads(self.module)
 
     def ddp(self, ddp: Any) -> None:
-        if id(ddp) in self._ddp or not any(m is self.module for m in ddp.module.modules()):
+        """DDP around the model, once per DDP module (under `no_sync` micro-batches, once it syncs)."""
+        synced = training.ddp_syncs(ddp)
+        if (id(ddp), True) in self._ddp or (id(ddp), synced) in self._ddp or not any(m is self.module for m in ddp.module.modules()):
             return
-        self._ddp.add(id(ddp))
+        self._ddp.add((id(ddp), synced))
         hook = training.ddp_comm_hook(ddp)
         ranks = watcher_comm.group_ranks(ddp.process_group)
-        self.log.add(DDPReduce(ranks, hook, training.ddp_syncs(ddp)))
-        if hook is not None:
+        self.log.events = [e for e in self.log.events if not (isinstance(e, DDPReduce) and not e.synced and e.ranks == ranks)]
+        self.log.add(DDPReduce(ranks, hook, synced))
+        if hook is not None and synced:
             self.log.add(Unobserved(f"DDP's comm hook {hook} replaces its averaging over ranks {', '.join(map(str, ranks))}"))
 
     def fsdp(self) -> None:
