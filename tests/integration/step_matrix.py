@@ -57,6 +57,9 @@ class Variant:
     autocast: bool = True
     """With a GradScaler: fp16 autocast (False: the same step in fp32, the one-process twin of a half step)."""
     compile: str = ""
+    step_inside: bool = False
+    """The optimizer step and zero_grad(set_to_none=True) inside the watched block (the watcher takes the gradients
+    as the optimizer step found them)."""
     unobservable: str = ""
     """What the watcher cannot read in this step (a WARN saying so is then an acceptable answer)."""
 
@@ -103,6 +106,8 @@ VARIANTS: dict[str, Variant] = {
     "clip_by_value": V(clip="value:0.0005"),
     "clip_active_mean_cp_bug": V(sync="ddp_world", clip="norm:0.01"),
     "clip_bf16_grads": V(dtype="bf16", clip="norm:0.01"),
+    "clip_then_step_and_zero_grad_inside": V(clip="norm:0.01", step_inside=True),
+    "mean_cp_bug_step_inside": V(sync="ddp_world", step_inside=True),
     # GradScaler (fp16 autocast)
     "scaler_1024": V(scaler=1024.0),
     "scaler_8": V(scaler=8.0),
@@ -315,10 +320,20 @@ def step(v: Variant, job: Job, watch: Any) -> Any:
             scaler.unscale_(opt)
         job.tap()
         clip(v, job, job.model)
+        if v.step_inside:
+            optimizer_step(scaler, opt)
+            opt.zero_grad(set_to_none=True)
+    if not v.step_inside:
+        optimizer_step(scaler, opt)
+    return getattr(watch, "report", None)
+
+
+def optimizer_step(scaler: Any, opt: Any) -> None:
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
-    return getattr(watch, "report", None)
+    else:
+        opt.step()
 
 
 # -- the two runs --------------------------------------------------------------------------------------------------

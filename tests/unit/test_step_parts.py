@@ -228,3 +228,25 @@ def test_dots_in_slices_count_non_finite_values_only_when_there_are_some():
     big = torch.randn(3 * measure.CHUNK + 5, dtype=torch.float64)
     d = measure.dots(big.float(), (0.5 * big).float(), 2.0)
     assert d.d2 < 1e-6 * d.r2 and abs(d.xr / d.r2 - 2.0) < 1e-5  # the slices add up; float32 dots keep ~1e-6
+
+
+def test_a_watch_closed_by_an_optimizer_step_takes_the_gradients_it_found_and_leaves_the_step_whole():
+    """The gradients as the optimizer step found them (the step zeroes them afterwards, inside the watch), and a watch
+    closed from that step's hooks while torch iterates them (preflight's armed watch) breaks nothing."""
+    model, recorder, hooks = _watched()
+    closed = []
+
+    def close(optimizer, args, kwargs) -> None:
+        _stop(recorder, hooks)
+        OBSERVING.stop_listening(close)
+        closed.append(True)
+
+    OBSERVING.listen_steps(close)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+    opt.step()  # closes the watch from inside the step's hooks
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # and the next step runs as without a watch
+    assert closed == [True] and not OBSERVING.recorders and not OBSERVING.step_listeners
+    assert torch.equal(recorder.as_compared().flat, expected)

@@ -17,7 +17,7 @@ from cpdoctor.examinations.step import agree
 from cpdoctor.examinations.step.baseline import Baseline
 from cpdoctor.examinations.step.evidence import StepEvidence, WatchedStep
 from cpdoctor.examinations.step.factors import Expectation, expectation, logs_of
-from cpdoctor.examinations.step.grads import Gradients, gather_grads
+from cpdoctor.examinations.step.grads import Gradients
 from cpdoctor.examinations.step.group import StepGroup
 from cpdoctor.examinations.step.judge import StepSignature, first_bad_param, step_finding
 from cpdoctor.examinations.step.measure import measure, own_shard_only
@@ -54,18 +54,6 @@ def report_of(c: Closing, findings: list[Finding]) -> Report:
     return Report.of(findings, env, request, wall_s=time.perf_counter() - c.started)
 
 
-def comparison_grads(recorder: Recorder) -> Gradients:
-    """The gradients as compared: before any clip. Captured at the first clip's entry where the watch asked for it
-    (two runs; a clip by value), else read now with the norm clips' recorded coefficient divided out."""
-    if recorder.captured is not None:
-        return recorder.captured
-    grads = gather_grads(recorder.module)
-    coefficient = recorder.log.clip_coefficient
-    if coefficient != 1.0 and coefficient > 0:
-        grads.flat.div_(coefficient)  # in place: torch multiplied by exactly this coefficient
-    return grads
-
-
 def close(c: Closing) -> Report:
     hooks = c.recorded.hooks
     stopped = agree.arrive(c.group, Arrival(c.group.rank, c.group.index, hooks.forwards, hooks.backwards, c.error))
@@ -73,7 +61,7 @@ def close(c: Closing) -> Report:
         return report_of(c, stopped)
     c.recorder.fsdp()
     rng_after = rng_digest()
-    grads = comparison_grads(c.recorder)
+    grads = c.recorder.as_compared()
     out_grads = tuple(f.out_grad for f in hooks.calls)
     mine = PeerRecord(
         c.group.rank,

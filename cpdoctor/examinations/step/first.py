@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cpdoctor.examinations.step.observe import OBSERVING
 from cpdoctor.examinations.step.watch import StepWatch
 from cpdoctor.report import Report
 
@@ -23,15 +24,14 @@ class FirstStep:
     def __init__(
         self, model: Any, on_report: Callable[[Report], None] | None = None, reference: str = "fp64", loss_scale: float | None = None
     ) -> None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         self.model, self.reference, self.loss_scale = model, reference, loss_scale
         self.on_report = on_report
         self.report: Report | None = None
         self.skipped = 0
         """Steps the optimizer skipped before the one examined (each re-armed the watch)."""
         self.watch = self._arm()
-        self._handle = register_optimizer_step_pre_hook(self._close)
+        self._listening = True
+        OBSERVING.listen_steps(self._close)  # after the watch's own look at the gradients at that step
 
     def _arm(self) -> StepWatch:
         watch = StepWatch(self.model, reference=self.reference, loss_scale=self.loss_scale)
@@ -45,6 +45,8 @@ class FirstStep:
         self.watch = self._arm()
 
     def _close(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._listening:
+            return
         self.cancel()
         self.watch.__exit__(None, None, None)
         self.report = self.watch.report
@@ -53,9 +55,9 @@ class FirstStep:
 
     def cancel(self) -> None:
         """Stop waiting for an optimizer step (the watcher's own hooks go at its exit)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._listening:
+            OBSERVING.stop_listening(self._close)
+            self._listening = False
 
 
 def watch_first_step(

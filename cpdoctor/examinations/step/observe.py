@@ -89,6 +89,9 @@ class Recorder:
     """id(grad_fn) of each recorded output -> which forward; `_nodes` keeps the nodes alive so ids stay unique."""
     marks: dict[int, Source] = field(default_factory=dict)
     captured: Gradients | None = None
+    """The gradients as the first clip found them (when `capture` asks for it)."""
+    stepped: Gradients | None = None
+    """The gradients as the first optimizer step inside the watch found them (a step that zeroes them after)."""
     _nodes: list = field(default_factory=list)
     _params: dict[int, int] = field(default_factory=dict)
     _grads: dict[int, int] = field(default_factory=dict)
@@ -178,6 +181,23 @@ class Recorder:
         """After an observed event changed the gradients: what they are now (the next `gap` compares with it)."""
         self._probe, self._since = self._sample(), after
 
+    def optimizer_step(self) -> None:
+        self.gap("the optimizer step")
+        if self.stepped is None:
+            self.stepped = gather_grads(self.module)
+
+    def as_compared(self) -> Gradients:
+        """The gradients the examination compares: before any clip. Captured at the first clip's entry where the
+        watch asked for it (two runs; a clip by value); else as the first optimizer step inside the watch found
+        them, or now, with the norm clips' recorded coefficient divided out."""
+        if self.captured is not None:
+            return self.captured
+        grads = self.stepped if self.stepped is not None else gather_grads(self.module)
+        coefficient = self.log.clip_coefficient
+        if coefficient != 1.0 and coefficient > 0:
+            grads = Gradients(grads.names, grads.flat / coefficient, grads.missing)  # torch multiplied by exactly this
+        return grads
+
     def clip_entry(self, params: list[Any], by_value: bool) -> None:
         if self.captured is None and self.covers(params) and (by_value or self.capture is Capture.EVERY_CLIP):
             self.captured = gather_grads(self.module)
@@ -256,6 +276,12 @@ class Observing:
         self.accelerate: list[int] = []
         """The user's loss nodes of the Accelerator.backward calls in progress."""
         self.clipping = 0
+        self.step_hook: Any = None
+        """torch's global optimizer step pre-hook, registered by the first watch and kept for the process: torch
+        iterates its hooks while it calls them, so one removed from inside another's call (a watch closed by an
+        optimizer step) would break that step. With no watch open and no listener it does nothing."""
+        self.step_listeners: list[Callable[[Any, Any, Any], None]] = []
+        """Called at every optimizer step after the open watches took their gradients (preflight's armed watch)."""
 
     def enter(self, recorder: Recorder) -> None:
         if not self.recorders:
@@ -313,6 +339,7 @@ class Observing:
         ddp = training.ddp_class()
         if ddp is not None:
             self._wrap(ddp, "forward", self._ddp_forward)
+        self._hook_steps()
         accelerator = sys.modules.get("accelerate.accelerator")
         if accelerator is not None and hasattr(accelerator, "Accelerator"):
             self._wrap(accelerator.Accelerator, "backward", self._accelerate_backward)
@@ -549,6 +576,31 @@ class Observing:
 
         self._each(f"dist.{name}", act)
         return ([] if inside or bound.get("async_op") else tensors), label
+
+    def _hook_steps(self) -> None:
+        if self.step_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self.step_hook = register_optimizer_step_pre_hook(self._optimizer_step)
+
+    def listen_steps(self, listener: Callable[[Any, Any, Any], None]) -> None:
+        """Call `listener(optimizer, args, kwargs)` at every optimizer step until `stop_listening` (its exceptions go
+        on into the step: preflight's PreflightFailed stops it on purpose)."""
+        self._hook_steps()
+        self.step_listeners.append(listener)
+
+    def stop_listening(self, listener: Callable[[Any, Any, Any], None]) -> None:
+        if listener in self.step_listeners:
+            self.step_listeners.remove(listener)
+
+    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.recorders:
+            _disabled(self._note_optimizer_step)()
+        for listener in list(self.step_listeners):
+            listener(optimizer, args, kwargs)
+
+    def _note_optimizer_step(self) -> None:
+        self._each("the gradients at the optimizer step", lambda r: r.optimizer_step())
 
     def _ddp_forward(self, original: Callable) -> Callable:
         note = _disabled(self._note_ddp)

@@ -97,7 +97,6 @@ class RecordingWatch:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         from cpdoctor.examinations.step.baseline import save_step
-        from cpdoctor.examinations.step.grads import gather_grads
         from cpdoctor.examinations.step.observe import OBSERVING
         from cpdoctor.examinations.step.record import compute_dtype
         from cpdoctor.launch import watcher_comm
@@ -108,7 +107,7 @@ class RecordingWatch:
             OBSERVING.leave(self._recorder)
         if exc is not None:
             return False
-        grads = self._recorder.captured or gather_grads(self.module)  # a trainable parameter without a gradient reads as zeros
+        grads = self._recorder.as_compared()  # a trainable parameter without a gradient reads as zeros
         rank = watcher_comm.world()[0]
         dtype = compute_dtype(self.module, [c.out_dtype for c in self._hooks.calls])
         save_step(self.directory, rank, self.seq, grads.by_name(), [(p.name, p.digest) for p in self._hooks.prints], dtype, self.weights)
