@@ -266,7 +266,9 @@ class Observing:
     """The entry points wrapped while watches are open. Lifetime: one instance, `OBSERVING`, created at this
     module's import, empty; the first `enter` wraps the entry points (saving each original), every event goes to
     the recorders entered, and the last `leave` puts every original back and empties it (StepWatch leaves in a
-    `finally`, so an exception in the step or in cpdoctor never leaves torch wrapped)."""
+    `finally`, so an exception in the step or in cpdoctor never leaves torch wrapped). The one exception is
+    torch's global optimizer step pre-hook: registered by the first watch (or listener) and kept for the process,
+    doing nothing while no watch is open and no listener waits (see `step_hook`)."""
 
     def __init__(self) -> None:
         self.recorders: list[Recorder] = []
