@@ -181,7 +181,11 @@ class Recorder:
         """After an observed event changed the gradients: what they are now (the next `gap` compares with it)."""
         self._probe, self._since = self._sample(), after
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, optimizer: Any) -> None:
+        """An optimizer step begins: the gradients as it finds them, when it updates this model's parameters."""
+        params = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
+        if not self.covers(params):
+            return  # another model's optimizer
         self.gap("the optimizer step")
         if self.stepped is None:
             self.stepped = gather_grads(self.module)
@@ -597,12 +601,12 @@ class Observing:
 
     def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.recorders:
-            _disabled(self._note_optimizer_step)()
+            _disabled(self._note_optimizer_step)(optimizer)
         for listener in list(self.step_listeners):
             listener(optimizer, args, kwargs)
 
-    def _note_optimizer_step(self) -> None:
-        self._each("the gradients at the optimizer step", lambda r: r.optimizer_step())
+    def _note_optimizer_step(self, optimizer: Any) -> None:
+        self._each("the gradients at the optimizer step", lambda r: r.optimizer_step(optimizer))
 
     def _ddp_forward(self, original: Callable) -> Callable:
         note = _disabled(self._note_ddp)
