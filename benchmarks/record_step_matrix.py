@@ -1,4 +1,4 @@
-"""Store the step matrix's run behind the README: tests/integration/test_step_matrix.py's 49 steps, each run with CP
+"""Store the step matrix's run behind the README: tests/integration/test_step_matrix.py's 51 steps, each run with CP
 inside `watch_step` (4 gloo ranks) and in one process, the expected verdict from the two runs' gradients and the
 watcher's; the counts of each (expected, watcher) pair, with the machine, the versions and the load average.
 
