@@ -148,7 +148,7 @@ def wrap(model, v: dict, mesh):
 
         return Accelerator(cpu=True).prepare(model)
     if v.get("compile"):
-        return torch.compile(model, backend="eager")
+        return torch.compile(model, backend="aot_eager")  # "eager" compiles nothing; aot_eager traces the graphs
     if v.get("wrapper"):  # a trainer's own module around the transformer (watch_step is given the wrapper)
         return TrainerModule(model)
     return model
@@ -262,6 +262,35 @@ def preflight_clip() -> dict:
     return {**summary(armed.report), "callbacks": len(seen)}
 
 
+def preflight_scaler_skip() -> dict:
+    """fp16 training's usual start under `preflight(model=...)`: the GradScaler's first scale overflows and it skips
+    optimizer.step(); the armed watch must not stay open past it (nor read the inf as a loss that differs between
+    ranks): it re-arms and examines the next step, which the optimizer takes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpdoctor.examinations.step import arm_first_step
+
+    mesh = init_device_mesh("cpu", (DP, CP, 1), mesh_dim_names=("dp", "ring", "ulysses"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = build({}, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)  # overflows once, then 1024
+    seen = []
+    armed = arm_first_step(model, seen.append)
+    for step in range(2):
+        cond = conditioning(model, dp_rank, step)
+        gen = torch.Generator().manual_seed(100 * step + dp_rank)
+        x0 = torch.randn(1, GRID * GRID, model.config.in_channels, generator=gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(hidden_states=x0, timestep=torch.rand(1, generator=gen), **cond)[0]
+        scaler.scale(F.mse_loss(out.float(), torch.randn(out.shape, generator=gen))).backward()
+        sync(model, {}, mesh)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return {**summary(armed.report), "callbacks": len(seen), "skipped": armed.skipped}
+
+
 def train(watch, steps: int = 3) -> list:
     """A few AdamW steps of the correct fp32 step, watched or not, noise from the global RNG (so a watcher that
     drew random numbers on one rank only, or left its state moved, changes the next step's noise)."""
@@ -342,6 +371,7 @@ def main() -> None:
     if not a.only:
         results["no_trace"] = no_trace(cpdoctor.watch_step)
         results["preflight_clip"] = preflight_clip()
+        results["preflight_scaler_skip"] = preflight_scaler_skip()
     write_and_leave(results, a.out)
 
 

@@ -2,7 +2,8 @@
 PASSes when right, each fault of the last issue still FAILs in its LoRA + bf16 form with its own diagnosis, a
 step that raises in the user's code is a CRASH on every rank (no rank left waiting), and the watcher leaves no
 trace (3 AdamW steps watched and unwatched end with bit-identical weights and RNG state). One torchrun launch of
-tests/integration/conventions_driver.py (4 gloo ranks, data-parallel 2 × CP 2, tiny Flux) per environment,
+tests/integration/conventions_driver.py (4 gloo ranks, data-parallel 2 × CP 2, tiny Flux) per environment (the
+compiled model through aot_eager, which traces; `eager` would compile nothing),
 with cpdoctor's fixed attention patched in (the conventions are the user's step, not diffusers' attention: on
 0.39.0 the stock ring is wrong at ring 2, and every release's ring crashes under gradient checkpointing)."""
 
@@ -35,7 +36,7 @@ FAULTS = {
     "bug_lora_no_dp_average": ("averaging over the data-parallel ranks is missing",),
 }
 SAYS = {
-    "clip_inside": "clipped: their total norm is 0.001",
+    "clip_inside": "the step clipped: clip_grad_norm_(max_norm=0.001) multiplied the gradients by",
     "grad_scaler": "unscaled by the GradScaler's scale 1024",
     "loss_x_cp_ddp_world": "multiplied by 2 = cp",
     "loss_x_cp_fsdp2": "multiplied by 2 = cp",
@@ -96,7 +97,16 @@ def test_the_watcher_leaves_no_trace(results):
 def test_preflight_armed_step_with_clipping_before_the_optimizer_passes(results):
     got = results["preflight_clip"]
     assert got["verdict"] == "PASS" and got["callbacks"] == 1, got
-    assert "clipped: their total norm is 0.001" in got["diagnoses"][0]
+    assert "clip_grad_norm_(max_norm=0.001) multiplied the gradients by" in got["diagnoses"][0]
+
+
+def test_preflight_examines_the_first_step_the_optimizer_takes(results):
+    """The GradScaler's first step overflows and is skipped: the armed watch re-arms (it never reads the inf as a
+    loss that differs between ranks) and examines the second step, which PASSes, before its optimizer step."""
+    got = results["preflight_scaler_skip"]
+    assert got["skipped"] == 1 and got["callbacks"] == 1, got
+    assert [v for v, _ in got["every_rank"]] == ["PASS"] * 4, got
+    assert "unscaled by the GradScaler's scale 1024" in got["diagnoses"][0], got["diagnoses"][0]
 
 
 def test_a_reference_that_raises_is_a_crash_on_every_rank(results):

@@ -1,11 +1,14 @@
 """Step functions that take their degrees, for `cpdoctor step FILE:steps --ring 2 --dp 2` (two runs: without CP,
-then with CP), with cpdoctor's fixed attention. One launch pair runs four watched steps, each a convention or a fault (test_step_two_runs.py):
+then with CP), with cpdoctor's fixed attention. One launch pair runs five watched steps, each a convention or a fault (test_step_two_runs.py):
 
-1. SimpleTuner's convention: loss × cp, DDP over the whole (dp, ring, ulysses) mesh, then clip_grad_norm_: PASS;
-2. the same without the × cp (DDP's mean over the CP ranks uncancelled): FAIL, factor 1/cp;
+1. SimpleTuner's convention: loss × cp, DDP over the whole (dp, ring, ulysses) mesh, then an active
+   clip_grad_norm_ (max_norm 0.5 on gradients of norm ~3.7): PASS;
+2. the same without the × cp (DDP's mean over the CP ranks uncancelled), no clip: FAIL, factor 1/cp;
 3. diffusers' LoRA recipe: peft adapters on a bf16 base, fp32 adapters, accumulation over 2 micro-batches, a
    sum over CP and DDP over dp: PASS;
-4. weights initialised without a seed (they differ between the two runs): nothing to compare, UNSUPPORTED.
+4. weights initialised without a seed (they differ between the two runs): nothing to compare, UNSUPPORTED;
+5. step 2 with the active clip: both runs clip to the same norm, so their final gradients agree; compared as the
+   clip found them, the 1/cp shows: FAIL.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def _batch(model, dp_rank: int, k: int = 0):
     return cond, x0, torch.rand(1, generator=gen).to(dtype), torch.randn(x0.shape, generator=gen).to(dtype)
 
 
-def _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp: bool, seeded: bool = True) -> None:
+def _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp: bool, seeded: bool = True, clip: float | None = 0.5) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, mesh = _setup(cp, dp, ring, ulysses, seeded=seeded)
@@ -64,7 +67,8 @@ def _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp: bool, seeded
     with watch_step(run):
         loss = F.mse_loss(run(hidden_states=x0, timestep=t, **cond)[0], target)
         (loss * cp if scale_by_cp else loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
 
 
 def _lora_step(watch_step, cp, dp, ring, ulysses) -> None:
@@ -88,6 +92,7 @@ def steps(watch_step, cp: int, dp: int, ring: int, ulysses: int) -> None:
 
     cpdoctor.patch()  # the step is examined, not diffusers' ring (wrong at ring 2 on 0.39.0): the fix on every release
     _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp=True)
-    _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp=False)
+    _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp=False, clip=None)
     _lora_step(watch_step, cp, dp, ring, ulysses)
     _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp=True, seeded=False)
+    _ddp_world_step(watch_step, cp, dp, ring, ulysses, scale_by_cp=False)

@@ -392,6 +392,7 @@ STATE_OWNERS = {
     "launch/warm.py": "WARM",
     "cpu_kernels/standins.py": "LIBRARY",
     "examinations/step/watch.py": "WATCHED",
+    "examinations/step/observe.py": "OBSERVING",
     "autopatch.py": "AUTOPATCH",
     "peer_impls/yunchang.py": "GROUPS",
     "examinations/model/spec.py": "SURVEYS",

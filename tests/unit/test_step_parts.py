@@ -1,5 +1,6 @@
-"""The step examination's parts that need no process: what the loss graph says, the reference's memory plan, the
-two runs' contract (which functions take their degrees, what they are called with), the wrappers' names."""
+"""The step examination's parts that need no process: what the loss graph says in every spelling, what the
+factors of the degrees are read as, the observed entry points (GradScaler, clipping, backward; a compiled model
+through the hooks), the reference's memory plan, the two runs' contract, the wrappers' names."""
 
 from __future__ import annotations
 
@@ -7,34 +8,171 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cpdoctor.examinations.step.loss_graph import BackwardRoots, read_loss  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from cpdoctor.examinations.step.events import ClipNorm, ClipValue, GradScale, ScalerScale, ScalerStep, ScalerUnscale, Source  # noqa: E402
+from cpdoctor.examinations.step.factors import Counts, degree_powers, read_term  # noqa: E402
+from cpdoctor.examinations.step.loss_graph import read_root  # noqa: E402
+from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder  # noqa: E402
+from cpdoctor.examinations.step.record import Hooks, compute_dtype, unwrap  # noqa: E402
 from cpdoctor.examinations.step.reference import ReferencePlan, canonical, reference_plan  # noqa: E402
 from cpdoctor.examinations.step.two_runs import StepJob, call_arguments, parameters_of, takes_degrees  # noqa: E402
-from cpdoctor.examinations.step.watch import compute_dtype, unwrap  # noqa: E402
+
+CP = 2
 
 
-def test_read_loss_finds_the_scalars_and_the_reduction():
-    x = torch.randn(4, 8, requires_grad=True)
-    r = read_loss(torch.nn.functional.mse_loss(x, torch.zeros(4, 8)) * 2 / 4)
-    assert r.reduction == "mean" and r.count == 32 and r.constants() == (0.25, 2.0)
-    nested = read_loss(x.float().pow(2).reshape(4, -1).mean(1).mean() * torch.tensor(65536.0))
-    assert nested.count == 32 and nested.tensor_scale() == 65536.0 and nested.constants() == ()  # GradScaler's scale
-    summed = read_loss(x.chunk(2)[0].pow(2).sum() / 64)
-    assert summed.reduction == "sum" and summed.constants() == (1 / 64,)
-    assert read_loss(x.pow(2).mean() + x.sum()).reduction == "unknown"  # a sum of losses: not read
+def _shard(x):
+    return x.chunk(CP, dim=1)[0]
 
 
-def test_backward_roots_records_each_root_once_and_restores_torch():
-    original = torch.Tensor.backward
-    x = torch.randn(3, requires_grad=True)
-    roots = BackwardRoots().install()
+SPELLINGS = {
+    # name: (loss of (out, target), the degree power λ it carries at CP 2 with one micro-batch)
+    "mean": (lambda o, t: F.mse_loss(o, t), 1.0),
+    "python factor": (lambda o, t: F.mse_loss(o, t) * CP, 2.0),
+    "0-dim tensor factor": (lambda o, t: F.mse_loss(o, t) * torch.tensor(float(CP)), 2.0),
+    "1-element tensor factor": (lambda o, t: F.mse_loss(o, t) * torch.tensor([float(CP)]), 2.0),
+    "factor first": (lambda o, t: torch.tensor(float(CP)) * F.mse_loss(o, t), 2.0),
+    "inside the reduction": (lambda o, t: (CP * (o - t) ** 2).mean(), 2.0),
+    "method call inside": (lambda o, t: ((o - t) ** 2).mul(CP).mean(), 2.0),
+    "divided": (lambda o, t: F.mse_loss(o, t) / CP, 0.5),
+    "nested means": (lambda o, t: torch.mean(((o - t) ** 2).reshape(1, -1), 1).mean(), 1.0),
+    "weighted inside": (lambda o, t: (torch.linspace(0, 1, 16).reshape(1, 16, 1) * (o - t) ** 2).mean() * CP, 2.0),
+    "two terms, both × cp": (lambda o, t: F.mse_loss(o, t) * CP + 0.1 * o.pow(2).mean() * CP, 2.0),
+    "shard sum / full count": (lambda o, t: (_shard(o) - _shard(t)).pow(2).sum() / o.numel(), 1.0),
+    "shard sum / shard count": (lambda o, t: (_shard(o) - _shard(t)).pow(2).sum() / _shard(o).numel(), 2.0),
+    "shard mean": (lambda o, t: F.mse_loss(_shard(o), _shard(t)), 2.0),
+    "shard mean / cp": (lambda o, t: F.mse_loss(_shard(o), _shard(t)) / CP, 1.0),
+    "a constant that is no degree": (lambda o, t: F.mse_loss(o, t) / 0.707, 1.0),
+}
+
+
+def _read(loss_fn, micro: int = 1):
+    lin = torch.nn.Linear(4, 4)
+    out = lin(torch.randn(1, 16, 4))
+    root = read_root(loss_fn(out, torch.randn(1, 16, 4)), {id(out.grad_fn): 0}, frozenset(id(p) for p in lin.parameters()), {})
+    counts = Counts.of(tuple(out.shape), 1, CP, (micro,))
+    return root, [read_term(t, counts, degree_powers(CP, 1, 1)) for t in root.terms]
+
+
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_every_spelling_of_a_factor_of_the_degrees_is_read_by_value(name):
+    loss_fn, power = SPELLINGS[name]
+    root, terms = _read(loss_fn)
+    assert terms and not root.hidden and not root.param_paths
+    assert {t.power for t in terms} == {power}, [t.why for t in terms]
+
+
+def test_the_factor_over_the_micro_batches_as_one_python_number():
+    """`loss * (cp / accum)` is one constant 2/3 with 3 micro-batches: cp, and the accumulation's 1/3."""
+    root, terms = _read(lambda o, t: F.mse_loss(o, t) * (CP / 3), micro=3)
+    assert [t.power for t in terms] == [2.0] and "cp / 3 micro-batches" in terms[0].why
+    root, terms = _read(lambda o, t: F.mse_loss(o, t) / 2 / CP, micro=2)  # the accumulation's 1/2 once, then 1/cp
+    assert [t.power for t in terms] == [0.5]
+
+
+def test_what_the_walk_cannot_read_is_said():
+    _, terms = _read(lambda o, t: F.mse_loss(o, t) * CP + 0.1 * o.pow(2).mean())
+    assert sorted(t.power for t in terms) == [1.0, 2.0]  # terms with different factors: factors.py says so
+    lin = torch.nn.Linear(4, 4)
+    out = lin(torch.randn(1, 16, 4))
+    reg = F.mse_loss(out, torch.zeros_like(out)) + 1e-3 * lin.weight.pow(2).sum()
+    root = read_root(reg, {id(out.grad_fn): 0}, frozenset(id(p) for p in lin.parameters()), {})
+    assert root.param_paths == 1  # a regulariser on the weights: not in the recomputed output gradient
+    compiled = torch.compile(lambda o: o.pow(2).mean() * CP, backend="aot_eager")
+    root = read_root(compiled(out), {id(out.grad_fn): 0}, frozenset(), {})
+    assert root.hidden == ("CompiledFunctionBackward",)
+
+
+def test_a_marked_node_is_the_scaler_not_a_constant():
+    lin = torch.nn.Linear(4, 4)
+    out = lin(torch.randn(1, 16, 4))
+    scaled = F.mse_loss(out, torch.zeros_like(out)) * torch.tensor(65536.0)
+    root = read_root(scaled, {id(out.grad_fn): 0}, frozenset(), {id(scaled.grad_fn): Source.SCALER})
+    assert [f.source for f in root.terms[0].factors][:1] == [Source.SCALER]
+    counts = Counts.of(tuple(out.shape), 1, CP, ())
+    assert read_term(root.terms[0], counts, degree_powers(CP, 1, 1)).power == 1.0
+
+
+def _watched(capture: Capture = Capture.VALUE_CLIPS):
+    model = torch.nn.Linear(4, 4)
+    recorder = Recorder(model, capture)
+    hooks = Hooks(model, keep_full=False, snapshot_weights=dict, recorder=recorder).install()
+    OBSERVING.enter(recorder)
+    return model, recorder, hooks
+
+
+def _stop(recorder, hooks) -> None:
+    hooks.remove()
+    OBSERVING.leave(recorder)
+
+
+def test_the_entry_points_a_step_calls_become_events_and_are_restored():
+    """A GradScaler step (scale, unscale_, step), a clip through clip_grad_norm_ bound before the watch, a clip by
+    value, and the step's own division of its gradients: each is an event; torch is as it was afterwards."""
+    from torch.nn.utils import clip_grad_norm_ as bound_before
+
+    originals = (torch.Tensor.backward, torch.amp.GradScaler.scale, torch.nn.utils.clip_grad_value_)
+    model, recorder, hooks = _watched(Capture.EVERY_CLIP)
     try:
-        (x.pow(2).mean() * 3).backward()
-        torch.autograd.backward(x.pow(2).sum())
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        out = model(torch.randn(2, 4))
+        scaler.scale(out.pow(2).mean()).backward()
+        for p in model.parameters():
+            p.grad /= 4  # the step's own scaling, seen by its value between two events
+        scaler.unscale_(opt)
+        total = bound_before(list(model.parameters()), 1e-3)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+        scaler.step(opt)
     finally:
-        roots.remove()
-    assert [r.scale for r in roots.readings] == [3.0, 1.0]
-    assert torch.Tensor.backward is original
+        _stop(recorder, hooks)
+    log = recorder.log
+    assert log.of(ScalerScale) == [ScalerScale(8.0)] and log.unscaled_by == 8.0 and log.of(ScalerUnscale)[0].found_inf is False
+    assert log.of(ScalerStep) == [ScalerStep(False)]
+    assert [round(e.factor, 6) for e in log.of(GradScale)] == [0.25]
+    clip = log.of(ClipNorm)[0]
+    assert (
+        clip.total_norm == pytest.approx(float(total)) and clip.coefficient == pytest.approx(1e-3 / (float(total) + 1e-6)) and clip.active
+    )
+    assert log.of(ClipValue) == [ClipValue(1e-4)]
+    assert recorder.captured is not None  # the gradients as the first clip found them (two runs' comparison)
+    assert [t.factors[0].source for t in log.roots[0].terms] == [Source.SCALER]
+    assert (torch.Tensor.backward, torch.amp.GradScaler.scale, torch.nn.utils.clip_grad_value_) == originals
+
+
+def test_a_skipped_optimizer_step_is_seen_and_announced():
+    model, recorder, hooks = _watched()
+    skipped = []
+    recorder.on_skip = lambda: skipped.append(True)
+    try:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler.scale(model(torch.randn(2, 4)).sum() * float("inf")).backward()
+        scaler.step(opt)
+    finally:
+        _stop(recorder, hooks)
+    assert recorder.log.found_inf and recorder.log.of(ScalerStep) == [ScalerStep(True)] and skipped == [True]
+
+
+def test_a_compiled_model_runs_through_the_hooks_as_without_them():
+    """The hooks and the observation stay out of dynamo: aot_eager compiles the model and the hooks run around it
+    (issue 29: the watcher raised `setStorage ... out of bounds` inside a compiled forward)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 4)
+    plain = torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))
+    recorder = Recorder(model)
+    hooks = Hooks(model, keep_full=True, snapshot_weights=dict, recorder=recorder).install()
+    OBSERVING.enter(recorder)
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled(x).pow(2).mean().backward()
+    finally:
+        _stop(recorder, hooks)
+        torch._dynamo.reset()
+    assert hooks.forwards == 1 and hooks.backwards == 1 and recorder.log.roots[0].reaches_output
+    for p, g in zip(model.parameters(), plain):
+        assert torch.allclose(p.grad, g, atol=1e-6)
 
 
 def test_reference_plan_counts_the_copy_and_the_gradients():
@@ -90,3 +228,25 @@ def test_dots_in_slices_count_non_finite_values_only_when_there_are_some():
     big = torch.randn(3 * measure.CHUNK + 5, dtype=torch.float64)
     d = measure.dots(big.float(), (0.5 * big).float(), 2.0)
     assert d.d2 < 1e-6 * d.r2 and abs(d.xr / d.r2 - 2.0) < 1e-5  # the slices add up; float32 dots keep ~1e-6
+
+
+def test_a_watch_closed_by_an_optimizer_step_takes_the_gradients_it_found_and_leaves_the_step_whole():
+    """The gradients as the optimizer step found them (the step zeroes them afterwards, inside the watch), and a watch
+    closed from that step's hooks while torch iterates them (preflight's armed watch) breaks nothing."""
+    model, recorder, hooks = _watched()
+    closed = []
+
+    def close(optimizer, args, kwargs) -> None:
+        _stop(recorder, hooks)
+        OBSERVING.stop_listening(close)
+        closed.append(True)
+
+    OBSERVING.listen_steps(close)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+    opt.step()  # closes the watch from inside the step's hooks
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # and the next step runs as without a watch
+    assert closed == [True] and not OBSERVING.recorders and not OBSERVING.step_listeners
+    assert torch.equal(recorder.as_compared().flat, expected)

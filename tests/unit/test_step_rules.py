@@ -1,5 +1,7 @@
-"""The step examination's rules, fed numbers (no process, no model): each measured relation gives its own
-diagnosis and remedy, and the factor is named from the job's degrees, not from the name of a fault."""
+"""The step examination's rules, fed numbers and events (no process, no model): each measured relation gives its
+own diagnosis and remedy; what the gradients must be comes from the events (the loss's factors of the degrees, a
+GradScaler's unscaling, a clip divided out), never from how round or large a number is; a uniform factor is named
+from the job's degrees and the reductions seen."""
 
 from __future__ import annotations
 
@@ -9,21 +11,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cpdoctor.examinations.step.events import ClipNorm  # noqa: E402
+from cpdoctor.examinations.step.factors import Expectation, Reduction  # noqa: E402
+from cpdoctor.examinations.step.inputs import InputDiff, input_diffs  # noqa: E402
 from cpdoctor.examinations.step.judge import block_of, factor_candidates, step_finding  # noqa: E402
-from cpdoctor.examinations.step.loss_graph import Factor, LossReading  # noqa: E402
 from cpdoctor.examinations.step.measure import (  # noqa: E402
-    InputDiff,
     ParamError,
     RankGrad,
     StepNumbers,
     best_factor,
     groups_of,
-    input_diffs,
     own_shard_only,
     reference_out_grads,
 )
-from cpdoctor.examinations.step.readings import round_norm  # noqa: E402
-from cpdoctor.examinations.step.record import InputPrint, PeerRecord  # noqa: E402
+from cpdoctor.examinations.step.messages import InputPrint, PeerRecord  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402
 from cpdoctor.vocabulary import DType  # noqa: E402
 
@@ -42,7 +43,7 @@ def numbers(**over) -> StepNumbers:
         rng_before_groups=((0, 1),), rng_after_groups=((0, 1),), out_grad_spread=0.0, out_grad_differ=(),
         out_grad_own_shard=False, out_rel_err=2e-7, out_max_abs=1e-7, grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)), peer_spread=0.0,
         sum_rel_err=1.0, params=(ParamError("x_embedder.weight", 1e-7, 8), ParamError("transformer_blocks.0.attn.to_q.weight", 1e-7, 8)),
-        out_numel=64, grad_norm=3.7182818,
+        out_numel=64,
     )  # fmt: skip
     n = dataclasses.replace(base, **over)
     return n if "params_scaled" in over else dataclasses.replace(n, params_scaled=n.params)
@@ -86,13 +87,6 @@ def test_constant_factor_is_named_from_the_degrees(cp, dp, factor, text, cause):
     assert "first bad parameter" not in f.diagnosis  # every parameter is off by the factor: no place to name
 
 
-def test_a_factor_that_is_not_one_of_the_degrees_is_not_a_reduction():
-    """A uniform 1.3×: no misplaced reduction over this job's ranks gives it; the one-run watcher cannot say
-    whether the step applied it on purpose, so it says so in a WARN instead of stopping the job."""
-    f = step_finding(numbers(grads=grads((0.3, 1.3, 1e-7), (0.3, 1.3, 1e-7))))
-    assert f.verdict is Verdict.WARN and "not a misplaced reduction" in f.diagnosis and "gradients are wrong" not in f.diagnosis
-
-
 def test_peers_differ_after_sync_is_the_missing_cp_reduction():
     n = numbers(grads=grads((0.5, 0.5, 0.6), (0.5, 0.5, 0.6)), peer_spread=0.8, sum_rel_err=1e-7)
     f = step_finding(n)
@@ -116,70 +110,115 @@ def test_output_gradients_differ_is_the_loss():
 
 
 SHARD = {"out_grad_differ": (1,), "out_grad_spread": 1.4, "out_grad_own_shard": True}
+EXACT = grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7))
+HALF = grads((0.5, 0.5, 1e-7), (0.5, 0.5, 1e-7))
+SHARD_MEAN = Expectation(loss_power=2.0, loss_why="a mean over its own shard (32 of the output's 64)", per_shard_loss=True)
+"""What factors.py reads of `F.mse_loss(shard)` and of `shard.sum() / shard.numel()` alike: λ = cp."""
+SHARD_FULL = Expectation(per_shard_loss=True)
+"""What it reads of `shard.sum() / out.numel()` and of `F.mse_loss(shard) / cp` alike: λ = 1."""
 
 
-def test_per_shard_loss_normalised_by_its_shard_names_the_factor():
-    """The graph shows a mean over exactly the local shard: the shards' sum weighs the loss cp× one process's."""
-    n = numbers(**SHARD, loss=(LossReading((), "mean", 32),), grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)))
-    f = step_finding(n)
-    assert f.verdict is Verdict.FAIL
-    assert "covers only its own shard" in f.diagnosis and "factor cp = 2" in f.diagnosis and "normalised by the local shard" in f.diagnosis
-    assert f.remedy.count("compute the loss on the full gathered output") == 1
+@pytest.mark.parametrize(("normaliser", "verdict"), [(SHARD_MEAN, Verdict.FAIL), (SHARD_FULL, Verdict.PASS)])
+def test_a_per_shard_loss_summed_over_cp_is_judged_by_its_normaliser_value(normaliser, verdict):
+    """The same numbers (each peer's shard, summed over CP: exactly the recomputed sum of the shards' losses), the
+    two normalisers: the shard's count weighs the loss cp× one process's (FAIL, factor cp), the full count is right."""
+    f = step_finding(numbers(**SHARD, grads=EXACT), normaliser)
+    assert f.verdict is verdict, f.diagnosis
+    if verdict is Verdict.FAIL:
+        assert "covers only its own shard" in f.diagnosis and "factor cp = 2" in f.diagnosis and "mean over its own shard" in f.diagnosis
+        assert f.remedy.count("compute the loss on the full gathered output") == 1
 
 
-def test_per_shard_loss_normalised_by_the_full_count_passes():
-    n = numbers(**SHARD, loss=(LossReading((Factor(1 / 64, True),), "sum"),), grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)))
-    assert step_finding(n).verdict is Verdict.PASS
-
-
-def test_per_shard_loss_with_a_normaliser_the_graph_hides_is_two_readings():
-    n = numbers(**SHARD, loss=(LossReading(()),), grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)))
-    f = step_finding(n)
-    assert f.verdict is Verdict.WARN and "cannot tell which reading" in f.diagnosis and "loss_scale" in f.remedy
+@pytest.mark.parametrize(("normaliser", "verdict"), [(SHARD_MEAN, Verdict.PASS), (SHARD_FULL, Verdict.FAIL)])
+def test_a_per_shard_loss_averaged_over_cp_is_judged_by_its_normaliser_value(normaliser, verdict):
+    """Averaged over the CP ranks the answers swap: the mean of the shards' means is one process's mean."""
+    f = step_finding(numbers(**SHARD, grads=HALF), normaliser)
+    assert f.verdict is verdict, f.diagnosis
 
 
 def test_loss_times_cp_then_mean_over_cp_is_the_convention():
     """NeMo Automodel / SimpleTuner: loss × cp, then a mean over the CP ranks: exactly 1/cp of the reference."""
-    n = numbers(loss=(LossReading((Factor(2.0, True),), "mean", 64),), grads=grads((0.5, 0.5, 1e-7), (0.5, 0.5, 1e-7)))
-    f = step_finding(n)
+    e = Expectation(loss_power=2.0, loss_why="the constant 2")
+    f = step_finding(numbers(grads=HALF), e)
     assert f.verdict is Verdict.PASS and "multiplied by 2 = cp" in f.diagnosis
 
 
-def test_mean_over_cp_without_the_factor_is_a_bug():
-    n = numbers(loss=(LossReading((), "mean", 64),), grads=grads((0.5, 0.5, 1e-7), (0.5, 0.5, 1e-7)))
-    f = step_finding(n)
-    assert f.verdict is Verdict.FAIL and "factor 1/cp" in f.diagnosis
+def test_mean_over_cp_without_the_factor_is_a_bug_named_from_its_reduction():
+    e = Expectation(reductions=(Reduction("DDP averages over its 2 ranks (the CP group)", 0.5),))
+    f = step_finding(numbers(grads=HALF), e)
+    assert f.verdict is Verdict.FAIL and "factor 1/cp" in f.diagnosis and "DDP averages over its 2 ranks" in f.diagnosis
+    assert "these events make it" in f.diagnosis
 
 
-def test_loss_times_cp_summed_over_cp_is_two_readings_not_a_fail():
-    n = numbers(loss=(LossReading((Factor(2.0, True),), "mean", 64),), grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)))
-    f = step_finding(n)
-    assert f.verdict is Verdict.WARN and "cannot tell which reading" in f.diagnosis
+def test_loss_times_cp_summed_over_cp_is_a_bug_not_two_readings():
+    """A factor cp on the loss that a sum over CP keeps: the gradients are cp× one process's, whatever the step meant."""
+    e = Expectation(
+        loss_power=2.0, loss_why="the constant 2", reductions=(Reduction("all_reduce(SUM) over ranks 0, 1 (the CP group)", 1.0),)
+    )
+    f = step_finding(numbers(grads=EXACT), e)
+    assert f.verdict is Verdict.FAIL and "factor cp = 2" in f.diagnosis and "the constant 2" in f.diagnosis
 
 
 def test_explicit_loss_scale_decides():
-    n = numbers(loss_scale=2.0, grads=grads((0.5, 0.5, 1e-7), (0.5, 0.5, 1e-7)))
-    assert step_finding(n).verdict is Verdict.PASS
-    n = numbers(loss_scale=2.0, grads=grads((1e-7, 1.0, 1e-7), (1e-7, 1.0, 1e-7)))
-    assert step_finding(n).verdict is Verdict.FAIL
+    said = Expectation(loss_power=2.0, loss_why="you said the CP step scales its loss by 2 (loss_scale=)", said=True)
+    assert step_finding(numbers(grads=HALF), said).verdict is Verdict.PASS
+    assert step_finding(numbers(grads=EXACT), said).verdict is Verdict.FAIL
 
 
-def test_grad_scaler_unscaled_before_the_read_passes():
-    n = numbers(loss=(LossReading((Factor(65536.0, False),), "mean", 64),), grads=grads(*[(1.0, 1 / 65536, 1e-7)] * 2))
-    f = step_finding(n)
-    assert f.verdict is Verdict.PASS and "GradScaler" in f.diagnosis
+@pytest.mark.parametrize("scale", [65536.0, 1024.0, 8.0, 3.0])
+def test_grad_scaler_unscaled_before_the_read_passes_whatever_its_scale(scale):
+    """The scale comes from GradScaler.unscale_'s event, so a small one is no different from a large one."""
+    e = Expectation(scale=scale, unscaled=scale)
+    f = step_finding(numbers(grads=grads(*[(1.0, 1 / scale, 1e-7)] * 2)), e)
+    assert f.verdict is Verdict.PASS and f"GradScaler's scale {scale:g}" in f.diagnosis
 
 
-def test_clipped_gradients_pass_and_an_unround_uniform_factor_warns():
-    clipped = numbers(grads=grads(*[(0.7, 0.3, 1e-7)] * 2), grad_norm=1.0000001)
-    f = step_finding(clipped)
-    assert f.verdict is Verdict.PASS and "clipped" in f.diagnosis
-    odd = numbers(grads=grads(*[(0.7, 0.3, 1e-7)] * 2), grad_norm=1.2345678)
-    assert step_finding(odd).verdict is Verdict.WARN
-    hidden = numbers(grads=grads(*[(0.5, 0.5, 1e-7)] * 2), grad_norm=1.0000001)  # 1/cp on gradients of norm 1.0
-    f = step_finding(hidden)
-    assert f.verdict is Verdict.WARN and "clip_grad_norm_(max_norm=1)" in f.diagnosis and "averaged over the CP ranks" in f.diagnosis
-    assert round_norm(0.5) == 0.5 and round_norm(1.2345678) is None and round_norm(0.010000003) == pytest.approx(0.01)
+def test_grad_scaler_still_scaled_at_the_read_passes():
+    e = Expectation(scale=1024.0)
+    assert step_finding(numbers(grads=EXACT), e).verdict is Verdict.PASS
+
+
+def test_a_skipped_optimizer_step_is_not_examined_never_a_fail():
+    """GradScaler found inf: the gradients (and the output gradients) are inf; nothing else is said."""
+    e = Expectation(scale=2.0**40, skipped="the GradScaler found inf/NaN in the gradients (scale 1.1e+12): it skips this optimizer step")
+    inf = tuple(RankGrad(r, float("nan"), float("inf"), 10, float("nan"), float("nan")) for r in (0, 1))
+    f = step_finding(numbers(grads=inf, out_grad_differ=(1,), out_grad_spread=float("nan"), peer_spread=float("nan")), e)
+    assert f.verdict is Verdict.UNSUPPORTED and f.diagnosis.startswith("not examined: the GradScaler found inf/NaN")
+    assert "loss is computed differently" not in f.diagnosis
+
+
+def test_a_clip_is_reported_and_never_hides_a_misplaced_reduction():
+    """The gradients reach the judge before the clip (its coefficient divided out on every rank): a 1/cp under an
+    active clip is a FAIL, a right step under the same clip a PASS that says how much it clipped."""
+    clip = (ClipNorm(0.01, 2.46, 0.01 / (2.46 + 1e-6)),)
+    wrong = Expectation(clips=clip, reductions=(Reduction("DDP averages over its 4 ranks (dp × cp: every rank)", 0.5),))
+    f = step_finding(numbers(grads=HALF), wrong)
+    assert f.verdict is Verdict.FAIL and "factor 1/cp" in f.diagnosis
+    right = step_finding(numbers(grads=EXACT), Expectation(clips=clip))
+    assert right.verdict is Verdict.PASS and "clip_grad_norm_(max_norm=0.01) multiplied the gradients by 0.004065" in right.diagnosis
+
+
+def test_a_uniform_factor_no_degree_gives_is_a_warning_with_both_readings():
+    """A uniform 0.37× is no misplaced reduction over this job's ranks: a scale the watcher did not see (a manual
+    clip) or a defect, said both ways; its size decides nothing."""
+    for factor in (0.37, 0.96, 1.3):
+        f = step_finding(numbers(grads=grads(*[(abs(1 - factor), factor, 1e-7)] * 2)))
+        assert f.verdict is Verdict.WARN and "no power of this job's degrees" in f.diagnosis, f.diagnosis
+        assert "clip_grad_norm_(max_norm" not in f.diagnosis
+
+
+def test_a_loss_the_watcher_cannot_read_makes_a_factor_a_warning():
+    e = Expectation(hidden=("CompiledFunctionBackward",))
+    f = step_finding(numbers(grads=HALF), e)
+    assert f.verdict is Verdict.WARN and "could not be read (CompiledFunctionBackward)" in f.diagnosis
+    assert step_finding(numbers(grads=EXACT), e).verdict is Verdict.PASS  # nothing to explain: said in the PASS
+
+
+def test_a_factor_of_the_degrees_fails_whether_it_multiplies_or_divides():
+    for cp, dp, factor, text in ((2, 2, 2.0, "cp"), (2, 2, 0.5, "1/cp"), (4, 1, 0.25, "1/cp"), (2, 3, 3.0, "dp"), (2, 3, 1 / 3, "1/dp")):
+        n = numbers(ring=cp, dp=dp, ranks=tuple(range(cp)), grads=grads(*[(abs(factor - 1), factor, 1e-7)] * cp))
+        f = step_finding(n)
+        assert f.verdict is Verdict.FAIL and f"factor {text} = {factor:g}" in f.diagnosis, f.diagnosis
 
 
 def test_one_parameter_far_out_fails_although_the_total_is_within():

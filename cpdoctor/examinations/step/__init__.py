@@ -1,16 +1,18 @@
 """The user's whole CP training step, examined against one process: `cpdoctor.watch_step` in a training script,
 `cpdoctor step path/to/train.py:function` for a script that exposes its step.
 
-watch.py (the context manager) → record.py (hooks: inputs, output gradient, weights, RNG) → reference.py (the
-same step in one fp64 process on each CP group's first rank) → measure.py (relations, numbers only) → judge.py
-(the rules table). request.py and probe.py are the command's; the collectives are launch/watcher_comm.py's."""
+watch.py (the context manager's lifetime) → record.py (hooks: inputs, output gradient, weights, RNG) and
+observe.py (what the step does to its gradients, as typed events: events.py, loss_graph.py) → examine.py (at
+the block's exit: agree.py through the store, grads.py, the baseline: reference.py's recomputation or the run
+without CP, factors.py what the events say the gradients must be, measure.py numbers, judge.py the rules).
+request.py and probe.py are the command's; the collectives are launch/watcher_comm.py's."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from cpdoctor.examinations.base import Examination
-from cpdoctor.examinations.step.request import CONTRACT, StepRequest
+from cpdoctor.examinations.step.request import CONTRACT, Role, StepRequest
 from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding, Verdict
 from cpdoctor.vocabulary import Kind
@@ -31,7 +33,7 @@ def model_degrees(model: Any) -> tuple[int, int]:
     when CP is not enabled on it (what `preflight(model=...)` reads the job's degrees from)."""
     from cpdoctor.compat import parallel_config as compat
     from cpdoctor.errors import BadInput
-    from cpdoctor.examinations.step.watch import unwrap
+    from cpdoctor.examinations.step.record import unwrap
 
     inner = unwrap(model)
     config = compat.parallel_config_of(inner)
@@ -66,22 +68,20 @@ class StepExamination(Examination):
         import dataclasses
         import tempfile
 
-        from cpdoctor.examinations.step.two_runs import Role, parameters_of, takes_degrees
+        from cpdoctor.examinations.step.two_runs import parameters_of, takes_degrees
         from cpdoctor.launch import under_torchrun
 
         request = request.validate()
         if takes_degrees(parameters_of(request.path, request.function)) and not under_torchrun():
-            return dataclasses.replace(request, role=Role.WITH_CP.value, workdir=tempfile.mkdtemp(prefix="cpdoctor-step-"))
-        return dataclasses.replace(request, role=Role.ONE_RUN.value)
+            return dataclasses.replace(request, role=Role.WITH_CP, workdir=tempfile.mkdtemp(prefix="cpdoctor-step-"))
+        return dataclasses.replace(request, role=Role.ONE_RUN)
 
     def stages(self, request: Any) -> list[tuple[list[Case], int]]:
         import dataclasses
 
-        from cpdoctor.examinations.step.two_runs import Role
-
-        if Role(request.role) is not Role.WITH_CP:
+        if request.role is not Role.WITH_CP:
             return [([Case(request)], request.world_size)]
-        without = dataclasses.replace(request, role=Role.WITHOUT_CP.value)
+        without = dataclasses.replace(request, role=Role.WITHOUT_CP)
         return [([Case(without)], request.dp or 1), ([Case(request)], request.world_size)]
 
     def finish(self, request: Any) -> None:
@@ -104,16 +104,14 @@ class StepExamination(Examination):
         """Every CP group's finding of every watched step (one finding per CP group and step). A reference that
         its memory plan refused everywhere is bad input for the command (exit 2, the plan and what fits)."""
         from cpdoctor.errors import BadInput
-        from cpdoctor.examinations.step.watch import TooLarge
+        from cpdoctor.examinations.step.evidence import TooLarge
 
         found = [f for report in evaluated.reports for f in report.findings]
         if found and all(isinstance(f.evidence, TooLarge) for f in found):
             raise BadInput(f"{case.request.target}: {found[0].evidence.plan}")
         if found:
             return found
-        from cpdoctor.examinations.step.two_runs import Role
-
-        if Role(case.request.role) is Role.WITHOUT_CP:
+        if case.request.role is Role.WITHOUT_CP:
             return []
         return [
             Finding(
@@ -133,9 +131,7 @@ class StepExamination(Examination):
         return failure_findings(self.describe(case.request), failures, timeout_s)
 
     def describe(self, request: StepRequest) -> str:
-        from cpdoctor.examinations.step.two_runs import Role
-
-        if Role(request.role) is Role.WITHOUT_CP:
+        if request.role is Role.WITHOUT_CP:
             return f"training step {request.target}, the run without CP on {request.dp or 1} rank(s)"
         return f"training step {request.target} on {request.world_size} ranks"
 

@@ -17,7 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cpdoctor.examinations.step.group import StepGroup
 from cpdoctor.examinations.step.measure import reference_out_grads
+from cpdoctor.examinations.step.messages import PeerRecord
+from cpdoctor.examinations.step.record import Recorded
 from cpdoctor.model_zoo import memory
 from cpdoctor.vocabulary import DType
 
@@ -26,9 +29,11 @@ class Baseline(Protocol):
     name: str
     needs_inputs: bool
     """Whether the CP group's first rank must keep the model's inputs and weights (to recompute the step)."""
+    needs_weights_digest: bool
+    """Whether the watch fingerprints the weights it starts from (two runs: the same weights in both?)."""
     ref_output: Any
 
-    def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
+    def expected(self, group: StepGroup, recorded: Recorded, records: list[PeerRecord], names: list[str]) -> Any:
         """On a CP group's first rank: this group's flat expected gradient (float32, in `names` order)."""
 
     def combine(self, own: Any, n_groups: int) -> Any:
@@ -37,11 +42,15 @@ class Baseline(Protocol):
     def output(self, hooks: Any) -> Any:
         """The watched step's output to compare with `ref_output` (None when there is none)."""
 
+    def unmatched(self) -> bool:
+        """Whether the baseline holds no run of this CP group's inputs and weights (two runs: nothing to compare)."""
+
 
 class OneProcessReference:
     """The step recomputed in one process from what the CP group's first rank recorded."""
 
     needs_inputs = True
+    needs_weights_digest = False
 
     def __init__(self, precision: str = "fp64") -> None:
         self.precision = precision
@@ -50,16 +59,16 @@ class OneProcessReference:
         self.name = f"one {precision} process recomputing the recorded step"
         self.ref_output: Any = None
 
-    def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
+    def expected(self, group: StepGroup, recorded: Recorded, records: list[PeerRecord], names: list[str]) -> Any:
         from cpdoctor.compat import parallel_config as compat
         from cpdoctor.examinations.step.reference import Precision, ReferenceTooLarge, reference_plan, reference_step
-        from cpdoctor.examinations.step.watch import compute_dtype
 
-        out_grads = reference_out_grads(records, compat.output_gather_dim(watch.module))
+        hooks = recorded.hooks
+        out_grads = reference_out_grads(records, compat.output_gather_dim(recorded.module))
         calls = [(f.args, f.kwargs, g) for f, g in zip(hooks.calls, out_grads)]
-        device = watch._device() if str(watch._device()) != "meta" else "cpu"
-        low = DType(compute_dtype(watch.module, [f.out_dtype for f in hooks.calls])).is_half
-        native = Precision(*hooks.autocast, compat.attention_backend_of(watch.module)) if low else None
+        device = recorded.device if str(recorded.device) != "meta" else "cpu"
+        low = DType(recorded.dtype).is_half
+        native = Precision(*hooks.autocast, compat.attention_backend_of(recorded.module)) if low else None
         trainable = int(records[0].grads.numel())
         peers = len(records)
         self.plan = reference_plan(hooks.weights, trainable, self.precision, native is not None, memory.available_memory(device), peers)
@@ -71,7 +80,7 @@ class OneProcessReference:
                 f"{fits}; `cpdoctor step path/train.py:fn --ring R` with a function that takes its degrees needs no copy "
                 "(two runs); `cpdoctor model MODEL --blocks N` slices a checkpoint to the blocks that fit",
             )
-        result = reference_step(watch.module, hooks.weights, calls, names, self.precision, device, native)
+        result = reference_step(recorded.module, hooks.weights, calls, names, self.precision, device, native)
         self.ref_output = result.outputs[0] if result.outputs else None
         self.native = result.native
         return result.grads
@@ -87,6 +96,9 @@ class OneProcessReference:
 
     def output(self, hooks: Any) -> Any:
         return hooks.calls[0].output if hooks.calls else None
+
+    def unmatched(self) -> bool:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,7 +150,7 @@ class RecordedRun:
         self.matched: int | None = None
         """The rank of the run without CP whose inputs this CP group fed (None: matched by group order)."""
 
-    def expected(self, watch: Any, hooks: Any, records: list[Any], names: list[str]) -> Any:
+    def expected(self, group: StepGroup, recorded: Recorded, records: list[PeerRecord], names: list[str]) -> Any:
         import torch
         from safetensors import safe_open
 
@@ -147,24 +159,23 @@ class RecordedRun:
             (
                 int(f.split("rank")[1].split(".")[0])
                 for f in os.listdir(self.directory)
-                if f.startswith(f"step{watch.seq}-") and f.endswith(".json")
+                if f.startswith(f"step{group.seq}-") and f.endswith(".json")
             ),
         )
         if not saved:
-            raise RuntimeError(f"the run without CP left no gradients for watched step {watch.seq} in {self.directory}")
+            raise RuntimeError(f"the run without CP left no gradients for watched step {group.seq} in {self.directory}")
         choice = None
         for rank in saved:
-            with open(SavedStep(self.directory, rank, watch.seq).meta, encoding="utf-8") as fh:
+            with open(SavedStep(self.directory, rank, group.seq).meta, encoding="utf-8") as fh:
                 meta = json.load(fh)
-            if [tuple(p) for p in meta["prints"]] == mine and meta.get("weights") == watch.weights:
+            if [tuple(p) for p in meta["prints"]] == mine and meta.get("weights") == recorded.weights_digest:
                 choice = rank
                 break
         self.matched = choice
         if choice is None:
-            group = list(watch.leaders).index(watch.ranks[0])
-            choice = saved[group % len(saved)]
+            choice = saved[group.group_number % len(saved)]
         parts = []
-        with safe_open(SavedStep(self.directory, choice, watch.seq).tensors, "pt") as fh:
+        with safe_open(SavedStep(self.directory, choice, group.seq).tensors, "pt") as fh:
             keys = set(fh.keys())
             lacking = [n for n in names if n not in keys]
             if lacking:
@@ -178,3 +189,6 @@ class RecordedRun:
 
     def output(self, hooks: Any) -> Any:
         return None
+
+    def unmatched(self) -> bool:
+        return self.matched is None

@@ -2,31 +2,51 @@
 uses): the watcher is entered now, records the model's next forward and backward, and is closed by the first
 `optimizer.step()` of any optimizer (torch's global optimizer step pre-hook), which is where the user's
 gradient sync has happened and the weights have not moved yet. `on_report` receives the Report on every rank
-before that optimizer step runs, so it can stop the job before it learns from a wrong gradient."""
+before that optimizer step runs, so it can stop the job before it learns from a wrong gradient.
+
+A step the optimizer never takes (GradScaler found inf/NaN, the usual start of fp16 training, and skipped
+`optimizer.step()`) is not examined: the watch is dropped at the skip and armed again for the next step, so the
+examination is of the first step the optimizer takes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from cpdoctor.examinations.step.observe import OBSERVING
 from cpdoctor.examinations.step.watch import StepWatch
 from cpdoctor.report import Report
 
 
 class FirstStep:
-    """An armed watch of the next training step; `report` once the first optimizer step has begun."""
+    """An armed watch of the next training step the optimizer takes; `report` once its optimizer step has begun."""
 
     def __init__(
         self, model: Any, on_report: Callable[[Report], None] | None = None, reference: str = "fp64", loss_scale: float | None = None
     ) -> None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        self.watch = StepWatch(model, reference=reference, loss_scale=loss_scale).__enter__()
+        self.model, self.reference, self.loss_scale = model, reference, loss_scale
         self.on_report = on_report
         self.report: Report | None = None
-        self._handle = register_optimizer_step_pre_hook(self._close)
+        self.skipped = 0
+        """Steps the optimizer skipped before the one examined (each re-armed the watch)."""
+        self.watch = self._arm()
+        self._listening = True
+        OBSERVING.listen_steps(self._close)  # after the watch's own look at the gradients at that step
+
+    def _arm(self) -> StepWatch:
+        watch = StepWatch(self.model, reference=self.reference, loss_scale=self.loss_scale)
+        watch.on_skip = self._rearm
+        return watch.__enter__()
+
+    def _rearm(self) -> None:
+        """The GradScaler skipped this optimizer step: drop what the watch saw and watch the next step."""
+        self.watch.discard()
+        self.skipped += 1
+        self.watch = self._arm()
 
     def _close(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._listening:
+            return
         self.cancel()
         self.watch.__exit__(None, None, None)
         self.report = self.watch.report
@@ -35,13 +55,13 @@ class FirstStep:
 
     def cancel(self) -> None:
         """Stop waiting for an optimizer step (the watcher's own hooks go at its exit)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._listening:
+            OBSERVING.stop_listening(self._close)
+            self._listening = False
 
 
 def watch_first_step(
     model: Any, on_report: Callable[[Report], None] | None = None, *, reference: str = "fp64", loss_scale: float | None = None
 ) -> FirstStep:
-    """Arm the step examination on `model`'s next training step, closed by the first optimizer.step()."""
+    """Arm the step examination on `model`'s next training step the optimizer takes, closed by its optimizer.step()."""
     return FirstStep(model, on_report, reference, loss_scale)

@@ -1,30 +1,30 @@
-"""From a CP group's step numbers to a finding: a table of rules over measured relations (judging.Rule), each
-with its remedy. The rules never know which fault was injected; they read what the numbers say: inputs that
-differ between CP peers, output gradients that differ (and whether each is confined to its own shard),
-gradients that differ between peers after the sync, gradients a constant factor off the expected ones, RNG
-states that part, and what is left when all of that is right (the attention, or the model's CP path).
+"""From a CP group's step numbers and events to a finding: a table of rules over measured relations and observed
+events (judging.Rule), each with its remedy. The rules never know which fault was injected; they read what the
+numbers say (inputs that differ between CP peers, output gradients that differ and whether each is confined to
+its own shard, gradients that differ between peers after the sync, RNG states that part) and what the events
+say the gradients must be (factors.py: the loss's factors of the degrees, the GradScaler's unscaling, a clip
+divided out), and, when they are off by a uniform factor, which observed reductions and loss factors make it.
 
 Tolerance. The expected gradients come from one process; a correct fp32 CP step lands ~1e-7–1e-6 from them
 on the tiny models (docs/FACTS.md), the defects this examination exists for at 1e-2 and beyond, or at an exact
-factor. A no-CP baseline in the step's own dtype (what `judging.tolerance` builds on) would cost a second
-forward+backward, so the tolerance is fixed per dtype the step computed in (`DType.grad_tolerance`; under autocast that
-is the autocast dtype, not the weights'): far above rounding, far below every defect measured. A parameter whose
-own error is PARAM_SLACK× the tolerance fails the step even when the total is within it (a defect confined to
-the attention's K/V projections hides in the total of a large model).
+factor. The tolerance is fixed per dtype the step computed in (`DType.grad_tolerance`; under autocast the
+autocast dtype), or BASELINE_SLACK × the same step without CP in its own dtypes for bf16/fp16. A parameter
+whose own error is PARAM_SLACK× the tolerance fails the step even when the total is within it.
 
-Which uniform factor a healthy step shows is readings.py's: a loss scaled by cp, GradScaler, clipping. Where
-the numbers fit a convention and a bug alike, the verdict is WARN with both readings, never a FAIL that stops a
-healthy job; RNG states that part while the gradients are right are a WARN (harmless until something draws)."""
+A uniform factor between the step and one process is a FAIL when it is a power of the job's degrees (the
+signature of a reduction over the job's ranks, named from the events that produce it), and a WARN with both
+readings when it is not (a scale the watcher did not see) or when the loss's factors could not all be read. A
+step the optimizer skips is not examined. RNG states that part while the gradients are right are a WARN."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 from cpdoctor.examinations.judging import Aspect, Rule, diagnosis_of, spoken_rules
+from cpdoctor.examinations.step.factors import Expectation, Power, degree_powers, power_of
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
-from cpdoctor.examinations.step.readings import Harmless, LossScale, harmless_factors, loss_scale, round_norm
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
 from cpdoctor.vocabulary import DType
 
@@ -50,7 +50,8 @@ SHARD_LOSS_REMEDY = (
 )
 CP_SUM_REMEDY = (
     "sum the parameter gradients over the CP group after backward (dist.all_reduce(p.grad, op=SUM, group=cp_group), "
-    "the group of the model's CP mesh), then average over the data-parallel ranks only"
+    "the group of the model's CP mesh), then average over the data-parallel ranks only; or multiply the loss by cp "
+    "where a reduction averages over the CP ranks (DDP or FSDP over a mesh that includes them)"
 )
 DP_REMEDY = "average the gradients over the data-parallel ranks (DDP over the data-parallel group, or all_reduce then divide by dp)"
 ATTENTION_REMEDY = "cpdoctor.patch() before the first step (cpdoctor.preflight(...) does it when the fix is exact)"
@@ -59,11 +60,17 @@ RNG_REMEDY = (
     "rank; no rank-only draws such as dropout or logging samples between seeding and the step); `cpdoctor env` "
     "measures whether the attention op itself consumes RNG"
 )
+READINGS_REMEDY = (
+    "tell the watcher what your CP step scales its loss by (watch_step(model, loss_scale=...)), or run "
+    "`cpdoctor step path/to/train.py:function --ring R` with a function that takes its degrees: it compares with the same code "
+    "run without CP"
+)
+SKIP_REMEDY = "nothing to do for this step: the next step the optimizer takes is examined (preflight's armed watch re-arms)"
 
 
 @dataclass(frozen=True)
 class Factor:
-    """A candidate constant factor: its value, how it is written, and the reduction that produces it."""
+    """A candidate constant factor: its value, how it is written, and what produces it."""
 
     value: float
     text: str
@@ -71,30 +78,33 @@ class Factor:
     remedy: str
 
 
+CAUSES = {
+    (-1, 0): (
+        "the gradients were averaged over the CP ranks instead of summed: a data-parallel wrapper (DDP, FSDP) or an "
+        "all_reduce(AVG) over a group that includes the CP ranks, with no factor cp on the loss to make up for it",
+        CP_SUM_REMEDY,
+    ),
+    (1, 0): (
+        "the CP ranks' contributions were summed on top of a loss that already weighs each shard at full weight (a "
+        "loss normalised by the local shard, or multiplied by cp, then summed over the CP group), or the CP reduction ran twice",
+        SHARD_LOSS_REMEDY + "; or reduce over the CP group once, and multiply the loss by cp only where the reduction averages",
+    ),
+    (0, 1): ("the gradients were summed over the data-parallel replicas instead of averaged", "average over the data-parallel ranks"),
+    (0, -1): ("the gradients were averaged over the data-parallel ranks twice", "average over the data-parallel ranks once"),
+    (-1, -1): (
+        "the gradients were averaged over every rank of the world: over the CP ranks as well as the data-parallel ones",
+        CP_SUM_REMEDY,
+    ),
+    (1, 1): ("the gradients were summed over every rank of the world on top of per-shard losses", SHARD_LOSS_REMEDY),
+    (1, -1): ("the gradients were averaged over the data-parallel ranks and scaled by the CP size", CP_SUM_REMEDY),
+    (-1, 1): ("the gradients were averaged over the CP ranks and summed over the data-parallel ones", CP_SUM_REMEDY),
+}
+"""What a misplaced reduction over the CP (a) and data-parallel (b) dimensions multiplies the gradients by: cp^a × dp^b."""
+
+
 def factor_candidates(cp: int, dp: int) -> tuple[Factor, ...]:
     """cp^a × dp^b for a, b in {-1, 0, 1}, CP first: what a misplaced mean or sum over one of the job's dimensions
     multiplies the gradients by."""
-    causes = {
-        (-1, 0): (
-            "the gradients were averaged over the CP ranks instead of summed: a data-parallel wrapper (DDP, "
-            "FSDP) or an all_reduce(AVG) over a group that includes the CP ranks",
-            CP_SUM_REMEDY,
-        ),
-        (1, 0): (
-            "the CP ranks' contributions were summed on top of a loss already covering each shard at full weight "
-            "(a loss normalised by the local shard and then summed over the CP group), or the CP reduction ran twice",
-            SHARD_LOSS_REMEDY + "; or reduce over the CP group once",
-        ),
-        (0, 1): ("the gradients were summed over the data-parallel replicas instead of averaged", "average over the data-parallel ranks"),
-        (0, -1): ("the gradients were averaged over the data-parallel ranks twice", "average over the data-parallel ranks once"),
-        (-1, -1): (
-            "the gradients were averaged over every rank of the world: over the CP ranks as well as the data-parallel ones",
-            CP_SUM_REMEDY,
-        ),
-        (1, 1): ("the gradients were summed over every rank of the world on top of per-shard losses", SHARD_LOSS_REMEDY),
-        (1, -1): ("the gradients were averaged over the data-parallel ranks and scaled by the CP size", CP_SUM_REMEDY),
-        (-1, 1): ("the gradients were averaged over the CP ranks and summed over the data-parallel ones", CP_SUM_REMEDY),
-    }
     out = []
     for a, b in sorted(product((-1, 0, 1), repeat=2), key=lambda ab: (abs(ab[1]), abs(ab[0]), -ab[0])):
         if (a, b) == (0, 0) or (b and dp == 1) or (a and cp == 1):
@@ -105,15 +115,16 @@ def factor_candidates(cp: int, dp: int) -> tuple[Factor, ...]:
         num = [n for n, e in (("cp", a), ("dp", b)) if e == 1]
         den = [n for n, e in (("cp", a), ("dp", b)) if e == -1]
         text = ("·".join(num) or "1") + (f"/{'·'.join(den)}" if den else "")
-        out.append(Factor(value, text, *causes[(a, b)]))
+        out.append(Factor(value, text, *CAUSES[(a, b)]))
     return tuple(out)
 
 
 @dataclass(frozen=True)
 class StepSignature:
-    """The facts of one CP group's step that the rules read."""
+    """The facts of one CP group's step that the rules read: its numbers, and what its events say."""
 
     n: StepNumbers
+    e: Expectation = field(default_factory=Expectation)
 
     @property
     def tol(self) -> float:
@@ -129,8 +140,22 @@ class StepSignature:
         return PARAM_SLACK * max(self.tol, BASELINE_SLACK * base)
 
     @property
+    def expected(self) -> float:
+        """F / R for a correct step: what the events say (one run); 1 with two runs (the reference is the same code)."""
+        return self.e.factor if self.n.recomputed else 1.0
+
+    @property
     def nonfinite(self) -> int:
         return sum(g.nonfinite for g in self.n.grads)
+
+    @property
+    def skipped(self) -> str | None:
+        """Why this step is not examined: the optimizer skips it (GradScaler overflow), or its gradients are not finite."""
+        if self.e.skipped:
+            return self.e.skipped
+        if self.nonfinite:
+            return f"{self.nonfinite} gradient values are not finite (NaN/Inf) after the sync: an optimizer step on them is skipped or ruins the weights"
+        return None
 
     @property
     def peers_differ(self) -> bool:
@@ -140,9 +165,9 @@ class StepSignature:
     def worst(self) -> RankGrad:
         return max(self.n.grads, key=lambda g: g.rel_err)
 
-    @property
-    def scale(self) -> LossScale:
-        return loss_scale(self.n)
+    def ratio(self, g: RankGrad) -> float:
+        """A rank's uniform factor against what one process computes."""
+        return g.factor / self.expected
 
     @property
     def uniform(self) -> bool:
@@ -150,77 +175,53 @@ class StepSignature:
         return not self.peers_differ and self.worst.residual <= self.tol and self.worst.factor > 0
 
     @property
-    def clip_norm(self) -> float | None:
-        """The max_norm the gradients' total norm sits at, when it is a round number (a clip's signature)."""
-        return round_norm(self.n.grad_norm) if self.n.recomputed else None
-
-    @property
     def factor_tol(self) -> float:
-        """How close (relative) a least-squares factor must sit to a candidate: 10 tolerances, at most 5 % (the
-        candidates are at least 1.5× apart; the factor itself is far more precise than the residual around it)."""
+        """How close (relative) a factor must sit to 1 or to a candidate: 10 tolerances, at most 5 % (the factor
+        itself is far more precise than the residual around it)."""
         return min(10 * self.tol, 0.05)
 
-    def _candidate(self, scale: LossScale) -> Factor | None:
-        c1 = self.worst.factor * scale.value
-        return next((f for f in factor_candidates(self.n.cp, self.n.dp) if abs(c1 - f.value) <= self.factor_tol * f.value), None)
-
-    def explained_by(self, scale: LossScale) -> Harmless | None:
-        """The healthy factor the uniform factor is, under `scale`: 1/s_cp, a GradScaler's unscaling, a clip (a
-        clip only where no misplaced reduction fits the same factor: that is the `clip_or_reduction` case)."""
+    @property
+    def off(self) -> float | None:
+        """The uniform factor between the step and one process, when there is one other than 1."""
         if not self.uniform:
             return None
-        c = self.worst.factor
-        healthy = harmless_factors(self.n, scale.value)
-        for h in healthy:
-            if abs(c - h.factor) <= self.factor_tol * h.factor:
-                return h
-        if self.clip_norm is not None and c < max(h.factor for h in healthy) and self._candidate(scale) is None:
-            return Harmless(c, f"clipped: their total norm is {self.clip_norm:g}, clip_grad_norm_'s max_norm")
+        r = self.ratio(self.worst)
+        return None if abs(r - 1) <= self.factor_tol else r
+
+    @property
+    def power(self) -> Power | None:
+        """The degree power the uniform factor is (a misplaced reduction's signature), None when it is none."""
+        r = self.off
+        if r is None:
+            return None
+        for p in degree_powers(self.n.ring, self.n.ulysses, self.n.dp):
+            if abs(r - p.value) <= self.factor_tol * p.value:
+                return p
         return None
 
-    def bug_factor(self, scale: LossScale) -> Factor | None:
-        """The misplaced reduction the uniform factor is, under `scale` (None when it is healthy or no candidate)."""
-        if not self.uniform or self.explained_by(scale) is not None:
+    @property
+    def candidate(self) -> Factor | None:
+        p = self.power
+        if p is None:
             return None
-        return self._candidate(scale)
+        return next((f for f in factor_candidates(self.n.cp, self.n.dp) if math.isclose(f.value, p.value, rel_tol=1e-9)), None)
 
     @property
-    def clip_or_reduction(self) -> bool:
-        """The factor of a misplaced reduction, on gradients whose norm is a round number: a clip to that max_norm
-        gives the same numbers (and hides the reduction in this step)."""
-        return self.factor is not None and self.clip_norm is not None
+    def explained(self) -> bool:
+        """The seen reductions and unscaling give the measured factor: nothing the watcher missed acted."""
+        c = self.worst.factor
+        ev = self.e.events_factor
+        return self.n.recomputed and ev > 0 and abs(c - ev) <= self.factor_tol * ev
 
     @property
-    def harmless(self) -> Harmless | None:
-        return self.explained_by(self.scale)
-
-    @property
-    def factor(self) -> Factor | None:
-        """The candidate factor the gradients sit at (relative to one process), when it is not a healthy one."""
-        return self.bug_factor(self.scale)
-
-    @property
-    def readings_disagree(self) -> LossScale | None:
-        """The other reading, when the step's own readings split: one says healthy, the other a bug."""
-        other = self.scale.other
-        if other is None or not self.uniform:
-            return None
-        first, second = self.harmless is not None, self.explained_by(other) is not None
-        if first and not second:
-            return None if self.scale.confident else other
-        return other if second and not first else None
-
-    @property
-    def unexplained_uniform(self) -> bool:
-        """A uniform factor that is neither healthy nor a known misplaced reduction."""
-        return self.uniform and self.harmless is None and self.factor is None and not self.loss_differs
+    def loss_unread(self) -> tuple[str, ...]:
+        """Why the loss's factors may not all have been read (its expectation may be wrong)."""
+        return () if self.e.said or not self.n.recomputed else self.e.hidden
 
     def rank_error(self, g: RankGrad) -> float:
-        """A rank's error against what one process computes: after the healthy factor when one explains the
-        uniform part, else against R/s_cp."""
-        if self.harmless is not None:
-            return g.residual
-        c1 = g.factor * self.scale.value
+        """A rank's error against what one process computes: the factor's distance from the expected one and the
+        residual after it."""
+        c1 = self.ratio(g)
         return math.sqrt((c1 - 1) ** 2 + (c1 * g.residual) ** 2) if math.isfinite(g.residual) else g.rel_err
 
     @property
@@ -237,11 +238,14 @@ class StepSignature:
         return bool(self.bad_ranks) or bool(self.bad_params)
 
     @property
+    def dp_missing(self) -> bool:
+        return self.grads_bad and self.n.own_rel_err is not None and self.n.own_rel_err <= self.tol
+
+    @property
     def only_gradients_wrong(self) -> bool:
         """Inputs, loss and reduction right: the peers agree on everything and no constant factor explains the error
         (where naming the first bad parameter and block says something)."""
-        dp_missing = self.n.own_rel_err is not None and self.n.own_rel_err <= self.tol
-        return not (self.n.inputs_differ or self.loss_differs or self.peers_differ or self.factor is not None or dp_missing)
+        return not (self.n.inputs_differ or self.loss_differs or self.peers_differ or self.off is not None or self.dp_missing)
 
     @property
     def loss_differs(self) -> bool:
@@ -271,6 +275,10 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+def _skip_text(s: StepSignature) -> str:
+    return f"not examined: {s.skipped}"
+
+
 def _inputs_text(s: StepSignature) -> str:
     parts = [f"{d.name} on rank {_ranks(d.different)} (rank {_ranks(d.same_as_first)} had another)" for d in s.n.inputs_differ]
     text = "the model's inputs differ between CP peers, which must all feed the same full inputs: " + "; ".join(parts)
@@ -286,7 +294,7 @@ def _inputs_text(s: StepSignature) -> str:
 def _shard_text(s: StepSignature) -> str:
     return (
         f"each CP rank's loss covers only its own shard of the gathered output (the output gradient of rank "
-        f"{_ranks(s.n.ranks)} is zero outside its own chunk); {s.scale.why}"
+        f"{_ranks(s.n.ranks)} is zero outside its own chunk)"
     )
 
 
@@ -318,52 +326,58 @@ def _dp_text(s: StepSignature) -> str:
     )
 
 
+def _seen(s: StepSignature) -> str:
+    """What the watcher saw that makes the factor: the loss's factors of the degrees and the reductions."""
+    parts = []
+    if s.n.recomputed:
+        if s.e.loss_why:
+            parts.append(f"the loss carries {s.e.loss_power:g} ({s.e.loss_why})")
+        else:
+            parts.append("the loss carries no factor of the degrees")
+    made = [r.text for r in s.e.reductions]
+    parts.append("the gradients went through " + "; ".join(made) if made else "no reduction of the gradients was seen")
+    if s.e.unobserved:
+        parts.append("not readable: " + "; ".join(s.e.unobserved))
+    return "; ".join(parts)
+
+
 def _factor_text(s: StepSignature) -> str:
-    f = s.factor
-    assert f is not None
-    c1 = s.worst.factor * s.scale.value
-    said = f" ({s.scale.why})" if s.scale.why else ""
+    p = s.power
+    assert p is not None and s.off is not None
+    f = s.candidate
+    cause = f": {f.cause}" if f is not None else ""
+    said = (
+        "these events make it"
+        if s.explained
+        else "a scaling of the gradients the watcher did not see makes part of it (a manual division, a comm hook, a reduction inside a compiled region)"
+    )
+    name = f.text if f is not None else p.text  # cp^a · dp^b where one fits: what a misplaced reduction is named by
     return (
-        f"every rank's gradients are exactly {c1:.4g}× what one process computes (factor {f.text} = {f.value:g} at "
-        f"{s.layout}; residual {s.worst.residual:.2g}){said}: {f.cause}"
+        f"every rank's gradients are exactly {s.off:.4g}× what one process computes (factor {name} = {p.value:g} at "
+        f"{s.layout}; residual {s.worst.residual:.2g}); the watcher saw: {_seen(s)}; {said}{cause}"
     )
 
 
-def _readings_text(s: StepSignature) -> str:
-    other = s.readings_disagree
-    assert other is not None
-    mine_ok = s.harmless is not None
-    c = s.worst.factor
-    first = f"if {s.scale.why}, the step is {'right' if mine_ok else 'wrong'}"
-    second = f"if {other.why}, it is {'right' if not mine_ok else 'wrong'}"
+def _factor_remedy(s: StepSignature) -> str:
+    f = s.candidate
+    if f is not None:
+        return f.remedy
+    return CP_SUM_REMEDY
+
+
+def _unread_text(s: StepSignature) -> str:
     return (
-        f"every rank's gradients are exactly {c:.4g}× the recomputed reference's, and the step alone cannot tell which reading "
-        f"holds: {first}; {second}"
+        f"every rank's gradients are exactly {s.off:.4g}× what the loss's readable factors give (residual {s.worst.residual:.2g}); "
+        f"part of the loss could not be read ({'; '.join(s.loss_unread)}): if it carries that factor the step is right, "
+        f"otherwise it is wrong by {s.off:.4g}; the watcher saw: {_seen(s)}"
     )
 
 
-READINGS_REMEDY = (
-    "tell the watcher what your CP step scales its loss by (watch_step(model, loss_scale=...)), or run "
-    "`cpdoctor step path/to/train.py:function --ring R` with a function that takes its degrees: it compares with the same code "
-    "run without CP"
-)
-
-
-def _clip_text(s: StepSignature) -> str:
-    f = s.factor
-    assert f is not None
+def _unseen_text(s: StepSignature) -> str:
     return (
-        f"every rank's gradients are exactly {s.worst.factor * s.scale.value:.4g}× what one process computes and their total "
-        f"norm is {s.clip_norm:g}: either clip_grad_norm_(max_norm={s.clip_norm:g}) clipped them (right), or {f.cause} "
-        f"(factor {f.text}); a clip hides the difference in this step"
-    )
-
-
-def _uniform_text(s: StepSignature) -> str:
-    return (
-        f"every rank's gradients are exactly {s.worst.factor * s.scale.value:.4g}× what one process computes (residual "
-        f"{s.worst.residual:.2g}), a factor that is not a misplaced reduction over this job's ranks ({s.layout}): a scale "
-        "applied after the backward (clipping, unscaling, a factor on the loss) or a reduction this watcher cannot see"
+        f"every rank's gradients are exactly {s.off:.4g}× what one process computes (residual {s.worst.residual:.2g}), a "
+        f"factor that is no power of this job's degrees ({s.layout}): if the step scaled them by it on purpose where the "
+        f"watcher cannot see (a manual clip or unscaling), the step is right, otherwise not; the watcher saw: {_seen(s)}"
     )
 
 
@@ -389,6 +403,18 @@ def _attention_text(s: StepSignature) -> str:
     return (
         text + f"; {fwd}: out {s.n.out_rel_err:.2g}): the model's CP path, most often the attention; the op-level check at "
         f"this job's degrees: `{attention_command(s)}`"
+    )
+
+
+def _partial_loss_text(s: StepSignature) -> str:
+    why = "a term of the loss reaches the weights without passing through the model's output (its gradient is not recomputed)"
+    if not s.e.param_paths:
+        why = "; ".join(s.loss_unread)
+    worst = max(s.n.grads, key=s.rank_error)
+    return (
+        f"the gradients are {s.rank_error(worst):.2g} from the recomputed reference (tolerance {s.tol:.2g}), but the "
+        f"reference cannot hold the whole loss: {why}; run `cpdoctor step` with a function that takes its degrees to compare "
+        "with the same code without CP"
     )
 
 
@@ -423,6 +449,10 @@ def _rng_text(s: StepSignature) -> str:
     )
 
 
+def _gradients_wrong(s: StepSignature) -> bool:
+    return (s.grads_bad and s.off is None) or bool(s.bad_params)
+
+
 @dataclass(frozen=True)
 class StepRule(Rule[StepSignature]):
     """One line of the step's diagnosis (a judging.Rule: when `applies`, say `says`, offer `remedies` and
@@ -439,40 +469,42 @@ class StepRule(Rule[StepSignature]):
 # fmt: skip on this table: one rule a line reads as a table (condition, text, remedy, verdict); the formatter
 # would spread each rule over five lines and the table over sixty.
 RULES: tuple[StepRule, ...] = (
-    StepRule(Aspect.CAUSE, "non-finite gradients", lambda s: s.nonfinite > 0,
-             lambda s: f"{s.nonfinite} non-finite gradient values (NaN/Inf) after the sync", ("check the loss scale and the dtype",)),
+    StepRule(Aspect.CAUSE, "not examined", lambda s: s.skipped is not None, _skip_text, (SKIP_REMEDY,), verdict=Verdict.UNSUPPORTED),
     StepRule(Aspect.CAUSE, "inputs differ between CP peers", lambda s: bool(s.n.inputs_differ), _inputs_text, (SEED_REMEDY,)),
     StepRule(Aspect.CAUSE, "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
     StepRule(Aspect.CAUSE, "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
-    StepRule(Aspect.CAUSE, "DP averaging missing", lambda s: s.grads_bad and s.n.own_rel_err is not None and s.n.own_rel_err <= s.tol, _dp_text, (DP_REMEDY,)),
-    StepRule(Aspect.CAUSE, "two readings", lambda s: s.readings_disagree is not None, _readings_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule(Aspect.CAUSE, "clipped or reduced", lambda s: s.clip_or_reduction, _clip_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule(Aspect.CAUSE, "constant factor", lambda s: s.factor is not None, _factor_text, remedy_of=lambda s: s.factor.remedy if s.factor else ""),
-    StepRule(Aspect.CAUSE, "uniform factor", lambda s: s.unexplained_uniform, _uniform_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule(Aspect.CAUSE, "gradients wrong", lambda s: s.grads_bad and s.harmless is None or bool(s.bad_params), _attention_text, (ATTENTION_REMEDY,), names_attention=True),
-    StepRule(Aspect.SHARD, "per-shard loss", lambda s: s.n.out_grad_own_shard and (s.factor is not None or s.readings_disagree is not None), _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
+    StepRule(Aspect.CAUSE, "DP averaging missing", lambda s: s.dp_missing, _dp_text, (DP_REMEDY,)),
+    StepRule(Aspect.CAUSE, "loss not all read", lambda s: s.off is not None and bool(s.loss_unread), _unread_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "factor of the degrees", lambda s: s.power is not None, _factor_text, remedy_of=_factor_remedy),
+    StepRule(Aspect.CAUSE, "unseen scale", lambda s: s.off is not None, _unseen_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "loss partly outside the reference", lambda s: _gradients_wrong(s) and (s.e.param_paths or bool(s.loss_unread)) and s.n.recomputed, _partial_loss_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "gradients wrong", _gradients_wrong, _attention_text, (ATTENTION_REMEDY,), names_attention=True),
+    StepRule(Aspect.SHARD, "per-shard loss", lambda s: s.n.out_grad_own_shard and s.off is not None, _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
     StepRule(Aspect.RNG, "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), verdict=Verdict.WARN),
     StepRule(Aspect.WHERE, "first bad parameter", lambda s: s.grads_bad and s.only_gradients_wrong, _where_text, decides=False),
 )  # fmt: skip
 
 
 def spoken(s: StepSignature) -> list[StepRule]:
-    """The first applying rule of each aspect, in table order."""
-    return spoken_rules(RULES, s)
+    """The first applying rule of each aspect, in table order; a step that is not examined says nothing else."""
+    rules = spoken_rules(RULES, s)
+    return rules[:1] if rules and rules[0].verdict is Verdict.UNSUPPORTED else rules
 
 
 def verdict_of(rules: list[StepRule]) -> Verdict:
-    """FAIL when a rule that fails spoke, WARN when only warnings did (lines that do not decide aside)."""
+    """UNSUPPORTED when the step is not examined, FAIL when a rule that fails spoke, WARN when only warnings did
+    (lines that do not decide aside)."""
     verdicts = {r.verdict for r in rules if r.decides}
-    if Verdict.FAIL in verdicts:
-        return Verdict.FAIL
-    return Verdict.WARN if verdicts else Verdict.PASS
+    for verdict in (Verdict.UNSUPPORTED, Verdict.FAIL, Verdict.WARN):
+        if verdict in verdicts:
+            return verdict
+    return Verdict.PASS
 
 
 def rows(s: StepSignature) -> dict[str, JudgedRow]:
     """The finding's rows: the output (forward; only where the reference recomputed it), the parameter gradients
-    (worst rank, every rank; the no-CP column is the same-dtype baseline where one was measured) and the worst
-    parameter (after the uniform factor, against its own tolerance)."""
+    (worst rank, every rank, against what one process computes; the no-CP column is the same-dtype baseline where
+    one was measured) and the worst parameter (after the uniform factor, against its own tolerance)."""
     tol = s.tol
     table = {}
     if math.isfinite(s.n.out_rel_err):
@@ -503,8 +535,18 @@ def describe(n: StepNumbers) -> str:
 
 def _pass_text(s: StepSignature) -> str:
     worst = max(s.n.grads, key=s.rank_error)
-    healthy = s.harmless
-    notes = [x for x in (s.scale.why, healthy.why if healthy is not None else "") if x]
+    notes = []
+    if s.n.recomputed and s.e.said:
+        notes.append(s.e.loss_why)
+    elif s.n.recomputed and s.e.loss_why and s.e.loss_power != 1.0:
+        notes.append(
+            f"the loss was multiplied by {s.e.loss_power:g} = {_power_text(s)} ({s.e.loss_why}), which the step's reductions make up for"
+        )
+    elif s.n.recomputed and s.e.loss_why:
+        notes.append(f"the loss's factors of the degrees cancel ({s.e.loss_why})")
+    notes += [x for x in (s.e.scaler_text, s.e.clip_text) if x]
+    if s.e.hidden and s.n.recomputed and not s.e.said:
+        notes.append(f"not read: {'; '.join(s.e.hidden)}")
     said = f" ({'; '.join(notes)})" if notes else ""
     out = f"; out {s.n.out_rel_err:.2g}" if math.isfinite(s.n.out_rel_err) else ""
     return (
@@ -513,9 +555,14 @@ def _pass_text(s: StepSignature) -> str:
     )
 
 
-def step_finding(n: StepNumbers, evidence: object = None) -> Finding:
+def _power_text(s: StepSignature) -> str:
+    p = power_of(s.e.loss_power, degree_powers(s.n.ring, s.n.ulysses, s.n.dp))
+    return p.text if p is not None else f"{s.e.loss_power:g}"
+
+
+def step_finding(n: StepNumbers, expectation: Expectation | None = None, evidence: object = None) -> Finding:
     """The finding of one CP group's step."""
-    s = StepSignature(n)
+    s = StepSignature(n, expectation or Expectation())
     rules = spoken(s)
     verdict = verdict_of(rules)
     if verdict is Verdict.PASS:

@@ -1,178 +1,161 @@
-"""What happened to the loss between its reduction and `backward()`, read from the backward root's autograd
-graph: the scalar factors it was multiplied or divided by (`loss * cp_size`, `loss / accumulation_steps`,
-GradScaler's scale) and the reduction that made it a scalar (a mean over how many elements, or a sum).
+"""What a backward root's autograd graph says about the loss: every path from the root to a model output (a
+term), and the linear factors on each path, read node by node before the backward frees the graph.
 
-Why: the one-run watcher back-propagates the recorded output gradient, which already carries every one of those
-factors. A correct step that scales its loss by the CP size and then averages over the CP ranks (NeMo Automodel,
-SimpleTuner) ends with gradients exactly 1/cp of that reference, the same numbers as a step that averages over
-the CP ranks without scaling its loss. Only the factor in the graph tells the two apart; where the graph does
-not say, the judge gives both readings (a WARN), never a FAIL that stops a healthy job.
+The one-run reference back-propagates the recorded output gradient, which already carries every factor the
+step put on its loss; one process running the same code would put the same factors there except those that
+come from the job's degrees (`loss * cp_size`, a mean over this rank's shard). So the factors themselves are
+needed, wherever the code wrote them: a Python number or a 0-dim / 1-element tensor, above the reduction
+(`loss * cp`), inside it (`(cp * err).mean()`), on each term of a sum of losses, GradScaler's scale
+(`Source.SCALER`, known by the node `GradScaler.scale` made) and accelerate's division by the accumulation steps
+(`Source.ACCELERATE`). A path's linear part ends at the first node that is not a linear scalar operation (a
+square, a weighting by a tensor): what lies below it is the loss's own math, the same in one process.
 
-The roots are caught by wrapping `torch.Tensor.backward` (and `torch.autograd.backward`) while a watch is open;
-both are restored at its exit, and the wrapper only reads the graph (no tensor is touched)."""
+A node whose constants cannot be read (a loss inside a compiled graph, a custom autograd Function) is named in
+`BackwardRoot.hidden`; a path that reaches the model's parameters without passing through its output (a
+regulariser on the weights) is counted in `param_paths`. The walk only reads the graph; it touches no tensor."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-SCALAR_NODES = {"MulBackward0": 1, "DivBackward0": -1}
-"""Autograd nodes of `x * s` and `x / s`, and how s enters the product."""
+from cpdoctor.examinations.step.events import BackwardRoot, LossFactor, LossTerm, Source
 
-PASS_THROUGH = ("ToCopyBackward0", "CloneBackward0", "ViewBackward0", "ReshapeAliasBackward0", "SqueezeBackward0", "UnsqueezeBackward0")
-"""Nodes that move the scalar loss without changing its value (`.float()`, `.clone()`, views)."""
+PASS_THROUGH = frozenset(
+    {
+        "ToCopyBackward0", "CloneBackward0", "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0",
+        "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "ExpandBackward0",
+        "PermuteBackward0", "TransposeBackward0", "TBackward0", "AliasBackward0", "SelectBackward0", "SliceBackward0",
+        "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0", "StackBackward0", "CatBackward0",
+        "IndexBackward0", "SumBackward0", "SumBackward1", "_DDPSinkBackward",
+    }
+)  # fmt: skip
+"""Nodes that route the loss without scaling it (casts, views, slices, stacking, sums; DDP's output sink)."""
 
-MEAN_LOSSES = ("MseLossBackward0", "L1LossBackward0", "SmoothL1LossBackward0", "HuberLossBackward0")
-"""torch's loss functions whose `reduction` is saved on the node (1 = mean, 2 = sum)."""
+SCALAR_OPS = {"MulBackward0": 1, "MulBackward1": 1, "DivBackward0": -1, "DivBackward1": -1}
+"""`x * s` and `x / s`, and how s enters the product."""
 
+LOSS_FUNCTIONS = frozenset({"MseLossBackward0", "L1LossBackward0", "SmoothL1LossBackward0", "HuberLossBackward0"})
+"""torch's loss functions whose `reduction` is saved on the node (1 = mean, 2 = sum): the end of the linear part."""
 
-LOSS_SCALE_MIN = 256.0
-"""A power of two at least this large on the loss is read as a dynamic loss scale (GradScaler starts at 2**16
-and halves or doubles it; a CP size is 2–64). On the CPU GradScaler's scale is a 0-dim tensor, as a Python
-number on the loss is, so the value is what tells them apart."""
-
-
-@dataclass(frozen=True)
-class Factor:
-    """One scalar the loss was scaled by. `constant` is a Python number (or a wrapped one); a one-element tensor
-    such as GradScaler's scale on a GPU is not, nor is a large power of two (`LOSS_SCALE_MIN`)."""
-
-    value: float
-    constant: bool
+MAX_NODES = 20_000
+"""A loss graph is a few dozen nodes above the model's outputs; past this the walk gives up and says so."""
 
 
-@dataclass(frozen=True)
-class LossReading:
-    """One backward root: its scalar factors (root first) and its reduction."""
-
-    factors: tuple[Factor, ...] = ()
-    reduction: str = "unknown"
-    """"mean", "sum" or "unknown" (a node this reader does not know: a sum of losses, a custom Function...)."""
-    count: int | None = None
-    """How many elements a mean reduction averaged over (None for a sum or unknown)."""
-
-    @property
-    def scale(self) -> float:
-        return math.prod(f.value for f in self.factors)
-
-    def constants(self) -> tuple[float, ...]:
-        return tuple(f.value for f in self.factors if f.constant)
-
-    def tensor_scale(self) -> float:
-        """The product of the one-element-tensor factors (GradScaler's scale): 1.0 when there is none."""
-        return math.prod(f.value for f in self.factors if not f.constant)
-
-
-def _scalar(t: Any) -> float | None:
+def _scalar(value: Any) -> float | None:
+    """The value of a Python number or of a one-element tensor that is not trained (None otherwise)."""
     import torch
 
-    if isinstance(t, torch.Tensor) and t.numel() == 1 and not t.requires_grad:
-        return float(t.detach().double().reshape(()))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        return float(value.detach().double().reshape(()))
     return None
 
 
-def _count(node: Any) -> int | None:
+def _mean_count(node: Any) -> int | None:
+    """How many elements a MeanBackward node averaged."""
     sizes = getattr(node, "_saved_self_sym_sizes", None)
     if sizes is None:
         return None
-    total = math.prod(int(s) for s in sizes)
     dims = getattr(node, "_saved_dim", None)
     if not dims:
-        return total
+        return math.prod(int(s) for s in sizes)
     return math.prod(int(sizes[d]) for d in dims)
 
 
-def _nested_count(node: Any) -> int | None:
-    """The elements averaged by a mean and the means right below it (`x.reshape(B, -1).mean(1).mean()`, as
-    diffusers' training scripts write the flow-matching loss)."""
-    total = 1
-    while node is not None:
-        name = type(node).__name__
-        if name.startswith("MeanBackward"):
-            count = _count(node)
-            if count is None:
+def _hides_constants(node: Any) -> bool:
+    """A node whose backward cannot be read here: a compiled graph, or a custom autograd Function."""
+    from torch.autograd.function import BackwardCFunction
+
+    return type(node).__name__ not in PASS_THROUGH and isinstance(node, BackwardCFunction)
+
+
+def _linear(node: Any, marks: Mapping[int, Source]) -> list[tuple[Any, LossFactor | None]] | None:
+    """Where a linear node sends the gradient, each edge with the factor it applies (None: factor 1); None when the
+    node is not a linear scalar operation (the end of the path's linear part)."""
+    name = type(node).__name__
+    nexts = [fn for fn, _ in node.next_functions]
+    if name in PASS_THROUGH:
+        return [(fn, None) for fn in nexts if fn is not None]
+    if name == "NegBackward0":
+        return [(fn, LossFactor(-1.0, Source.CONSTANT)) for fn in nexts if fn is not None]
+    if name in ("AddBackward0", "SubBackward0"):
+        alpha = float(getattr(node, "_saved_alpha", 1) or 1)
+        second = -alpha if name == "SubBackward0" else alpha
+        edges = []
+        for fn, factor in zip(nexts, (1.0, second)):
+            if fn is not None:
+                edges.append((fn, None if factor == 1.0 else LossFactor(factor, Source.CONSTANT)))
+        return edges
+    if name.startswith("MeanBackward"):
+        count = _mean_count(node)
+        if count is None:
+            return None
+        return [(fn, LossFactor(1.0 / count, Source.MEAN, count)) for fn in nexts if fn is not None]
+    if name in SCALAR_OPS:
+        source = marks.get(id(node), Source.CONSTANT)
+        other = _scalar(getattr(node, "_saved_other", None))
+        if name.startswith("Mul") and other is None:  # s * x with the scalar first: its gradient flows to `other`
+            mine = _scalar(getattr(node, "_saved_self", None))
+            live = [fn for fn in nexts if fn is not None]
+            if mine is None or len(live) != 1:
                 return None
-            total *= count
-        elif name not in PASS_THROUGH:
-            return total
-        node = node.next_functions[0][0] if node.next_functions else None
-    return total
+            return [(live[0], LossFactor(mine, source))]
+        if other is None or other == 0:
+            return None
+        value = other ** SCALAR_OPS[name]
+        return [(fn, LossFactor(value, source)) for fn in nexts[:1] if fn is not None]
+    return None
 
 
-def read_loss(root: Any) -> LossReading:
-    """Walk from `root` (the tensor `backward()` was called on) down through scalar multiplications, divisions
-    and value-preserving nodes to the reduction."""
-    node = getattr(root, "grad_fn", None)
-    factors: list[Factor] = []
-    while node is not None:
-        name = type(node).__name__
-        if name in SCALAR_NODES:
-            other, mine = _scalar(getattr(node, "_saved_other", None)), getattr(node, "_saved_self", None)
-            if other is None and name == "MulBackward0":  # s * x with the scalar first
-                other = _scalar(mine)
-            if other is None or other == 0:
-                return LossReading(tuple(factors))
-            saved = getattr(node, "_saved_other", None)
-            power_of_two = other >= LOSS_SCALE_MIN and math.log2(other).is_integer()
-            constant = saved is not None and saved.dim() == 0 and not (power_of_two and SCALAR_NODES[name] == 1)
-            factors.append(Factor(other ** SCALAR_NODES[name], constant))
-            node = next((fn for fn, _ in node.next_functions if fn is not None), None)
+def read_root(
+    root: Any, outputs: Mapping[int, int], params: frozenset[int], marks: Mapping[int, Source], gradient: Any = None
+) -> BackwardRoot:
+    """Walk from `root` (the tensor backward() was called on) to the model's outputs (`outputs`: id of a recorded
+    output's grad_fn -> which forward), collecting each path's linear factors; `marks` attributes nodes made by
+    wrapped entry points (GradScaler.scale, Accelerator.backward); `params` are the ids of the model's
+    trainable parameters (a path to one that misses the outputs is a term on the weights)."""
+    start = getattr(root, "grad_fn", None)
+    first = ()
+    value = _scalar(gradient) if gradient is not None else None
+    if value is not None and value != 1.0:
+        first = (LossFactor(value, Source.GRADIENT),)
+    terms: list[LossTerm] = []
+    hidden: list[str] = []
+    param_paths = 0
+    stack: list[tuple[Any, tuple[LossFactor, ...], bool]] = [(start, first, True)] if start is not None else []
+    seen_math: set[tuple[int, tuple[LossFactor, ...]]] = set()  # below the linear part: each node once per prefix
+    visits = 0
+    while stack:
+        node, factors, linear = stack.pop()
+        visits += 1
+        if visits > MAX_NODES:
+            hidden.append(f"a loss graph of more than {MAX_NODES} nodes above the model's output")
+            break
+        forward = outputs.get(id(node))
+        if forward is not None:
+            terms.append(LossTerm(factors, forward))
             continue
-        if name in PASS_THROUGH:
-            node = node.next_functions[0][0]
+        if type(node).__name__ == "AccumulateGrad":
+            if id(getattr(node, "variable", None)) in params:
+                param_paths += 1
             continue
-        if name in MEAN_LOSSES:
-            red = getattr(node, "_saved_reduction", None)
-            saved = getattr(node, "_saved_self", None)
-            if red == 1 and saved is not None:
-                return LossReading(tuple(factors), "mean", int(saved.numel()))
-            return LossReading(tuple(factors), "sum" if red == 2 else "unknown")
-        if name.startswith("MeanBackward"):
-            return LossReading(tuple(factors), "mean", _nested_count(node))
-        if name.startswith("SumBackward"):
-            return LossReading(tuple(factors), "sum")
-        return LossReading(tuple(factors))
-    return LossReading(tuple(factors))
-
-
-@dataclass
-class BackwardRoots:
-    """While installed, records every tensor `backward()` is called on (read through `read_loss` at once: the
-    graph is freed by the backward)."""
-
-    readings: list[LossReading] = field(default_factory=list)
-    _saved: tuple[Callable[..., Any], Callable[..., Any]] | None = None
-
-    def install(self) -> BackwardRoots:
-        import torch
-
-        tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
-        readings, inside = self.readings, [False]  # Tensor.backward calls torch.autograd.backward: read once
-
-        def backward(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            readings.append(read_loss(tensor))
-            inside[0] = True
-            try:
-                return tensor_backward(tensor, *args, **kwargs)
-            finally:
-                inside[0] = False
-
-        def functional_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not inside[0]:
-                for t in tensors if isinstance(tensors, (list, tuple)) else (tensors,):
-                    readings.append(read_loss(t))
-            return autograd_backward(tensors, *args, **kwargs)
-
-        self._saved = (tensor_backward, autograd_backward)
-        torch.Tensor.backward = backward  # type: ignore[method-assign]
-        torch.autograd.backward = functional_backward  # type: ignore[assignment]
-        return self
-
-    def remove(self) -> None:
-        import torch
-
-        if self._saved is not None:
-            torch.Tensor.backward, torch.autograd.backward = self._saved  # type: ignore[method-assign,assignment]
-            self._saved = None
+        if linear:
+            if _hides_constants(node):
+                hidden.append(type(node).__name__)
+            edges = None if _hides_constants(node) else _linear(node, marks)
+            if edges is not None:
+                stack.extend((fn, factors + ((f,) if f is not None else ()), True) for fn, f in edges)
+                continue
+            if type(node).__name__ in LOSS_FUNCTIONS and getattr(node, "_saved_reduction", None) == 1:
+                saved = getattr(node, "_saved_self", None)
+                if saved is not None:
+                    factors = factors + (LossFactor(1.0 / saved.numel(), Source.MEAN, int(saved.numel())),)
+        key = (id(node), factors)
+        if key in seen_math:
+            continue
+        seen_math.add(key)
+        stack.extend((fn, factors, False) for fn, _ in node.next_functions if fn is not None)
+    return BackwardRoot(tuple(terms), tuple(dict.fromkeys(hidden)), param_paths)

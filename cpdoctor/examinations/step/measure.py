@@ -1,7 +1,7 @@
 """Numbers only: the relations between CP peers and between the watched step and its one-process reference,
 from which the rules (judge.py) read the cause. Nothing here names a fault; it measures:
 
-- which inputs differ between peers (bitwise), and on which ranks;
+- which inputs differ between peers (bitwise), and on which ranks (inputs.py);
 - whether the output gradients differ between peers, and whether each peer's is confined to its own shard;
 - the RNG states before and after the step, grouped;
 - each rank's parameter gradients against the expected ones (relative error, the best constant factor and what
@@ -15,18 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.loss_graph import LossReading
-from cpdoctor.examinations.step.record import PeerRecord
-
-
-@dataclass(frozen=True)
-class InputDiff:
-    """An input that is not bitwise equal on every CP peer: the ranks that agree with the group's first rank,
-    and the ones that do not."""
-
-    name: str
-    same_as_first: tuple[int, ...]
-    different: tuple[int, ...]
+from cpdoctor.examinations.step.inputs import InputDiff, input_diffs
+from cpdoctor.examinations.step.messages import PeerRecord
 
 
 @dataclass(frozen=True)
@@ -87,17 +77,11 @@ class StepNumbers:
     own_rel_err: float | None = None
     """The first rank's gradients against its own CP group's reference alone (None at dp 1): ~0 when the
     data-parallel averaging is what is missing."""
-    loss: tuple[LossReading, ...] = ()
-    """The first rank's backward roots, read from the autograd graph (one per backward() call)."""
-    loss_scale: float | None = None
-    """The factor the user said their CP step scales its loss by (watch_step(loss_scale=...))."""
     reference: str = "one fp64 process recomputing the recorded step"
     recomputed: bool = True
     """Whether the expected gradients were recomputed from the recorded output gradient (one run), or are the
     final gradients of the same code run without CP (two runs: nothing to interpret)."""
     out_numel: int = 0
-    grad_norm: float = 0.0
-    """The first rank's total gradient 2-norm (what clip_grad_norm_ clips to max_norm)."""
     params_scaled: tuple[ParamError, ...] = ()
     """Each parameter's error against the expected gradients times the worst rank's best factor."""
     baseline_rel_err: float | None = None
@@ -180,20 +164,6 @@ def groups_of(values: list[str], ranks: tuple[int, ...]) -> tuple[tuple[int, ...
     return tuple(tuple(g) for g in order.values())
 
 
-def input_diffs(records: list[PeerRecord]) -> tuple[InputDiff, ...]:
-    first = {p.name: p.digest for p in records[0].inputs}
-    diffs = []
-    names = list(first) + [p.name for r in records[1:] for p in r.inputs if p.name not in first]
-    for name in dict.fromkeys(names):
-        same, other = [], []
-        for r in records:
-            d = next((p.digest for p in r.inputs if p.name == name), None)
-            (same if d == first.get(name) else other).append(r.rank)
-        if other:
-            diffs.append(InputDiff(name, tuple(same), tuple(other)))
-    return tuple(diffs)
-
-
 def own_shard_only(grads: list[Any], dim: int) -> bool:
     """Each peer's output gradient vanishes outside its own chunk along the gather dimension (and not inside)."""
     n = len(grads)
@@ -268,8 +238,6 @@ def measure(
     own: Any = None,
     param_names: list[str],
     param_numels: list[int],
-    loss: tuple[LossReading, ...] = (),
-    loss_scale: float | None = None,
     reference: str = "one fp64 process recomputing the recorded step",
     recomputed: bool = True,
     out_numel: int = 0,
@@ -303,12 +271,9 @@ def measure(
         out_max_abs=dots(out, ref_out).max_abs if out is not None and ref_out is not None else float("nan"),
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
         own_rel_err=rel(first, own) if own is not None and dp > 1 and recomputed else None,
-        loss=loss,
-        loss_scale=loss_scale,
         reference=reference,
         recomputed=recomputed,
         out_numel=out_numel,
-        grad_norm=float(first.norm()),
         baseline_rel_err=rel(native, own) if baselines else None,
         param_baselines=tuple(p.rel_err for p in baselines),
         **gradients,

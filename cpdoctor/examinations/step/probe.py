@@ -44,10 +44,11 @@ def watcher_for(req: Any, result: StepRankResult) -> Any:
     """The `watch_step` this run hands the user's function: the one watcher, with the reference of this run
     (recomputed, or the run without CP on disk), keeping every report it makes in `result`."""
     from cpdoctor.examinations.step.baseline import OneProcessReference, RecordedRun
-    from cpdoctor.examinations.step.two_runs import RecordingWatch, Role
+    from cpdoctor.examinations.step.request import Role
+    from cpdoctor.examinations.step.two_runs import RecordingWatch
     from cpdoctor.examinations.step.watch import StepWatch
 
-    role = Role(req.role)
+    role = req.role
     if role is Role.WITHOUT_CP:
         return lambda model, **options: RecordingWatch(model, req.workdir)
 
@@ -60,11 +61,12 @@ def watcher_for(req: Any, result: StepRankResult) -> Any:
 
 
 def run_rank(case: Case, ctx: Any) -> StepRankResult:
-    from cpdoctor.examinations.step.two_runs import Role, StepJob, call_arguments, parameters_of
+    from cpdoctor.examinations.step.request import Role
+    from cpdoctor.examinations.step.two_runs import StepJob, call_arguments, parameters_of
 
     req = case.request
     result = StepRankResult()
-    without_cp = Role(req.role) is Role.WITHOUT_CP
+    without_cp = req.role is Role.WITHOUT_CP
     ring, ulysses = (1, 1) if without_cp else (req.ring or 1, req.ulysses or 1)
     job = StepJob(ring, ulysses, req.dp or max(1, ctx.world_size // (ring * ulysses)), watcher_for(req, result), not without_cp)
     args, kwargs = call_arguments(parameters_of(req.path, req.function), job)

@@ -1,15 +1,22 @@
 """What one rank saw of the watched step, recorded by hooks on the diffusers transformer: the full inputs it
 received (before its `_cp_plan` splits them: torch runs forward pre-hooks before the `forward` that diffusers'
 hooks wrap), the output (after the plan gathered it) and the gradient that flowed into that output, the weights
-the forward used, and the RNG states around the step. Parameter gradients are read at the watcher's exit.
+the forward used, and the RNG states around the step. Parameter gradients are read at the watcher's exit; what
+the step did to them (its loss constants, scaler, clip, reductions) is observe.py's.
 
-Numbers only; what differs between ranks is worked out in measure.py."""
+The hooks run outside dynamo (`torch.compiler.disable`): a compiled model traces around them, so the watcher
+never changes what the compiled step computes. Numbers only; what differs between ranks is worked out in
+measure.py."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from cpdoctor.compat import parallel_config as compat
+from cpdoctor.examinations.step.messages import InputPrint
+from cpdoctor.vocabulary import DType
 
 
 def digest(value: Any) -> str:
@@ -45,39 +52,6 @@ def rng_digest() -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         parts.append(digest(torch.cuda.get_rng_state()))
     return "/".join(parts)
-
-
-@dataclass(frozen=True)
-class InputPrint:
-    """One input of the forward on one rank: its fingerprint and (for a tensor) its float64 norm."""
-
-    name: str
-    digest: str
-    norm: float | None
-
-
-@dataclass
-class PeerRecord:
-    """What one rank sends to its CP group's first rank (small, apart from the output and parameter gradients)."""
-
-    rank: int
-    forwards: int
-    backwards: int
-    inputs: tuple[InputPrint, ...]
-    rng_before: str
-    rng_after: str
-    out_grads: tuple[Any, ...]
-    """The gradient that flowed into the model's (gathered) output, per forward, CPU float32 (None: no backward)."""
-    grads: Any  # every parameter gradient after the user's sync, flattened in `param_names` order, CPU float32
-    missing_grads: tuple[str, ...] = ()
-
-    @property
-    def out_grad(self) -> Any:
-        """Every forward's output gradient, flattened into one vector (what peers are compared on)."""
-        import torch
-
-        got = [g.reshape(-1) for g in self.out_grads if g is not None]
-        return torch.cat(got) if got else None
 
 
 def output_tensor(result: Any) -> Any:
@@ -130,6 +104,7 @@ class Forward:
     out_dtype: str = ""
     """The dtype the model's output was computed in (bf16 under autocast even with fp32 weights)."""
     out_numel: int = 0
+    out_shape: tuple[int, ...] = ()
     out_grad: Any = None
     backwards: int = 0
 
@@ -143,6 +118,8 @@ class Hooks:
     module: Any
     keep_full: bool
     snapshot_weights: Any  # () -> {name: tensor}: the weights the forward uses (FSDP2: a collective on every rank)
+    recorder: Any = None
+    """The watch's observe.Recorder: told each output, where the loss graph's paths end."""
     calls: list[Forward] = field(default_factory=list)
     weights: dict | None = None
     autocast: tuple[bool, Any] = (False, None)
@@ -165,8 +142,10 @@ class Hooks:
         )
 
     def install(self) -> Hooks:
-        self._handles.append(self.module.register_forward_pre_hook(self._pre, with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(self._post))
+        import torch
+
+        self._handles.append(self.module.register_forward_pre_hook(torch.compiler.disable(self._pre), with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(torch.compiler.disable(self._post)))
         return self
 
     def remove(self) -> None:
@@ -198,6 +177,9 @@ class Hooks:
             return
         call = self.calls[-1]
         call.out_dtype, call.out_numel = str(out.dtype).replace("torch.", ""), out.numel()
+        call.out_shape = tuple(out.shape)
+        if self.recorder is not None:
+            self.recorder.output(out, len(self.calls) - 1)
         if self.keep_full:
             call.output = out.detach().cpu().float().clone()
         if out.requires_grad:
@@ -208,3 +190,61 @@ class Hooks:
                 call.out_grad = g.clone() if call.out_grad is None else call.out_grad + g
 
             out.register_hook(grad)
+
+
+def unwrap(model: Any) -> Any:
+    """The diffusers transformer inside DDP (and accelerate's prepare, which wraps in DDP) or torch.compile's
+    OptimizedModule (FSDP2 shards the module in place); inside a trainer's own wrapper module, the first submodule
+    with context parallelism enabled."""
+    for _ in range(8):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            inner = getattr(model, "module", None)
+            if inner is None or not hasattr(inner, "config") or hasattr(model, "config"):
+                break
+        model = inner
+    if compat.parallel_config_of(model) is None and callable(getattr(model, "modules", None)):
+        return next((m for m in model.modules() if compat.parallel_config_of(m) is not None), model)
+    return model
+
+
+def compute_dtype(module: Any, out_dtypes: list[str]) -> str:
+    """The least precise of the trainable weights' dtypes and the outputs' (autocast computes in bf16 with fp32
+    weights; a LoRA step trains fp32 adapters over a bf16 base): the dtype the tolerance follows."""
+    seen = {DType.of_torch(p.dtype) or DType.FP32 for p in module.parameters()}
+    seen |= {DType.of_torch(d) or DType.FP32 for d in out_dtypes if d}
+    return max(seen or {DType.FP32}, key=DType.most_precise_first().index).value
+
+
+def autocast_dtypes() -> list[str]:
+    """The dtype CPU autocast computes in, when it is on here (empty when it is off)."""
+    import torch
+
+    try:
+        on, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    except (TypeError, AttributeError):  # torch before 2.4: the CPU-specific names
+        on, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    return [str(dtype)] if on else []
+
+
+def module_device(module: Any) -> Any:
+    p = next(module.parameters(), None)
+    return getattr(p, "device", "cpu")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a rank recorded of the watched step, as the baseline reads it (never the watcher itself): the model, the
+    hooks' calls (inputs, outputs, weights, autocast) and the fingerprint of the weights it started from."""
+
+    module: Any
+    hooks: Hooks
+    weights_digest: str | None = None
+
+    @property
+    def device(self) -> Any:
+        return module_device(self.module)
+
+    @property
+    def dtype(self) -> str:
+        return compute_dtype(self.module, [f.out_dtype for f in self.hooks.calls])

@@ -4,11 +4,12 @@ importing the script (its source is parsed), so a wrong path or name is exit 2 b
 from __future__ import annotations
 
 import ast
+import enum
 import os
 from dataclasses import asdict, dataclass
 
 from cpdoctor.errors import BadInput
-from cpdoctor.vocabulary import Device, DType, Kind
+from cpdoctor.vocabulary import Device, DType, Kind, parse
 
 CONTRACT = (
     "FUNCTION runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's; it must "
@@ -21,6 +22,14 @@ CONTRACT = (
 )
 
 
+class Role(str, enum.Enum):
+    """Which run a launch of `cpdoctor step` is."""
+
+    ONE_RUN = "one_run"  # the function does not take its degrees: watched against the recomputed reference
+    WITHOUT_CP = "without_cp"  # first of two runs: the same job without CP, final gradients to disk
+    WITH_CP = "with_cp"  # second of two runs: compared with the first
+
+
 @dataclass(frozen=True)
 class StepRequest:
     """`cpdoctor step`'s request: the user's step function, where its ranks run and their layout."""
@@ -30,17 +39,27 @@ class StepRequest:
     target: str
     """path/to/train.py:function"""
     world_size: int = 2
-    device: str = "auto"
-    reference: str = "fp64"
+    device: Device = Device.AUTO
+    reference: DType = DType.FP64
+    """The precision of the one-process recomputation (fp64, or fp32 where fp64 does not fit)."""
     ring: int | None = None
     """The CP degrees and data-parallel size handed to a function that takes them (None: the legacy contract,
     where the function decides its layout from the world size)."""
     ulysses: int | None = None
     dp: int | None = None
-    role: str = "one_run"
-    """Which run this launch is (two_runs.Role): decided in the parent from the function's parameters."""
+    role: Role = Role.ONE_RUN
+    """Which run this launch is: decided in the parent from the function's parameters."""
     workdir: str = ""
     """Where the run without CP leaves its gradients for the run with CP."""
+
+    def __post_init__(self) -> None:
+        """The words as their enums (a suite, the API or an old JSON gives strings)."""
+        try:
+            object.__setattr__(self, "device", parse(Device, self.device, "device"))
+            object.__setattr__(self, "reference", parse(DType, self.reference, "reference"))
+            object.__setattr__(self, "role", parse(Role, self.role, "role"))
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
 
     @property
     def path(self) -> str:
@@ -73,10 +92,8 @@ class StepRequest:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise BadInput(f"--{name} must be a positive integer, not {value!r}")
-        if self.role != "without_cp" and self.world_size < 2:
+        if self.role is not Role.WITHOUT_CP and self.world_size < 2:
             raise BadInput(f"--nproc must be at least 2 (a CP step needs peers), not {self.world_size}")
-        if self.device not in Device.names():
-            raise BadInput(f"--device must be auto, cpu or cuda, not {self.device!r}")
         if self.reference not in DType.references():
             raise BadInput(f"--reference must be fp64 or fp32, not {self.reference!r}")
         return self

@@ -12,21 +12,16 @@ The function receives by name what it declares among `job` (this `StepJob`), `wa
 from __future__ import annotations
 
 import ast
-import enum
 from dataclasses import dataclass
 from typing import Any
+
+from cpdoctor.examinations.step.request import Role
+
+__all__ = ["DEGREE_NAMES", "PASSED", "RecordingWatch", "Role", "StepJob", "call_arguments", "parameters_of", "takes_degrees"]
 
 DEGREE_NAMES = ("job", "cp", "ring", "ulysses", "dp")
 """Parameters that tell cpdoctor the function builds its model and mesh from the degrees it is given."""
 PASSED = (*DEGREE_NAMES, "watch_step")
-
-
-class Role(str, enum.Enum):
-    """Which run a launch of `cpdoctor step` is."""
-
-    ONE_RUN = "one_run"  # the function does not take its degrees: watched against the recomputed reference
-    WITHOUT_CP = "without_cp"  # first of two runs: the same job without CP, final gradients to disk
-    WITH_CP = "with_cp"  # second of two runs: compared with the first
 
 
 def parameters_of(path: str, function: str) -> tuple[str, ...]:
@@ -74,18 +69,20 @@ def call_arguments(params: tuple[str, ...], job: StepJob) -> tuple[tuple, dict]:
 
 
 class RecordingWatch:
-    """The watcher of the run without CP: records the model's first inputs' fingerprints and, at the block's exit,
-    every trainable parameter's final gradient (FSDP2's gathered whole), written for the run with CP to read.
-    It examines nothing and never raises out of the block for its own sake."""
+    """The watcher of the run without CP: records the model's first inputs' fingerprints and the gradients as the
+    step's first clip found them (its final ones when it does not clip; FSDP2's gathered whole), written for the run
+    with CP to read, which takes its own the same way. It examines nothing and never raises out of the block for its
+    own sake."""
 
     def __init__(self, model: Any, directory: str, **_: Any) -> None:
-        from cpdoctor.examinations.step.watch import unwrap
+        from cpdoctor.examinations.step.record import unwrap
 
         self.module = unwrap(model)
         self.directory = directory
         self.report = None
 
     def __enter__(self) -> RecordingWatch:
+        from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder
         from cpdoctor.examinations.step.record import Hooks, weights_digest
         from cpdoctor.examinations.step.reference import canonical
         from cpdoctor.examinations.step.watch import WATCHED
@@ -93,25 +90,25 @@ class RecordingWatch:
 
         self.seq = WATCHED.next()
         self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
-        self._hooks = Hooks(self.module, keep_full=False, snapshot_weights=dict).install()
+        self._recorder = Recorder(self.module, Capture.EVERY_CLIP)
+        self._hooks = Hooks(self.module, keep_full=False, snapshot_weights=dict, recorder=self._recorder).install()
+        OBSERVING.enter(self._recorder)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         from cpdoctor.examinations.step.baseline import save_step
-        from cpdoctor.examinations.step.reference import canonical
-        from cpdoctor.examinations.step.watch import compute_dtype
+        from cpdoctor.examinations.step.observe import OBSERVING
+        from cpdoctor.examinations.step.record import compute_dtype
         from cpdoctor.launch import watcher_comm
 
-        self._hooks.remove()
+        try:
+            self._hooks.remove()
+        finally:
+            OBSERVING.leave(self._recorder)
         if exc is not None:
             return False
-        import torch
-
-        grads = {}
-        for name, p in self.module.named_parameters():
-            if p.requires_grad:  # a trainable parameter without a gradient is zeros, as the run with CP reads it
-                grads[canonical(name)] = watcher_comm.full_tensor(p.grad.detach()) if p.grad is not None else torch.zeros(p.shape)
+        grads = self._recorder.as_compared()  # a trainable parameter without a gradient reads as zeros
         rank = watcher_comm.world()[0]
         dtype = compute_dtype(self.module, [c.out_dtype for c in self._hooks.calls])
-        save_step(self.directory, rank, self.seq, grads, [(p.name, p.digest) for p in self._hooks.prints], dtype, self.weights)
+        save_step(self.directory, rank, self.seq, grads.by_name(), [(p.name, p.digest) for p in self._hooks.prints], dtype, self.weights)
         return False

@@ -1,0 +1,62 @@
+"""The watched model's parameter gradients as the examination compares them: every trainable parameter (by the
+bare model's names), flat in one float32 vector, a DTensor's gathered whole (FSDP2; a collective on every rank).
+One function, so a layout whose gradients need another gathering (torchtitan's DTensor shards) extends it here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cpdoctor.examinations.step.reference import canonical
+from cpdoctor.launch import watcher_comm
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """The flat gradients of the trainable parameters, in `names` order."""
+
+    names: tuple[tuple[str, int], ...]
+    """(canonical name, numel) of each trainable parameter."""
+    flat: Any
+    missing: tuple[str, ...] = ()
+    """Trainable parameters without a gradient (read as zeros)."""
+
+    @property
+    def param_names(self) -> list[str]:
+        return [n for n, _ in self.names]
+
+    @property
+    def numels(self) -> list[int]:
+        return [k for _, k in self.names]
+
+    def by_name(self) -> dict[str, Any]:
+        """Each parameter's gradient (a flat view of `flat`; a missing one as zeros)."""
+        out, offset = {}, 0
+        for name, n in self.names:
+            out[name] = self.flat[offset : offset + n]
+            offset += n
+        return out
+
+
+def trainable(module: Any) -> list[tuple[str, Any]]:
+    """(canonical name, parameter) of every parameter that requires a gradient, in the model's order."""
+    return [(canonical(n), p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def gather_grads(module: Any) -> Gradients:
+    """Every trainable parameter's gradient now, flat (FSDP2's gathered whole on every rank)."""
+    import torch
+
+    params = trainable(module)
+    flat = torch.empty(sum(p.numel() for _, p in params))  # filled in place: no second whole copy
+    names, missing, offset = [], [], 0
+    for name, p in params:
+        n = p.numel()
+        if p.grad is None:
+            missing.append(name)
+            flat[offset : offset + n] = 0
+        else:
+            flat[offset : offset + n] = watcher_comm.full_tensor(p.grad.detach()).reshape(-1)
+        names.append((name, n))
+        offset += n
+    return Gradients(tuple(names), flat, tuple(missing))

@@ -1,0 +1,480 @@
+"""The step matrix: many spellings of the same training steps, right and wrong, each run twice by this one script:
+
+    python -m torch.distributed.run --nproc-per-node 4 step_matrix.py cp OUT_DIR [--only a,b]   # with CP, watched
+    python step_matrix.py one OUT_DIR [--only a,b]                                             # one process, no CP
+
+With CP every variant runs on the job's ranks inside `cpdoctor.watch_step` (data-parallel 2 × CP 2, or ring 2 ×
+Ulysses 2, tiny Flux, cpdoctor's fixed attention), and each CP group's first rank keeps the watcher's verdict and
+the gradients as the step's clip found them (after its unscaling: `Job.tap`). In one process the same step code
+runs with every degree 1, once per data-parallel replica's data, and the gradients at the same point are kept:
+their mean over the replicas is what the CP step must end with. tests/integration/test_step_matrix.py compares
+the two and decides each variant's expected verdict from that alone (nobody types it); the watcher never sees
+the one-process run.
+
+A variant names its loss spelling, its reduction, its clip, its GradScaler, its micro-batches and its dtypes; the
+same step function runs them all, so the loss is written once per spelling with the job's own degrees
+(`loss * job.cp` is `loss * 1` in one process)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.utils import clip_grad_norm_ as named_clip_grad_norm_  # bound before any watch: the watcher must still see it
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from train_cp_2d import GRID, build_model, conditioning  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One step of the matrix: how it writes its loss, reduces, clips, scales, accumulates, and in which dtypes."""
+
+    loss: str = "mse"
+    sync: str = "sum_cp_ddp_dp"
+    layout: tuple[int, int, int] = (2, 2, 1)
+    """(dp, ring, ulysses) of the run with CP."""
+    clip: str = ""
+    """"norm:X", "named:X" (clip_grad_norm_ imported by name before the watch), "value:X"; empty: no clip."""
+    scaler: float = 0.0
+    """GradScaler's init_scale (fp16 autocast); 0: no GradScaler."""
+    unscale_inside: bool = True
+    micro: int = 1
+    dtype: str = "fp32"
+    """fp32, bf16 (weights), lora (peft adapters in fp32 over a bf16 base), lora_fp32 (the same over an fp32 base)."""
+    autocast: bool = True
+    """With a GradScaler: fp16 autocast (False: the same step in fp32, the one-process twin of a half step)."""
+    compile: str = ""
+    step_inside: bool = False
+    """The optimizer step and zero_grad(set_to_none=True) inside the watched block (the watcher takes the gradients
+    as the optimizer step found them)."""
+    unobservable: str = ""
+    """What the watcher cannot read in this step (a WARN saying so is then an acceptable answer)."""
+
+
+V = Variant
+VARIANTS: dict[str, Variant] = {
+    # the loss: plain, and the factor cp in every spelling, with a sum over CP (λ must be 1) or a mean (λ must be cp)
+    "mse_sum_cp": V(),
+    "x_cp_sum_cp_bug": V(loss="x_cp"),
+    "x_cp_ddp_world": V(loss="x_cp", sync="ddp_world"),
+    "x_cp_tensor_ddp_world": V(loss="x_cp_tensor", sync="ddp_world"),
+    "x_cp_1elem_ddp_world": V(loss="x_cp_1elem", sync="ddp_world"),
+    "x_cp_inside_mean_ddp_world": V(loss="x_cp_inside", sync="ddp_world"),
+    "x_cp_over_accum_one_factor": V(loss="x_cp_over_accum", sync="ddp_world", micro=3),
+    "x_cp_then_over_accum": V(loss="x_cp_then_accum", sync="ddp_world", micro=3),
+    "mse_ddp_world_bug": V(sync="ddp_world"),
+    "over_cp_ddp_world_bug": V(loss="over_cp", sync="ddp_world"),
+    "over_cp_sum_cp_bug": V(loss="over_cp"),
+    # per-shard losses
+    "shard_sum_over_full": V(loss="shard_sum_full"),
+    "shard_sum_over_shard_bug": V(loss="shard_sum_shard"),
+    "shard_mse_bug": V(loss="shard_mse"),
+    "shard_mse_over_cp": V(loss="shard_mse_over_cp"),
+    "shard_mse_ddp_world": V(loss="shard_mse", sync="ddp_world"),
+    # sums of terms
+    "terms_x_cp_ddp_world": V(loss="terms_x_cp", sync="ddp_world"),
+    "terms_one_x_cp_ddp_world": V(loss="terms_one_x_cp", sync="ddp_world", unobservable="terms"),
+    # reductions
+    "x_cp_fsdp2": V(loss="x_cp", sync="fsdp2"),
+    "mse_fsdp2_bug": V(sync="fsdp2"),
+    "mse_fsdp2_rescaled": V(sync="fsdp2_rescale"),
+    "x_cp_sum_world_manual_mean": V(loss="x_cp", sync="sum_world_mean"),
+    "mse_sum_world_manual_mean_bug": V(sync="sum_world_mean"),
+    "ulysses_ring_sum_flat": V(layout=(1, 2, 2), sync="sum_cp"),
+    "ulysses_ring_sum_each": V(layout=(1, 2, 2), sync="sum_uly_sum_ring"),
+    "ulysses_ring_mean_ring_bug": V(layout=(1, 2, 2), sync="sum_uly_mean_ring"),
+    "x_ring_mean_ring": V(layout=(1, 2, 2), loss="x_ring", sync="sum_uly_mean_ring"),
+    "ulysses_ring_sum_ring_only_bug": V(layout=(1, 2, 2), sync="sum_ring"),
+    # clipping
+    "clip_active": V(clip="norm:0.01"),
+    "clip_inactive": V(clip="norm:1000"),
+    "clip_0707": V(clip="norm:0.707"),
+    "clip_named_import": V(clip="named:0.05"),
+    "clip_by_value": V(clip="value:0.0005"),
+    "clip_active_mean_cp_bug": V(sync="ddp_world", clip="norm:0.01"),
+    "clip_bf16_grads": V(dtype="bf16", clip="norm:0.01"),
+    "clip_then_step_and_zero_grad_inside": V(clip="norm:0.01", step_inside=True),
+    "mean_cp_bug_step_inside": V(sync="ddp_world", step_inside=True),
+    # GradScaler (fp16 autocast)
+    "scaler_1024": V(scaler=1024.0),
+    "scaler_8": V(scaler=8.0),
+    "scaler_4096_unscaled_after": V(scaler=4096.0, unscale_inside=False),
+    "scaler_mean_cp_bug": V(scaler=1024.0, sync="ddp_world"),
+    "scaler_first_step_skipped": V(scaler=2.0**40),
+    "manual_loss_scale": V(loss="x_1024", sync="sum_cp_ddp_dp_unscale_1024"),
+    # accumulation
+    "accum_2_over_2": V(loss="over_accum", micro=2),
+    "accum_2_summed": V(micro=2),
+    "accum_2_x_cp_two_factors_ddp_world": V(loss="x_cp_then_accum", sync="ddp_world", micro=2),
+    "accelerate_x_cp": V(loss="x_cp", sync="accelerate", micro=2),
+    # dtypes and compile
+    "lora_bf16": V(dtype="lora"),
+    "lora_bf16_mean_cp_bug": V(dtype="lora", sync="ddp_world"),
+    "compiled_aot_eager_x_cp": V(loss="x_cp", sync="ddp_world", compile="aot_eager"),
+    "compiled_loss_x_cp": V(loss="compiled_x_cp", sync="ddp_world", unobservable="compiled loss"),
+}
+
+
+SMOKE = "x_cp_sum_cp_bug_2"
+"""The one case of the default tier: two ranks (CP 2), a loss × cp summed over CP (FAIL, factor cp)."""
+VARIANTS[SMOKE] = V(loss="x_cp", layout=(1, 2, 1), sync="sum_cp")
+
+
+@dataclass
+class Job:
+    """What the step function gets: the degrees of this run, this rank's place, the groups, the model."""
+
+    cp: int
+    ring: int
+    ulysses: int
+    dp: int
+    dp_rank: int
+    cp_rank: int
+    groups: dict[str, Any]
+    model: Any = None
+    run: Any = None
+    tapped: Any = None
+    extra: dict = field(default_factory=dict)
+
+    def tap(self) -> None:
+        """The gradients now, flat in float32 (the watched model's trainable parameters; DTensors gathered whole)."""
+        if self.tapped is not None:
+            return
+        parts = []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                g = p.grad
+                full = getattr(g, "full_tensor", None)
+                g = full() if callable(full) else g
+                parts.append(torch.zeros(p.numel()) if g is None else g.detach().float().reshape(-1).clone())
+        self.tapped = torch.cat(parts)
+
+
+# -- losses: each spelling once, with the job's degrees ------------------------------------------------------------
+def _mse(out, target):
+    return F.mse_loss(out.float(), target.float())
+
+
+def _piece(job, x):
+    return x.chunk(job.cp, dim=1)[job.cp_rank]
+
+
+_compiled_loss: dict = {}
+
+
+def _compiled_x_cp(job, out, target):
+    fn = _compiled_loss.get("fn")
+    if fn is None:
+        fn = _compiled_loss["fn"] = torch.compile(lambda o, t, c: F.mse_loss(o.float(), t.float()) * c, backend="aot_eager")
+    return fn(out, target, float(job.cp))
+
+
+LOSSES = {
+    "mse": lambda job, o, t, m: _mse(o, t),
+    "x_cp": lambda job, o, t, m: _mse(o, t) * job.cp,
+    "x_cp_tensor": lambda job, o, t, m: _mse(o, t) * torch.tensor(float(job.cp)),
+    "x_cp_1elem": lambda job, o, t, m: _mse(o, t) * torch.tensor([float(job.cp)]),
+    "x_cp_inside": lambda job, o, t, m: (job.cp * (o.float() - t.float()) ** 2).mean(),
+    "x_cp_over_accum": lambda job, o, t, m: _mse(o, t) * (job.cp / m),
+    "x_cp_then_accum": lambda job, o, t, m: _mse(o, t) * job.cp / m,
+    "over_cp": lambda job, o, t, m: _mse(o, t) / job.cp,
+    "over_accum": lambda job, o, t, m: _mse(o, t) / m,
+    "x_ring": lambda job, o, t, m: _mse(o, t) * job.ring,
+    "x_1024": lambda job, o, t, m: _mse(o, t) * 1024.0,
+    "shard_sum_full": lambda job, o, t, m: (_piece(job, o).float() - _piece(job, t).float()).pow(2).sum() / o.numel(),
+    "shard_sum_shard": lambda job, o, t, m: (_piece(job, o).float() - _piece(job, t).float()).pow(2).sum() / _piece(job, o).numel(),
+    "shard_mse": lambda job, o, t, m: F.mse_loss(_piece(job, o).float(), _piece(job, t).float()),
+    "shard_mse_over_cp": lambda job, o, t, m: F.mse_loss(_piece(job, o).float(), _piece(job, t).float()) / job.cp,
+    "terms_x_cp": lambda job, o, t, m: _mse(o, t) * job.cp + 0.1 * o.float().pow(2).mean() * job.cp,
+    "terms_one_x_cp": lambda job, o, t, m: _mse(o, t) * job.cp + 0.1 * o.float().pow(2).mean(),
+    "compiled_x_cp": lambda job, o, t, m: _compiled_x_cp(job, o, t),
+}
+
+
+# -- reductions: how the gradients are wrapped and synced ---------------------------------------------------------
+def wrap(v: Variant, job: Job, model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = job.groups
+    if v.sync in ("ddp_world",):
+        return DDP(model, process_group=g["world"], find_unused_parameters=True)
+    if v.sync in ("sum_cp_ddp_dp", "sum_cp_ddp_dp_unscale_1024"):
+        return DDP(model, process_group=g["dp"], find_unused_parameters=True)
+    if v.sync.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=fsdp_mesh(job))
+        return model
+    if v.sync == "accelerate":
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=v.micro)
+        job.extra["accelerator"] = acc
+        return acc.prepare(model)
+    return model
+
+
+def sync(v: Variant, job: Job, model) -> None:
+    g = job.groups
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if v.sync in ("sum_cp_ddp_dp", "sum_cp"):
+        for x in grads:
+            dist.all_reduce(x, group=g["cp"])
+    elif v.sync == "sum_cp_ddp_dp_unscale_1024":
+        for x in grads:
+            dist.all_reduce(x, group=g["cp"])
+            x /= 1024.0  # the step's own unscaling of its own loss scale
+    elif v.sync == "fsdp2_rescale":
+        for x in grads:
+            x.mul_(job.cp)  # FSDP2's mean over dp × cp undone for the CP ranks (what set_gradient_divide_factor(dp) does)
+    elif v.sync == "sum_world_mean":
+        for x in grads:
+            dist.all_reduce(x, group=g["world"])
+            x /= job.dp * job.cp
+    elif v.sync == "sum_uly_sum_ring":
+        for x in grads:
+            dist.all_reduce(x, group=g["ulysses"])
+            dist.all_reduce(x, group=g["ring"])
+    elif v.sync == "sum_uly_mean_ring":
+        for x in grads:
+            dist.all_reduce(x, group=g["ulysses"])
+            dist.all_reduce(x, group=g["ring"])
+            x /= job.ring
+    elif v.sync == "sum_ring":
+        for x in grads:
+            dist.all_reduce(x, group=g["ring"])
+
+
+def clip(v: Variant, job: Job, model) -> None:
+    if not v.clip:
+        return
+    kind, value = v.clip.split(":")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if kind == "norm":
+        torch.nn.utils.clip_grad_norm_(trainable, float(value))
+    elif kind == "named":
+        named_clip_grad_norm_(trainable, float(value))
+    else:
+        torch.nn.utils.clip_grad_value_(trainable, float(value))
+
+
+# -- the step ----------------------------------------------------------------------------------------------------
+def build(v: Variant, job: Job, backend: str):
+    model = build_model("flux")
+    if v.dtype.startswith("lora"):
+        from conventions_driver import lora
+
+        lora(model, torch.bfloat16 if v.dtype == "lora" else torch.float32)
+    elif v.dtype == "bf16":
+        model.to(torch.bfloat16)
+    if job.cp > 1:
+        from diffusers.models._modeling_parallel import ContextParallelConfig
+
+        from cpdoctor.compat.diffusers import accelerator_count_at_least_one
+
+        model.set_attention_backend(backend)
+        with accelerator_count_at_least_one():
+            model.enable_parallelism(
+                config=ContextParallelConfig(ring_degree=job.ring, ulysses_degree=job.ulysses, mesh=job.groups["mesh"])
+            )
+    return model
+
+
+def step(v: Variant, job: Job, watch: Any) -> Any:
+    """One training step of variant `v`; the watcher's context manager (or a null one) around it."""
+    dtype = next(p.dtype for p in job.model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=v.scaler) if v.scaler else None
+    opt = torch.optim.SGD([p for p in job.model.parameters() if p.requires_grad], lr=0.0)
+    cond = {
+        k: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for k, x in conditioning(job.model, job.dp_rank, 0).items()
+    }
+    with watch:
+        for k in range(v.micro):
+            gen = torch.Generator().manual_seed(1000 * k + job.dp_rank)
+            x0 = torch.randn(1, GRID * GRID, job.model.config.in_channels, generator=gen).to(dtype)
+            noise = torch.randn(x0.shape, generator=gen).to(dtype)
+            t = torch.rand(1, generator=gen).to(dtype)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None and v.autocast):
+                out = job.run(hidden_states=(1 - t) * x0 + t * noise, timestep=t, **cond)[0]
+                loss = LOSSES[v.loss](job, out, noise - x0, v.micro)
+            if v.sync == "accelerate":
+                job.extra["accelerator"].backward(loss)
+            else:
+                (scaler.scale(loss) if scaler else loss).backward()
+        sync(v, job, job.model)
+        if scaler is not None and v.unscale_inside:
+            scaler.unscale_(opt)
+        job.tap()
+        clip(v, job, job.model)
+        if v.step_inside:
+            optimizer_step(scaler, opt)
+            opt.zero_grad(set_to_none=True)
+    if not v.step_inside:
+        optimizer_step(scaler, opt)
+    return getattr(watch, "report", None)
+
+
+def optimizer_step(scaler: Any, opt: Any) -> None:
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
+# -- the two runs --------------------------------------------------------------------------------------------------
+def groups_for(layout: tuple[int, int, int], cache: dict) -> dict:
+    """The job's mesh and groups for a layout, made once per process (a new gloo group costs a connection round)."""
+    if layout not in cache:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp, ring, ulysses = layout
+        mesh = init_device_mesh("cpu", (dp, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
+        both = ring > 1 and ulysses > 1
+        assert not both or dp == 1, "a 2-D CP layout here spans the whole world"
+        cp = dist.group.WORLD if both else mesh["ulysses" if ring == 1 else "ring"].get_group()
+        cache[layout] = {
+            "mesh": mesh,
+            "world": dist.group.WORLD,
+            "dp": mesh["dp"].get_group(),
+            "ring": mesh["ring"].get_group(),
+            "ulysses": mesh["ulysses"].get_group(),
+            "cp": cp,
+            "cp_rank": mesh["ring"].get_local_rank() * ulysses + mesh["ulysses"].get_local_rank(),
+        }
+    return cache[layout]
+
+
+def fsdp_mesh(job: Job) -> Any:
+    """The mesh FSDP2 shards over: data-parallel × CP (NeMo Automodel's dp_shard_cp), flattened once."""
+    g = job.groups
+    if "dp_cp_mesh" not in g:
+        g["dp_cp_mesh"] = g["mesh"]["dp", "ring"]._flatten()
+    return g["dp_cp_mesh"]
+
+
+def job_for(v: Variant, layout: tuple[int, int, int], dp_rank: int, cache: dict) -> Job:
+    dp, ring, ulysses = layout
+    g = groups_for(layout, cache)
+    return Job(ring * ulysses, ring, ulysses, dp, dp_rank, g["cp_rank"], g)
+
+
+def with_cp(names: list[str], out: str, backend: str, world: int) -> None:
+    import cpdoctor
+
+    cache: dict = {}
+    results = {}
+    grads = {}
+    for name in names:
+        v = VARIANTS[name]
+        if v.layout[0] * v.layout[1] * v.layout[2] != world:
+            continue
+        started = time.perf_counter()
+        job = job_for(v, v.layout, 0, cache)
+        job.dp_rank = job.groups["mesh"]["dp"].get_local_rank()
+        try:
+            job.model = build(v, job, backend)
+            job.run = wrap(v, job, job.model)
+            if v.compile:
+                job.run = torch.compile(job.run, backend=v.compile)
+            report = step(v, job, cpdoctor.watch_step(job.run, timeout_s=120))
+            f = report.findings[0] if report.findings else None
+            mine = {
+                "verdict": str(report.verdict.value),
+                "diagnosis": f.diagnosis if f else "",
+                "verdicts": [str(x.verdict.value) for x in report.findings],
+                "not_read": list(getattr(f.evidence, "not_read", ()) or ()) if f else [],
+            }
+        except Exception as exc:  # noqa: BLE001 - a variant that raises is recorded, the others still run
+            import traceback
+
+            mine = {"verdict": "RAISED", "diagnosis": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        finally:
+            if v.compile or v.loss.startswith("compiled"):
+                torch._dynamo.reset()
+                _compiled_loss.clear()
+        results[name] = {**mine, "variant": asdict(v), "wall_s": round(time.perf_counter() - started, 2)}
+        if job.cp_rank == 0 and job.tapped is not None:
+            grads[name] = job.tapped
+    rank = dist.get_rank()
+    torch.save(grads, os.path.join(out, f"cp_rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(out, "cp.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+def one_process(names: list[str], out: str) -> None:
+    """Every variant with every degree 1, once per data-parallel replica's data; the mean over the replicas. Half-dtype
+    variants also in fp32 (their one-process rounding sets the comparison's tolerance)."""
+    cache: dict = {}
+    grads, fp32 = {}, {}
+    for name in names:
+        v = VARIANTS[name]
+        for target, variant in ((grads, v), (fp32, _in_fp32(v))):
+            if variant is None:
+                continue
+            per_replica = []
+            for d in range(v.layout[0]):
+                job = job_for(variant, (1, 1, 1), d, cache)
+                job.model = build(variant, job, "native")
+                job.run = wrap(variant, job, job.model)
+                if variant.compile:
+                    job.run = torch.compile(job.run, backend=variant.compile)
+                step(variant, job, contextlib.nullcontext())
+                per_replica.append(job.tapped)
+                if variant.compile or variant.loss.startswith("compiled"):
+                    torch._dynamo.reset()
+                    _compiled_loss.clear()
+            target[name] = torch.stack(per_replica).mean(0)
+    torch.save({"grads": grads, "fp32": fp32}, os.path.join(out, "one.pt"))
+
+
+def _in_fp32(v: Variant) -> Variant | None:
+    """The same step in fp32 (weights and no autocast), for a step that computes in a half dtype."""
+    from dataclasses import replace
+
+    if v.dtype == "fp32" and not v.scaler:
+        return None
+    return replace(v, dtype="lora_fp32" if v.dtype.startswith("lora") else "fp32", autocast=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("cp", "one"))
+    p.add_argument("out")
+    p.add_argument("--only", default="")
+    a = p.parse_args()
+    names = [n for n in VARIANTS if n != SMOKE] if not a.only else a.only.split(",")
+    os.makedirs(a.out, exist_ok=True)
+    if a.mode == "one":
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        one_process(names, a.out)
+        os._exit(0)
+    dist.init_process_group("gloo")
+    import cpdoctor
+    from cpdoctor.cpu_kernels import cpu_backend
+
+    cpdoctor.patch()  # the steps are examined, not diffusers' attention (0.39.0's stock ring backward is wrong)
+    with_cp(names, a.out, cpu_backend.register(), dist.get_world_size())
+    dist.barrier()
+    print(end="", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The watcher under a real compiler: `torch.compile(model, backend="aot_eager")` (which traces forward and backward
+graphs, unlike "eager", which compiles nothing) and `backend="inductor"` where this machine has a C++ compiler
+(inductor builds its CPU kernels with one): the watched step PASSes and its gradients are bit-identical to the
+same compiled step's without the watcher (its hooks run outside dynamo, so they change nothing it computes).
+Issue 29: under aot_eager the watcher raised `setStorage ... out of bounds` inside the watched forward.
+
+Full tier (CPDOCTOR_TESTS=full): inductor compiles the tiny model's kernels with gcc on every rank (minutes on 2
+cores); the test's output says which backends ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("compile_step.py")
+
+
+def cxx() -> str | None:
+    """The C++ compiler inductor would use here (None: inductor cannot build its CPU kernels)."""
+    return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+
+
+def test_a_compiled_model_is_watched_without_changing_its_step(tmp_path, record_property):
+    backends = ["aot_eager"] + (["inductor"] if cxx() else [])
+    record_property("backends", ",".join(backends))
+    print(f"\ncompiler backends examined: {', '.join(backends)}" + ("" if cxx() else " (no C++ compiler here: inductor skipped)"))
+    out = tmp_path / "compile.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(DRIVER), str(out), *backends]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for backend in backends:
+        got = results[backend]
+        assert got["verdict"] == "PASS", (backend, got)
+        assert "multiplied by 2 = cp" in got["diagnosis"], (backend, got["diagnosis"])
+        assert got["identical_on_every_rank"] == [True, True], (backend, got)
