@@ -28,6 +28,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "smoke: an integration test of the fast default tier (the rest need the full tier)")
 
 
+MAX_WORKERS = 4
+"""`-n auto`'s ceiling: every worker holds a warm fork server of torch and diffusers (about 0.5 GB) and starts
+gloo ranks of its own; most of a test's wall time is one core busy (a parent importing, judging, waiting for a
+rank), so two workers on 2 cores roughly halve the suite, and more than 4 only add memory."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """pytest-xdist's `-n auto` (pyproject's addopts): one worker per core this process may run on, at most
+    MAX_WORKERS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
 def full_tier(config: pytest.Config) -> bool:
     """The full integration tier: asked for, or a path under tests/integration named on the command line."""
     if config.getoption("--full") or os.environ.get(FULL_TIER_ENV) == "full":
