@@ -48,7 +48,22 @@ def full_tier(config: pytest.Config) -> bool:
     return any(path == INTEGRATION or path.startswith(INTEGRATION + os.sep) for path in named)
 
 
+LONG_FIRST = (
+    "test_step_compile.py",
+    "test_step_matrix.py",
+    "test_step_conventions.py",
+    "test_repro.py",
+    "test_hub_cache_verdicts.py",
+    "test_gpu_acceptance_dry_run.py",
+)
+"""The integration files that take longest (`--durations`, README "Tests and lint"), started first: the workers
+take files in collection order (`--no-loadscope-reorder`), and a long file started last would leave one worker
+alone at the end."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
     if full_tier(config):
         return
     kept, left = [], []
