@@ -14,7 +14,8 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cpdoctor.errors import BadInput, first_line
+from cpdoctor.attempt import Attempt
+from cpdoctor.errors import BadInput
 
 
 def dispatch_module() -> Any:
@@ -116,11 +117,7 @@ def requirement_error(name: str) -> str | None:
     check = getattr(dispatch_module(), "_check_attention_backend_requirements", None)
     if check is None:
         return None
-    try:
-        check(backend_member(name))
-    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot run here"
-        return first_line(exc, with_type=False)
-    return None
+    return Attempt.of(lambda: check(backend_member(name))).why(with_type=False)  # any failure: "cannot run here"
 
 
 def add_backend(name: str, fn: Callable, supports_context_parallel: bool) -> None:
@@ -435,13 +432,8 @@ def anything_backward_refused(mode: str) -> bool | None:
         for p in inspect.signature(fn_cls.backward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
-    try:
-        fn_cls.backward(*([None] * len(params)))
-    except NotImplementedError:
-        return True
-    except Exception:  # noqa: BLE001 - anything else means the backward exists and did some work
-        return False
-    return False
+    # NotImplementedError is the refusal; anything else means the backward exists and did some work
+    return isinstance(Attempt.of(lambda: fn_cls.backward(*([None] * len(params)))).error, NotImplementedError)
 
 
 # --- the fix's view of backend ops (flash-attn wrappers, hub kernels) ---

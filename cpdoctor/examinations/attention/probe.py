@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind, first_line
+from cpdoctor.attempt import Attempt
+from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
 from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.judging import emulation_note
 from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, sharded_row, torch_dtype
@@ -194,11 +195,11 @@ def evaluate(case: Case, results: list[RankResult], ctx: Any) -> Measurement:
     inputs = make_inputs(req)
     ref = reference(inputs)
     baseline: dict[str, float | None] = dict.fromkeys(TENSORS)
-    try:
-        base = single_process(inputs, first.backend, ctx.device)
-        baseline = {n: compare(base[n], ref[n]).rel_err for n in TENSORS}
-    except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
-        result.baseline_error = first_line(exc)
+    # a backend without a local path still gets a dtype-only tolerance
+    tried = Attempt.of(lambda: single_process(inputs, first.backend, ctx.device))
+    if tried.ok:
+        baseline = {n: compare(tried.value[n], ref[n]).rel_err for n in TENSORS}
+    result.baseline_error = tried.why()
     order = sorted(range(len(shards)), key=lambda r: shards[r].flat_rank)
     for n in TENSORS:
         ref_shards = ref[n].chunk(len(shards), dim=1)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat import diffusers as compat
-from cpdoctor.errors import BadInput, Unsupported, first_line
+from cpdoctor.errors import BadInput, Unsupported
 from cpdoctor.examinations.attention import probe as attention
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.judging import emulation_note
@@ -189,10 +190,9 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
 
 
 def _op_shard(op_request: AttentionRequest, case: Case, ctx: Any) -> OpShard:
-    try:
-        return OpShard(attention.run_rank(Case(op_request, case.patched), ctx))
-    except Exception as exc:  # noqa: BLE001 - the op-level cross-check is evidence, not the examination
-        return OpShard(error=first_line(exc))
+    # the op-level cross-check is evidence, not the examination: its failure is kept, not raised
+    shard = Attempt.of(lambda: attention.run_rank(Case(op_request, case.patched), ctx))
+    return OpShard(shard.value) if shard.ok else OpShard(error=shard.why())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -258,11 +258,10 @@ def _measure_against_reference(result: ModelMeasurement, spec: ModelSpec, req: M
     """Fill the rows: baseline and reference single-process runs, then output, gradients, parameters, blocks."""
     dtype = torch_dtype(req.dtype)
     kwargs = make_inputs(spec, req, spec.full_config())
-    base = SingleProcess()
-    try:
-        base = _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype, f"no-CP baseline ({req.dtype})")
-    except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
-        result.baseline_error = first_line(exc)
+    # a backend without a local path still gets a dtype-only tolerance
+    baseline = Attempt.of(lambda: _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype, f"no-CP baseline ({req.dtype})"))
+    base = baseline.or_else(SingleProcess())
+    result.baseline_error = baseline.why()
     ref_name = "fp32" if req.reference == "fp32" else "fp64"
     ref = _single_process(spec, req, kwargs, REFERENCE_BACKEND, ctx.device, reference_dtype(req), f"reference ({ref_name})")
     assert ref.layout is not None and ref.blocks is not None
@@ -286,10 +285,9 @@ def _op_level(op_request: AttentionRequest, i: int, case: Case, shards: list[Mod
     error = next((o.error for o in ops if o.error is not None), None)
     if error is not None:
         return OpLevel(op_request, error=error)
-    try:
-        return OpLevel(op_request, attention.evaluate(Case(op_request, case.patched), [o.result for o in ops], ctx))  # type: ignore[misc]
-    except Exception as exc:  # noqa: BLE001 - the op-level cross-check is evidence: its failure is told, not raised
-        return OpLevel(op_request, error=first_line(exc))
+    # the op-level cross-check is evidence: its failure is told, not raised
+    judged = Attempt.of(lambda: attention.evaluate(Case(op_request, case.patched), [o.result for o in ops], ctx))  # type: ignore[misc]
+    return OpLevel(op_request, judged.value) if judged.ok else OpLevel(op_request, error=judged.why())
 
 
 def _environment(ctx: Any, backend: str, req: ModelRequest, emulated: str | None) -> Environment:
