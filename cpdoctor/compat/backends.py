@@ -81,8 +81,9 @@ class _Captured(Exception):
         self.backward_op = backward_op
 
 
-class _OpCtx:
-    """Stands in for an autograd ctx when calling a forward op outside autograd."""
+class OpCtx:
+    """Stands in for the autograd ctx diffusers' templates hand to a forward op, when one is called outside autograd
+    (here, and by env's backend table)."""
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tensors
@@ -126,8 +127,8 @@ def _call_with_spy(
     return False, None, None, None, call.value
 
 
-def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_config: Any = None) -> tuple[Any, _OpCtx]:
-    ctx = _OpCtx()
+def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_config: Any = None) -> tuple[Any, OpCtx]:
+    ctx = OpCtx()
     out = forward_op(ctx, q, q, q, None, 0.0, False, None, False, return_lse, _save_ctx=True, _parallel_config=parallel_config)
     return out, ctx
 

@@ -20,10 +20,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from cpdoctor.attempt import Attempt
-from cpdoctor.compat.backends import BackendFacts, BackendProbe
+from cpdoctor.compat.backends import BackendFacts, BackendProbe, OpCtx
 from cpdoctor.examinations.env.common import SHAPE, torch_dtype
 from cpdoctor.examinations.judging import tolerance
 from cpdoctor.report.serialize import to_jsonable
+
+META = "meta"
+"""torch's meta device, as `str(torch.device("meta"))` spells it: where an op without a kernel here is run for its
+shapes and kernel arguments."""
 
 
 @dataclass
@@ -54,6 +58,11 @@ class OpProbe:
     fix_calls_kernel: bool | None = None
     """cpdoctor's fix has a fused block kernel for this backend, so its ring and Ulysses call the kernel
     directly and never these ops (False: its Ulysses steps aside to diffusers' own; None: not known here)."""
+
+    @property
+    def on_meta(self) -> bool:
+        """The ops ran on the meta device (shapes and kernel arguments only, no numbers): no kernel here."""
+        return self.measured_on == META
 
     @property
     def backward_ok(self) -> bool | None:
@@ -106,13 +115,6 @@ class BackendRow:
         data.update(installed=self.installed, cp_capable=self.cp_capable, runs_here=self.runs_here, returns_lse=self.returns_lse)
         data["has_backward"] = self.facts.has_backward
         return data
-
-
-class _OpCtx:
-    """Stands in for the autograd ctx the templates hand to a forward op."""
-
-    def save_for_backward(self, *tensors: Any) -> None:
-        self.saved_tensors = tensors
 
 
 _RECORDED_ARGS = ("compute_log_sumexp", "dropout_p")
@@ -195,19 +197,19 @@ def _probe_inputs(device: Any, dtype: Any) -> tuple[Any, Any, Any, Any]:
     """q, k, v and grad_out of SHAPE: seeded random numbers, or empty tensors on the meta device."""
     import torch
 
-    if device.type == "meta":
+    if device.type == META:
         return tuple(torch.empty(SHAPE, device=device, dtype=dtype) for _ in range(4))  # type: ignore[return-value]
     gen = torch.Generator().manual_seed(0)
     return tuple(torch.randn(SHAPE, generator=gen).to(device, dtype) for _ in range(4))  # type: ignore[return-value]
 
 
-def _forward(forward_op: Callable, qkv: tuple, config: Any, probe: OpProbe, calls: dict) -> tuple[Any, _OpCtx]:
+def _forward(forward_op: Callable, qkv: tuple, config: Any, probe: OpProbe, calls: dict) -> tuple[Any, OpCtx]:
     """The forward as Ulysses calls it in training; again without the parallel config when the op wants more of
     it than the stand-in has (the refusal is kept in `probe.config_error`)."""
     import torch
 
-    def call(parallel_config: Any) -> tuple[Any, _OpCtx]:
-        ctx = _OpCtx()
+    def call(parallel_config: Any) -> tuple[Any, OpCtx]:
+        ctx = OpCtx()
         with torch.no_grad():
             return forward_op(ctx, *qkv, None, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=parallel_config), ctx
 
@@ -251,7 +253,7 @@ def probe_ops(forward_op: Callable, backward_op: Callable, device: Any, dtype_na
     """Call a backend's CP ops as the Ulysses template calls them in training, on `device` (or meta)."""
     import torch
 
-    meta = device.type == "meta"
+    meta = device.type == META
     probe = OpProbe(measured_on=str(device), fix_calls_kernel=_fix_calls_kernel(forward_op, parallel_config))
     qkvg = _probe_inputs(device, torch_dtype(dtype_name))
     rng_before = None if meta else _rng_state(device)
@@ -355,7 +357,7 @@ def _probe_row_ops(probed: BackendProbe, device: Any, dtype_name: str, config: A
         return None
     if facts.runs_here:
         return probe_ops(fwd, bwd, device, dtype_name, config)
-    op = probe_ops(fwd, bwd, torch.device("meta"), dtype_name, config)
+    op = probe_ops(fwd, bwd, torch.device(META), dtype_name, config)
     return None if op.error else op  # no meta kernel either: nothing measured
 
 
