@@ -273,6 +273,7 @@ def watch_step(
     return StepWatch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)
 
 
+# the public API's keywords (README); step_request, which the CLI also calls, takes the same
 def examine_step(
     target: str,
     *,

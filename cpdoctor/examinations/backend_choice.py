@@ -5,7 +5,7 @@ dispatch through a backend), with the CUDA kernels' CPU stand-ins put in place f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
 from cpdoctor.examinations.measurement import torch_dtype
@@ -13,21 +13,11 @@ from cpdoctor.launch.jobs import RankResult
 from cpdoctor.vocabulary import DType
 
 
-class AsksForBackend(Protocol):
-    """What choosing a backend reads of a request (an attention request is one; `BackendAsk` is the model's)."""
-
-    backend: str
-    dtype: DType
-    ring: int
-    ulysses: int
-    heads: int
-    head_dim: int
-    emulate: bool
-
-
 @dataclass(frozen=True)
 class BackendAsk:
-    """A backend asked for at given heads and head dim: the model examination's, at its model's attention."""
+    """What choosing a backend reads of a request: the backend asked for at given degrees, heads and head dim. An
+    attention request has these fields and is passed as it is; the model examination builds one at its model's
+    attention."""
 
     backend: str
     dtype: DType
@@ -59,7 +49,7 @@ def prepare_emulation(req: Any) -> None:
         standins.uninstall()
 
 
-def select_backend(req: AsksForBackend, device: Any) -> tuple[str, Any]:
+def select_backend(req: BackendAsk | Any, device: Any) -> tuple[str, Any]:
     """The backend name to examine and its facts; BadInput for a name this diffusers does not know."""
     import difflib
 

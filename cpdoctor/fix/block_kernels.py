@@ -90,6 +90,7 @@ class BlockKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    # the fused backward's convention (dout, q, k, v, out, lse, ...: aten's and flash-attn's backward ops)
     def backward(
         self,
         dout: torch.Tensor,

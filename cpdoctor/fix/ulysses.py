@@ -119,6 +119,7 @@ class UlyssesAttention:
     original = _PutAside()
     """The class this one replaced (None when the patch is not applied): it runs wherever the fix has no fused kernel."""
 
+    # diffusers' TemplatedUlyssesAttention.apply signature, which the patch replaces
     @classmethod
     def apply(
         cls,
@@ -135,6 +136,7 @@ class UlyssesAttention:
         backward_op: Any,
         _parallel_config: Any = None,
     ):
+        # diffusers' TemplatedUlyssesAttention.apply arguments, in its positional order
         args = (
             query,
             key,
