@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cpdoctor import launch
@@ -98,11 +98,8 @@ def ran_in(outcome: CaseOutcome) -> Environment:
 
 def outcome_findings_in(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
     """`outcome_findings`, each finding keeping the environment its case ran in (`ran_in`)."""
-    findings = outcome_findings(outcome, timeout_s)
     env = ran_in(outcome)
-    for finding in findings:
-        finding.environment = env
-    return findings
+    return [replace(f, environment=env) for f in outcome_findings(outcome, timeout_s)]
 
 
 def case_findings(cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:
