@@ -38,7 +38,7 @@ from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.launch.progress import tick, ticking
 from cpdoctor.report import BlockRow, ParamRow, TensorRow
 from cpdoctor.report.environment import Environment
-from cpdoctor.vocabulary import Kind
+from cpdoctor.vocabulary import DType, Kind
 
 
 def op_level() -> Examination:
@@ -102,7 +102,7 @@ class ModelInfo:
     frames: int | None = None
     text_len: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
-    reference_dtype: str | None = None
+    reference_dtype: DType | None = None
     read: Any = None
     stacks: dict[str, StackExamined] = field(default_factory=dict)
 
@@ -210,7 +210,7 @@ def _op_shard(op_request: LayoutRequest, case: Case, ctx: Any) -> OpShard:
 
 def reference_dtype(req: ModelRequest) -> Any:
     """fp64 unless the memory plan `prepare` made chose fp32 (req.reference) for the reference."""
-    return torch_dtype("fp32" if req.reference == "fp32" else "fp64")
+    return torch_dtype(DType.FP32 if req.reference is DType.FP32 else DType.FP64)
 
 
 @dataclass
@@ -270,7 +270,7 @@ def _measure_against_reference(result: ModelMeasurement, spec: ModelSpec, req: M
     baseline = Attempt.of(lambda: _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype, f"no-CP baseline ({req.dtype})"))
     base = baseline.or_else(SingleProcess())
     result.baseline_error = baseline.why()
-    ref_name = "fp32" if req.reference == "fp32" else "fp64"
+    ref_name = DType.FP32 if req.reference is DType.FP32 else DType.FP64
     ref = _single_process(spec, req, kwargs, REFERENCE_BACKEND, ctx.device, reference_dtype(req), f"reference ({ref_name})")
     assert ref.layout is not None and ref.blocks is not None
     result.model = _model_info(spec, req, kwargs, ref.layout, shards[0].read)
@@ -315,7 +315,7 @@ def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layo
         frames=req.frames,
         text_len=req.text_len,
         tokens=tokens,
-        reference_dtype="fp32" if req.reference == "fp32" else "fp64",
+        reference_dtype=DType.FP32 if req.reference is DType.FP32 else DType.FP64,
         read=read,
         stacks={s.name: StackExamined(min(req.blocks or s.depth, s.depth), s.depth) for s in model_survey(spec).stacks},
     )
