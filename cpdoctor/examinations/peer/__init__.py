@@ -18,7 +18,7 @@ from cpdoctor.examinations.peer.request import PeerRequest, build_request
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.report import Finding
-from cpdoctor.vocabulary import Kind
+from cpdoctor.vocabulary import Device, Kind
 
 
 class PeerExamination(Examination):
@@ -90,7 +90,7 @@ class PeerExamination(Examination):
         raised_in = f" — raised in {req.impl}'s code at {frame.location}: {frame.text}" if frame is not None else ""
         found = judge.JUDGE.failure_findings(self.describe(req), failures, timeout_s, raised_in=raised_in)
         found = [replace(f, command=judge.check_command(req)) for f in found]
-        if req.device != "cuda":
+        if req.device is not Device.CUDA:
             emulated = f"ran on CPU ranks through cpdoctor's stand-ins ({req.the_kernel.standin}) where no GPU was used"
             found = [replace(f, emulated=emulated) for f in found]
         return found
