@@ -15,7 +15,7 @@ renders) and nothing here looks at version numbers: the verdicts come from measu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cpdoctor.errors import BadInput
@@ -188,18 +188,19 @@ def run_doctor(
     report = run_suite(suite_for(checks), patch=patch, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, on_tick=on_tick)
 
     befores = report.before.findings if report.before is not None else [None] * len(report.findings)
-    rows = []
+    rows, findings, found_before = [], [], []
     for check, finding, before in zip(checks, report.findings, befores, strict=True):
         # A check that did not pass (before or after the fix) is looked at closer before and after the fix.
         failed = any(f is not None and f.verdict != Verdict.PASS for f in (finding, before))
-        for f in (finding, before):
-            if f is not None:
-                f.command = command_for(check, patch=failed, torchrun_world=torchrun_world)
+        command = command_for(check, patch=failed, torchrun_world=torchrun_world)
+        findings.append(replace(finding, command=command))
+        found_before.append(None if before is None else replace(before, command=command))
         rows.append(
-            DoctorRow(
-                check.label, dict(check.fields), check.why, finding.verdict, finding.command, None if before is None else before.verdict
-            )
+            DoctorRow(check.label, dict(check.fields), check.why, finding.verdict, command, None if before is None else before.verdict)
         )
+    report.findings = findings
+    if report.before is not None:
+        report.before.findings = found_before  # type: ignore[assignment]
     backends = sorted({b for f in report.findings if (b := _backend_of(f))})
     report.environment = report.environment.replace(accelerators=n, backend=", ".join(backends) if backends else "auto")
     # run_suite's request (every check as its full, validated request), marked as the doctor's.

@@ -44,7 +44,10 @@ that computes does (even on a loaded machine), a rank asleep or blocked in a glo
 
 
 @dataclass(frozen=True, order=True)
-class Step:
+class Milestone:
+    """Where a rank is (what its step file says): its case, the index of its point in STEPS, the ticks since, and
+    what it is doing. A rank's progress point, not the step examination (examinations/step)."""
+
     case: int
     index: int
     ticks: int = field(default=0, compare=False)
@@ -63,7 +66,7 @@ class Step:
         return f"{self.case} {self.name} {self.ticks} {self.doing}".rstrip()
 
     @classmethod
-    def parse(cls, text: str) -> Step | None:
+    def parse(cls, text: str) -> Milestone | None:
         parts = text.split(maxsplit=3)
         try:
             ticks = int(parts[2]) if len(parts) > 2 else 0
@@ -78,13 +81,13 @@ class StepLog:
     def __init__(self, path: str | None, case_offset: int = 0):
         self.path = path
         self.case_offset = case_offset
-        self._step = Step(case_offset, 0)
+        self._step = Milestone(case_offset, 0)
         self._written = 0.0
         self._lock = threading.Lock()
 
     def mark(self, case: int, step: str) -> None:
         with self._lock:
-            self._step = Step(case + self.case_offset, STEPS.index(step), self._step.ticks + 1)
+            self._step = Milestone(case + self.case_offset, STEPS.index(step), self._step.ticks + 1)
             self._write()
 
     def tick(self, doing: str | None = None) -> None:
@@ -93,7 +96,7 @@ class StepLog:
             return
         with self._lock:
             s = self._step
-            self._step = Step(s.case, s.index, s.ticks + 1, s.doing if doing is None else doing)
+            self._step = Milestone(s.case, s.index, s.ticks + 1, s.doing if doing is None else doing)
             if time.monotonic() - self._written >= TICK_WRITE_S:
                 self._write()
 
@@ -107,9 +110,9 @@ class StepLog:
         self._written = time.monotonic()
 
 
-def read_step(path: str) -> Step | None:
+def read_step(path: str) -> Milestone | None:
     text = read_text(path)
-    return None if text is None else Step.parse(text)
+    return None if text is None else Milestone.parse(text)
 
 
 def read_text(path: str) -> str | None:
@@ -256,13 +259,13 @@ class Heartbeat:
             last = now
 
 
-def blame(steps: dict[int, Step | None]) -> tuple[list[int], list[int]]:
+def blame(steps: dict[int, Milestone | None]) -> tuple[list[int], list[int]]:
     """(stuck, waiting) among the ranks that did not finish, from the step each one reached (None: not even
     started). The ranks behind all others are stuck; the rest were waiting for them. When all are at the same
     step, nobody is ahead to wait for anyone: all are named as stuck."""
     if not steps:
         return [], []
-    floor = Step(-1, -1)
+    floor = Milestone(-1, -1)
     progress = {rank: step or floor for rank, step in steps.items()}
     lowest = min(progress.values())
     hung = sorted(r for r, s in progress.items() if s == lowest)

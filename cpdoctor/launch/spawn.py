@@ -30,7 +30,7 @@ from cpdoctor.launch.jobs import (
     RankStatus,
     wall_bound_s,
 )
-from cpdoctor.launch.progress import Step, blame, read_advice, read_raised, read_step, read_text, show_advice
+from cpdoctor.launch.progress import Milestone, blame, read_advice, read_raised, read_step, read_text, show_advice
 from cpdoctor.launch.warm import WARM, WarmRank
 from cpdoctor.launch.worker import advice_path, outcome_path, raised_path, status_path, step_path
 
@@ -177,7 +177,7 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     the timeout, the ranks named by the step they reached (progress.py) furthest behind are HANG and the rest
     were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
     crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
-    steps: dict[int, Step | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
+    steps: dict[int, Milestone | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
     for r in sorted(set(steps) - set(crashed)):  # an exception the examination caught, then a peer never arrived
         noted = read_raised(raised_path(watch.out_dir, r))
@@ -216,7 +216,7 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     return failures
 
 
-def _where(step: Step | None) -> str:
+def _where(step: Milestone | None) -> str:
     return step.describe() if step is not None else "not started"
 
 

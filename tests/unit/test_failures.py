@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cpdoctor.examinations.judging import CRASH_SIGNATURES, crash_signature, failure_findings
 from cpdoctor.launch.jobs import FailureKind, RankFailure
-from cpdoctor.launch.progress import Step, blame
+from cpdoctor.launch.progress import Milestone, blame
 from cpdoctor.report import Verdict
 
 
@@ -50,16 +50,16 @@ def test_every_signature_has_a_remedy():
 
 
 def test_the_rank_behind_is_the_hung_one():
-    hung, waiting = blame({0: Step(0, 2), 1: Step(0, 1)})  # rank 0 examining, rank 1 still preparing
+    hung, waiting = blame({0: Milestone(0, 2), 1: Milestone(0, 1)})  # rank 0 examining, rank 1 still preparing
     assert hung == [1] and waiting == [0]
 
 
 def test_a_rank_that_never_started_is_behind_everyone():
-    assert blame({0: Step(1, 3), 1: None, 2: Step(1, 3)}) == ([1], [0, 2])
+    assert blame({0: Milestone(1, 3), 1: None, 2: Milestone(1, 3)}) == ([1], [0, 2])
 
 
 def test_ranks_stuck_at_the_same_step_are_all_named():
-    assert blame({0: Step(0, 2), 1: Step(0, 2)}) == ([0, 1], [])
+    assert blame({0: Milestone(0, 2), 1: Milestone(0, 2)}) == ([0, 1], [])
 
 
 def test_hang_finding_names_rank_and_step():
@@ -82,14 +82,14 @@ def test_a_rank_still_moving_at_the_wall_bound_is_told_to_examine_less():
 def test_a_rank_awaiting_rank_0s_verdict_is_ahead_of_rank_0_evaluating():
     """The false HANG of issue 22: rank 1 had reported and waited for rank 0, which was computing its reference;
     rank 1 was blamed because `reporting` came before `evaluating`."""
-    evaluating, awaiting = Step.parse("0 evaluating 40 reference (fp64): transformer_blocks.0"), Step.parse("0 awaiting 12")
+    evaluating, awaiting = Milestone.parse("0 evaluating 40 reference (fp64): transformer_blocks.0"), Milestone.parse("0 awaiting 12")
     assert blame({0: evaluating, 1: awaiting}) == ([0], [1])
 
 
 def test_step_round_trip():
-    assert Step.parse("3 reporting") == Step(3, 3) and Step.parse("garbage") is None
-    step = Step(0, 4, 17, "reference (fp64): transformer_blocks.3")
-    assert Step.parse(step.text()) == step and Step.parse(step.text()).doing == step.doing
+    assert Milestone.parse("3 reporting") == Milestone(3, 3) and Milestone.parse("garbage") is None
+    step = Milestone(0, 4, 17, "reference (fp64): transformer_blocks.3")
+    assert Milestone.parse(step.text()) == step and Milestone.parse(step.text()).doing == step.doing
     assert step.describe() == "case 1: evaluating (reference (fp64): transformer_blocks.3)"
 
 

@@ -5,17 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import LayoutRequest, require_ints, validate_timeout
+from cpdoctor.examinations.request import DEFAULT_SEQ, LayoutRequest, default_seq, require_ints, validate_timeout
 from cpdoctor.vocabulary import Kind
 
 __all__ = ["AttentionRequest", "DEFAULT_SEQ", "build_request", "default_seq", "validate_timeout"]
-
-DEFAULT_SEQ = 512
-
-
-def default_seq(world_size: int) -> int:
-    """512 rounded up to a multiple of the CP world size, so `--ring 3` works without choosing a length."""
-    return -(-DEFAULT_SEQ // world_size) * world_size
 
 
 @dataclass(frozen=True)

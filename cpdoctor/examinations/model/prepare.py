@@ -15,6 +15,7 @@ from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import ModelSpec, is_sliced, model_survey, request_spec, sliced_config, text_mask_param
 from cpdoctor.model_zoo.memory import available_memory
 from cpdoctor.model_zoo.throughput import time_plan
+from cpdoctor.vocabulary import Device
 
 DEFAULT_TEXT_LEN = 8
 RESOLUTION_STEPS = 8
@@ -80,9 +81,9 @@ def check_model_takes(req: ModelRequest, spec: ModelSpec, text_len: int, heads: 
 
 
 def _plan_device(req: ModelRequest) -> str:
-    if req.device == "cuda":
+    if req.device is Device.CUDA:
         return "cuda"
-    if req.device == "auto":
+    if req.device is Device.AUTO:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -383,11 +383,10 @@ def _unseen_text(s: StepSignature) -> str:
 
 def attention_command(s: StepSignature) -> str:
     """The op-level `cpdoctor check` command at this job's CP degrees."""
-    from cpdoctor.examinations.attention.judge import check_command
-    from cpdoctor.examinations.attention.request import AttentionRequest, default_seq
+    from cpdoctor.examinations.commands import OpLayout, check_command
 
     dtype = s.n.dtype if s.n.dtype in DType.examined() else DType.FP32
-    return check_command(AttentionRequest(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype, seq=default_seq(s.n.cp)))
+    return check_command(OpLayout(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype))  # the default seq: no --seq
 
 
 def _attention_text(s: StepSignature) -> str:
