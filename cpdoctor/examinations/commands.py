@@ -24,6 +24,7 @@ class OpLayout:
     mask_pad: int = 0
     seq: int | None = None
     emulate: bool = False
+    checkpointing: bool = False
 
     @property
     def world_size(self) -> int:
@@ -46,6 +47,8 @@ def check_command(req: Any, patch: bool = False) -> str:
         parts.append(f"--mask-pad {req.mask_pad}")
     if getattr(req, "emulate", False):
         parts.append("--emulate")
+    if getattr(req, "checkpointing", False):
+        parts.append("--checkpointing")
     if patch:
         parts.append("--patch")
     return " ".join(parts)

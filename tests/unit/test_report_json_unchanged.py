@@ -1,6 +1,8 @@
 """A report's JSON is a contract (README): the doctor's and a check's reports, built from fed findings and numbers
 (no process), serialise to exactly the JSON that cpdoctor wrote before `Finding` was frozen (the files under
-tests/unit/golden/ were written by this module's `reports()` at that commit, 2fe9154, and are compared whole).
+tests/unit/golden/ were written by this module's `reports()` at that commit, 2fe9154, and are compared whole;
+rewritten once since, when issue 30 added what it documents, and diffed key by key: the request's `checkpointing`
+key and the doctor's sixth check, ring 2 under checkpointing, nothing else).
 
 Every place that used to change a finding after building it is on the way: the doctor's `command`, a failure
 finding's `emulated` (attention) and `command` (peer), the runner's per-case `environment`, and `Report.of`'s."""

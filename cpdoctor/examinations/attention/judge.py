@@ -176,6 +176,7 @@ def describe(req: Any, backend: str | None = None) -> str:
         f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}"
         + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
         + (" emulated" if getattr(req, "emulate", False) else "")
+        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
     )
 
 

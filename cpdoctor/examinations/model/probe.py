@@ -50,7 +50,10 @@ def op_level() -> Examination:
 def op_level_requests(req: ModelRequest) -> tuple[LayoutRequest, ...]:
     """The op-level cross-checks run at the same layout: exactly what `cpdoctor check --ring R --ulysses U
     [--dtype D] [--backend B]` runs, and again with `--mask-pad N` when the model's text is padded."""
-    common = dict(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate)
+    common = dict(
+        ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate,
+        checkpointing=req.checkpointing,
+    )  # fmt: skip
     ops = [op_level().build_request(**common)]
     if req.mask_pad:
         ops.append(op_level().build_request(**common, mask_pad=req.mask_pad))
@@ -168,7 +171,8 @@ def _not_runnable(facts: Any, req: ModelRequest) -> Unsupported | None:
 
 
 def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) -> ModelShard:
-    """The model under CP, forward and backward; the parameter gradients summed over the CP group."""
+    """The model under CP (with --checkpointing through its own `enable_gradient_checkpointing()`), forward and
+    backward; the parameter gradients summed over the CP group."""
     from cpdoctor.model_zoo.slicing import ReadStats
 
     req: ModelRequest = case.request
@@ -178,6 +182,8 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
     recorder = BlockRecorder(model)
     kwargs = make_inputs(spec, req, spec.full_config())
     model.set_attention_backend(backend)
+    if req.checkpointing:
+        model.enable_gradient_checkpointing()
     with compat.accelerator_count_at_least_one():
         model.enable_parallelism(config=compat.context_parallel_config(req.ring, req.ulysses, mesh=ctx.cp_mesh(req.ring, req.ulysses)))
     try:
