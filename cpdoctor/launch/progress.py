@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 STEPS = ("joining", "preparing", "examining", "reporting", "evaluating", "awaiting", "done")
@@ -43,12 +44,47 @@ HEARTBEAT_CPU_SHARE = 0.1
 that computes does (even on a loaded machine), a rank asleep or blocked in a gloo collective does not."""
 
 
+@dataclass(frozen=True)
+class Collectives:
+    """A rank's flight record in its case (flight.py): how many collectives it entered, and the one it is in
+    now (`op` and its number `seq`; no `op`: outside any collective)."""
+
+    entered: int = 0
+    op: str = ""
+    seq: int = 0
+
+    @property
+    def inside(self) -> bool:
+        return bool(self.op)
+
+    def describe(self) -> str:
+        """ "in all_gather #3", "outside any collective (2 entered)"."""
+        return f"in {self.op} #{self.seq}" if self.inside else f"outside any collective ({self.entered} entered)"
+
+    def token(self) -> str:
+        """One word of the step file: `@2` (2 entered, outside), `@3:all_gather#3` (in it); "" when empty."""
+        if not self.entered and not self.inside:
+            return ""
+        return f"@{self.entered}" + (f":{self.op}#{self.seq}" if self.inside else "")
+
+    @classmethod
+    def parse(cls, token: str) -> Collectives | None:
+        found = _TOKEN.fullmatch(token)
+        if found is None:
+            return None
+        return cls(int(found["entered"]), found["op"] or "", int(found["seq"] or 0))
+
+
+_TOKEN = re.compile(r"@(?P<entered>\d+)(?::(?P<op>[^\s#]+)#(?P<seq>\d+))?")
+
+
 @dataclass(frozen=True, order=True)
 class Step:
     case: int
     index: int
     ticks: int = field(default=0, compare=False)
     doing: str = field(default="", compare=False)
+    flight: Collectives = field(default=Collectives(), compare=False)
 
     @property
     def name(self) -> str:
@@ -57,17 +93,23 @@ class Step:
     def describe(self) -> str:
         if self.index == 0:
             return "joining the process group"
-        return f"case {self.case + 1}: {self.name}" + (f" ({self.doing})" if self.doing else "")
+        where = f"case {self.case + 1}: {self.name}" + (f" ({self.doing})" if self.doing else "")
+        return where + (f", {self.flight.describe()}" if self.flight.token() else "")
 
     def text(self) -> str:
-        return f"{self.case} {self.name} {self.ticks} {self.doing}".rstrip()
+        return " ".join(w for w in (str(self.case), self.name, str(self.ticks), self.flight.token(), self.doing) if w)
 
     @classmethod
     def parse(cls, text: str) -> Step | None:
         parts = text.split(maxsplit=3)
         try:
             ticks = int(parts[2]) if len(parts) > 2 else 0
-            return cls(int(parts[0]), STEPS.index(parts[1]), ticks, parts[3] if len(parts) > 3 else "")
+            rest = parts[3] if len(parts) > 3 else ""
+            first, _, after = rest.partition(" ")
+            flight = Collectives.parse(first)
+            if flight is not None:
+                rest = after
+            return cls(int(parts[0]), STEPS.index(parts[1]), ticks, rest, flight or Collectives())
         except (ValueError, IndexError):
             return None
 
@@ -84,7 +126,15 @@ class StepLog:
 
     def mark(self, case: int, step: str) -> None:
         with self._lock:
-            self._step = Step(case + self.case_offset, STEPS.index(step), self._step.ticks + 1)
+            self._step = Step(case + self.case_offset, STEPS.index(step), self._step.ticks + 1, flight=self._step.flight)
+            self._write()
+
+    def collectives(self, record: Collectives) -> None:
+        """The rank entered, waits in or left a collective (flight.py): always written, it is a move."""
+        if self.path is None:
+            return
+        with self._lock:
+            self._step = replace(self._step, ticks=self._step.ticks + 1, flight=record)
             self._write()
 
     def tick(self, doing: str | None = None) -> None:
@@ -93,7 +143,7 @@ class StepLog:
             return
         with self._lock:
             s = self._step
-            self._step = Step(s.case, s.index, s.ticks + 1, s.doing if doing is None else doing)
+            self._step = replace(s, ticks=s.ticks + 1, doing=s.doing if doing is None else doing)
             if time.monotonic() - self._written >= TICK_WRITE_S:
                 self._write()
 
@@ -256,15 +306,45 @@ class Heartbeat:
             last = now
 
 
-def blame(steps: dict[int, Step | None]) -> tuple[list[int], list[int]]:
-    """(stuck, waiting) among the ranks that did not finish, from the step each one reached (None: not even
-    started). The ranks behind all others are stuck; the rest were waiting for them. When all are at the same
-    step, nobody is ahead to wait for anyone: all are named as stuck."""
+@dataclass(frozen=True)
+class Blame:
+    """Who stopped a launch that nobody moved in for the timeout: the `stuck` ranks, the ones `waiting` for them,
+    and, when their flight records told them apart, what the stuck ones did ("stopped outside any collective while
+    rank 0 waits in all_gather #1"; "" when the steps alone named them)."""
+
+    stuck: list[int]
+    waiting: list[int]
+    why: str = ""
+
+
+def blame(steps: dict[int, Step | None]) -> Blame:
+    """Who is stuck among the ranks that did not finish, from the step each one reached (None: not even started).
+
+    The ranks behind all others are stuck; the rest were waiting for them. Among ranks at the same step, their
+    flight records (flight.py) decide: when some are in a collective and others are outside any, and an outside
+    one never went past the collective the others wait in (it entered no more than that collective's number), the
+    ranks outside are stuck and those inside wait for them. Otherwise (nobody in a collective: all compute-bound
+    or asleep; everyone in one: a deadlock or mismatched collectives among them; the ranks outside all went past
+    what the others wait in) nobody is ahead to wait for anyone, and all of them are named."""
     if not steps:
-        return [], []
+        return Blame([], [])
     floor = Step(-1, -1)
     progress = {rank: step or floor for rank, step in steps.items()}
     lowest = min(progress.values())
     hung = sorted(r for r, s in progress.items() if s == lowest)
     waiting = sorted(r for r in progress if r not in hung)
-    return hung, waiting
+    flights = {r: progress[r].flight for r in hung}
+    inside = [r for r in hung if flights[r].inside]
+    outside = [r for r in hung if not flights[r].inside]
+    if inside and outside and any(flights[r].entered <= min(flights[w].seq for w in inside) for r in outside):
+        return Blame(outside, sorted(waiting + inside), _stopped_outside(flights, inside))
+    return Blame(hung, waiting)
+
+
+def _stopped_outside(flights: dict[int, Collectives], inside: list[int]) -> str:
+    """ "stopped outside any collective while rank 0 waits in all_gather #3" (ranks in the same one together)."""
+    where: dict[str, list[int]] = {}
+    for r in inside:
+        where.setdefault(f"{flights[r].op} #{flights[r].seq}", []).append(r)
+    waits = ", ".join(f"rank {', '.join(map(str, ranks))} {'waits' if len(ranks) == 1 else 'wait'} in {c}" for c, ranks in where.items())
+    return f"stopped outside any collective while {waits}"

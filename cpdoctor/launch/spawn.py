@@ -174,8 +174,8 @@ class _Watch:
 
 def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     """Why case `index` did not complete: ranks that raised or died are CRASH. Otherwise, when no rank moved for
-    the timeout, the ranks named by the step they reached (progress.py) furthest behind are HANG and the rest
-    were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
+    the timeout, the ranks named by the step they reached and, at the same step, by the collective they are in
+    (progress.blame) are HANG and the rest were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
     crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
     steps: dict[int, Step | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
@@ -190,8 +190,9 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
             RankFailure(r, FailureKind.CRASH, "stopped while waiting for the failed rank in a collective", waiting=True, where=_where(s))
             for r, s in others.items()
         ]
-    hung, waiting = blame(others)
-    message = f"stopped moving: no rank moved for {timeout_s:g} s"
+    blamed = blame(others)
+    hung, waiting = blamed.stuck, blamed.waiting
+    message = f"{blamed.why or 'stopped moving'}: no rank moved for {timeout_s:g} s"
     still_moving = watch.why == "wall"
     if still_moving:
         still = [r for r in watch.moving(time.monotonic(), timeout_s) if r in others]

@@ -17,6 +17,7 @@ from typing import Any
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.launch.context import DistContext
 from cpdoctor.launch.faults import inject_fault
+from cpdoctor.launch.flight import recording
 from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankProgram, RankStatus
 from cpdoctor.launch.progress import Heartbeat, StepLog, activate
 
@@ -43,7 +44,8 @@ def _run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, 
         log.mark(index, "preparing")
         inject_fault(ctx.rank, case.label)
         log.mark(index, "examining")
-        return RankPayload(RankStatus.OK, program.run_rank(case, ctx))
+        with recording():
+            return RankPayload(RankStatus.OK, program.run_rank(case, ctx))
     except BadInput as exc:
         return RankPayload(RankStatus.BAD_INPUT, message=str(exc))
     except CannotExamine as exc:

@@ -104,3 +104,39 @@ def test_the_rank_computing_is_named_and_the_one_awaiting_it_is_not(tmp_path, wh
     assert (stuck.rank, stuck.waiting, waiting.rank, waiting.waiting) == (0, False, 1, True)
     assert stuck.where == "case 1: evaluating (reference (fp64): transformer_blocks.0)"
     assert stuck.still_moving == (why == "wall") and ("wall bound" in stuck.message) == (why == "wall")
+
+
+# ------------------------------------------------------------------------------------ the flight record (flight.py)
+
+
+def test_a_blocking_collective_is_in_the_step_file_while_it_blocks(log):
+    """Entered: counted and written; while the call blocks the file says which one; left: outside again."""
+    from cpdoctor.launch.flight import FLIGHT
+
+    seen = []
+    barrier = FLIGHT._distributed(lambda **kw: seen.append(read_step(log.path).flight), "barrier")
+    with_work = FLIGHT._distributed(lambda **kw: seen.append(read_step(log.path).flight), "all_reduce")
+    with _armed():
+        barrier()
+        assert read_step(log.path).flight == progress.Collectives(1)
+        with_work(async_op=True)  # issued: counted, not in it (its Work's wait would be)
+    assert [(f.entered, f.op, f.seq) for f in seen] == [(1, "barrier", 1), (2, "", 0)]
+    assert read_step(log.path).flight == progress.Collectives()  # disarmed: the record is empty again
+
+
+def test_nested_collectives_count_once_under_the_outer_name(log):
+    from cpdoctor.launch.flight import FLIGHT
+
+    inner = FLIGHT._functional(lambda: None, "all_gather")
+    outer = FLIGHT._functional(lambda: inner(), "permute")
+    with _armed():
+        outer()
+        assert FLIGHT.entered == 1
+
+
+def _armed():
+    """FLIGHT armed for the block, as the worker arms it around a case."""
+    from cpdoctor.launch.flight import recording
+
+    pytest.importorskip("torch")
+    return recording()
