@@ -165,6 +165,10 @@ def step_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.step")
 
 
+def flight_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.flight")
+
+
 def raised_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.raised")
 
@@ -183,7 +187,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
     with open(job_path, "rb") as fh:
         job: Job = pickle.load(fh)
     rank = int(os.environ["RANK"])
-    log = StepLog(step_path(out_dir, rank))
+    log = StepLog(step_path(out_dir, rank), flight_path=flight_path(out_dir, rank))
     log.mark(0, "joining")
     activate(log, raised_path(out_dir, rank), advice_path(out_dir, rank))
     heartbeat = Heartbeat()  # importing torch and joining move too

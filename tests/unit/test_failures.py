@@ -116,14 +116,16 @@ def test_the_step_rule_comes_first():
     assert blame({0: examining(1, "all_gather", 1), 1: Step(0, 1)}) == Blame([1], [0])
 
 
-def test_a_flight_record_round_trips_through_the_step_file():
-    step = Step(0, 2, 9, "ring", Collectives(3, "send/recv", 2))
-    assert step.text() == "0 examining 9 @3:send/recv#2 ring"
-    back = Step.parse(step.text())
-    assert back == step and back.flight == step.flight and back.doing == "ring"
-    assert Step.parse("0 examining 9 @4").flight == Collectives(4)
-    assert Step(0, 2, 1).text() == "0 examining 1"  # no record: the text it always had
+def test_a_flight_record_round_trips_through_its_file():
+    record = Collectives(3, "send/recv", 2)
+    assert record.token() == "@3:send/recv#2" and Collectives.parse(record.token().ljust(64)) == record
+    assert Collectives.parse("@4") == Collectives(4) and Collectives.parse("") == Collectives()
+    assert Collectives.parse("@4:all_ga") == Collectives()  # half written: nothing claimed
+    step = Step.parse("0 examining 9 ring", "@3:send/recv#2")
+    assert step == Step(0, 2) and step.flight == record and step.doing == "ring"
+    assert step.describe() == "case 1: examining (ring), in send/recv #2"
     assert examining(2).describe() == "case 1: examining, outside any collective (2 entered)"
+    assert examining().describe() == "case 1: examining"  # nothing entered: what it always said
 
 
 def test_hang_finding_names_rank_and_step():

@@ -313,7 +313,7 @@ def test_the_flight_recorder_armed_and_disarmed_twice(tmp_path):
     from cpdoctor.launch.flight import FLIGHT, recording, stall_at_first_collective
 
     originals = (dist.all_gather, dist.barrier, dist.batch_isend_irecv, dist.Work.wait, funcol.all_gather_tensor, funcol.wait_tensor)
-    log = progress.StepLog(str(tmp_path / "rank0.step"))
+    log = progress.StepLog(str(tmp_path / "rank0.step"), flight_path=str(tmp_path / "rank0.flight"))
     log.mark(0, "examining")
     progress.activate(log)
     try:
@@ -337,7 +337,7 @@ def test_the_flight_recorder_armed_and_disarmed_twice(tmp_path):
                 funcol.wait_tensor,
             ) == originals
             assert dist.all_reduce is over and not FLIGHT.armed and FLIGHT.entered == 0 and not FLIGHT.stall_first
-            assert progress.read_step(log.path).flight == progress.Collectives()
+            assert progress.read_step(log.path, log.flight_path).flight == progress.Collectives()
             dist.all_reduce = mine.__wrapped__  # the test's own restoring
     finally:
         progress.activate(None)
