@@ -1,7 +1,7 @@
 """Which collective each rank is in, as NCCL's flight recorder keeps it: while a spawned rank examines, every
-collective it enters is counted and the one it is blocked in (entered, not left) is written to its step file
-(progress.py), so the supervising parent can tell a rank that stopped outside any collective from the peers
-that wait for it inside one (progress.blame).
+collective it enters is counted and the one it is blocked in (entered, not left) is written to its flight file
+beside its step file (progress.StepLog.collectives), so the supervising parent can tell a rank that stopped
+outside any collective from the peers that wait for it inside one (progress.blame).
 
 What is wrapped, while armed, is the narrowest public layer the CP attentions call at run time:
 - torch's functional collectives (`torch.distributed._functional_collectives`: all_gather_single/_tensor,
@@ -16,9 +16,11 @@ What is wrapped, while armed, is the narrowest public layer the CP attentions ca
 Not seen: `dist.isend`/`dist.irecv` called alone (torch checks a `P2POp`'s function by identity, so they are not
 replaced; `batch_isend_irecv` is), and a function bound by name before the recorder was armed.
 
-One small write per enter, wait and leave (the step file's own atomic write); nothing per element. Counts start
-at zero for every case: every rank of a CP attention makes the same collectives in the same order, so the
-counts of ranks in one case compare.
+One small write per enter, wait and leave (one `pwrite` in place, about 1 µs; nothing per element): about 50 µs
+of Python per functional collective issued and waited for, measured at load 13 on 2 cores, against the 100-260 ms
+of a ring-2 rank's `check` (4 collectives). Counts start at zero for every case: every rank of a CP attention
+makes the same collectives in the same order, so the counts of ranks in one case compare (where they do not, the
+blame names every rank rather than guess).
 """
 
 from __future__ import annotations
@@ -107,7 +109,6 @@ class FlightRecorder:
     def __init__(self) -> None:
         self.installed: dict[tuple[Any, str], tuple[Any, Any]] = {}  # (owner, name) -> (original, our wrapper)
         self.entered = 0
-        self.inside: tuple[str, int] | None = None
         self.depth = 0
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.stall_first = False
@@ -148,7 +149,7 @@ class FlightRecorder:
         self._reset()
 
     def _reset(self) -> None:
-        self.entered, self.inside, self.depth = 0, None, 0
+        self.entered, self.depth = 0, 0
         self.pending.clear()
         _write(Collectives())
 
@@ -164,11 +165,9 @@ class FlightRecorder:
         return self.entered
 
     def _block(self, op: str, seq: int) -> None:
-        self.inside = (op, seq)
         _write(Collectives(self.entered, op, seq))
 
     def _leave(self) -> None:
-        self.inside = None
         _write(Collectives(self.entered))
 
     def _remember(self, result: Any, op: str, seq: int) -> None:

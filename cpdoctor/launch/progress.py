@@ -13,9 +13,13 @@ polls: a file whose text changed is a rank that moved. Ticks come from three pla
   matmul, importing torch): a rank blocked in a gloo collective or asleep burns none.
 Writes are throttled (TICK_WRITE_S), so a tick costs a clock read.
 
+While it examines, a rank also keeps its flight record in `rank<R>.flight` (flight.py): how many collectives
+it entered and the one it is blocked in, rewritten in place at every enter, wait and leave.
+
 When no rank has moved for the timeout, the ranks furthest behind are the stuck ones; the others were waiting
-for them in a collective. Ranks that all stopped at the same step are a deadlock among themselves, and all of
-them are named.
+for them in a collective. Among ranks at the same step, the ones outside any collective are stuck while those
+inside one wait for them (`blame`); ranks that all stopped at the same step with nothing to tell them apart are a
+deadlock among themselves, and all of them are named.
 """
 
 from __future__ import annotations
