@@ -17,8 +17,8 @@ Not seen: `dist.isend`/`dist.irecv` called alone (torch checks a `P2POp`'s funct
 replaced; `batch_isend_irecv` is), and a function bound by name before the recorder was armed.
 
 One small write per enter, wait and leave (one `pwrite` in place, about 1 µs; nothing per element): about 50 µs
-of Python per functional collective issued and waited for, measured at load 13 on 2 cores, against the 100-260 ms
-of a ring-2 rank's `check` (4 collectives). Counts start at zero for every case: every rank of a CP attention
+of Python per functional collective issued and waited for, measured at load 13 on 2 cores; a ring-2 rank's
+`check` makes 4 collectives, and its 55-300 ms (15 runs armed and 15 not, interleaved) did not measurably change. Counts start at zero for every case: every rank of a CP attention
 makes the same collectives in the same order, so the counts of ranks in one case compare (where they do not, the
 blame names every rank rather than guess).
 """
