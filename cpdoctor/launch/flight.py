@@ -138,7 +138,7 @@ class FlightRecorder:
         setattr(owner, name, wrapper)
 
     def disarm(self) -> None:
-        """Restore every original and empty the record (the step file says no collective again). A function
+        """Restore every original and empty the record (the flight file says no collective again). A function
         wrapped again over ours meanwhile (the step watcher's reductions, left open) keeps that wrapper, whose
         inner call of ours now passes straight through."""
         for (owner, name), (original, wrapper) in self.installed.items():
@@ -202,25 +202,22 @@ class FlightRecorder:
         return entered
 
     def _distributed(self, original: Callable[..., Any], op: str) -> Callable[..., Any]:
-        issued_only = op == "send/recv"  # batch_isend_irecv returns its Works at once
+        """A torch.distributed call: the rank is in the collective during the call (all of it, for a blocking
+        one) and, for each `Work` it returns (`async_op=True`, `batch_isend_irecv`), while it waits on it."""
 
         @functools.wraps(original)
         def entered(*args: Any, **kwargs: Any) -> Any:
             if self.depth or not self.armed:
                 return original(*args, **kwargs)
             seq = self._enter()
-            blocking = not issued_only and not kwargs.get("async_op", False)
-            if blocking:
-                self._block(op, seq)
+            self._block(op, seq)
             self.depth += 1
             try:
                 result = original(*args, **kwargs)
             finally:
                 self.depth -= 1
-                if blocking:
-                    self._leave()
-            if not blocking:
-                self._remember(result, op, seq)
+                self._leave()
+            self._remember(result, op, seq)
             return result
 
         return entered

@@ -109,22 +109,34 @@ def test_the_rank_computing_is_named_and_the_one_awaiting_it_is_not(tmp_path, wh
 # ------------------------------------------------------------------------------------ the flight record (flight.py)
 
 
-def test_a_blocking_collective_is_in_the_step_file_while_it_blocks(log):
-    """Entered: counted and written; while the call blocks the flight file says which one; left: outside again.
-    Written in place: the step file is not rewritten (it is 2.5 ms a write here, the record 1 µs)."""
+def test_a_collective_is_in_the_flight_file_while_it_blocks_and_while_its_work_is_waited_for(log):
+    """Entered: counted and written; while the call blocks the flight file says which one; left: outside again;
+    an issued one (a Work returned) is in it again while its wait blocks, and a second wait is nothing. Written in
+    place: the step file is not rewritten (it is 2.5 ms a write here, the record 1 µs)."""
+    import torch.distributed as dist
+
     from cpdoctor.launch.flight import FLIGHT
 
+    def flight() -> tuple[int, str, int]:
+        f = read_step(log.path, log.flight_path).flight
+        return f.entered, f.op, f.seq
+
     seen = []
-    barrier = FLIGHT._distributed(lambda **kw: seen.append(read_step(log.path, log.flight_path).flight), "barrier")
-    with_work = FLIGHT._distributed(lambda **kw: seen.append(read_step(log.path, log.flight_path).flight), "all_reduce")
+    work = dist.Work()  # never completes: its wait is the fake below
+    barrier = FLIGHT._distributed(lambda **kw: seen.append(flight()), "barrier")
+    issue = FLIGHT._distributed(lambda **kw: work, "all_reduce")
+    wait = FLIGHT._waiting(lambda target: seen.append(flight()))
     step_file = read_step(log.path)
     with _armed():
         barrier()
-        assert read_step(log.path, log.flight_path).flight == progress.Collectives(1)
+        assert flight() == (1, "", 0)
         assert read_step(log.path) == step_file and read_step(log.path).ticks == step_file.ticks
-        with_work(async_op=True)  # issued: counted, not in it (its Work's wait would be)
-    assert [(f.entered, f.op, f.seq) for f in seen] == [(1, "barrier", 1), (2, "", 0)]
-    assert read_step(log.path, log.flight_path).flight == progress.Collectives()  # disarmed: the record is empty again
+        assert issue(async_op=True) is work and flight() == (2, "", 0)
+        wait(work)
+        wait(work)
+        assert flight() == (2, "", 0)
+    assert seen == [(1, "barrier", 1), (2, "all_reduce", 2), (2, "", 0)]
+    assert flight() == (0, "", 0)  # disarmed: the record is empty again
 
 
 def test_nested_collectives_count_once_under_the_outer_name(log):
