@@ -17,6 +17,7 @@ from cpdoctor.attempt import Attempt
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.launch.context import DistContext
 from cpdoctor.launch.faults import inject_fault
+from cpdoctor.launch.flight import recording
 from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankProgram, RankResult, RankStatus
 from cpdoctor.launch.progress import Heartbeat, StepLog, activate
 
@@ -45,7 +46,8 @@ def _run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, 
         log.mark(index, "preparing")
         inject_fault(ctx.rank, case.label)
         log.mark(index, "examining")
-        return program.run_rank(case, ctx)
+        with recording():
+            return program.run_rank(case, ctx)
 
     run = Attempt.of(examine, trace=True)
     if run.ok:
@@ -168,6 +170,10 @@ def step_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.step")
 
 
+def flight_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.flight")
+
+
 def raised_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.raised")
 
@@ -186,7 +192,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
     with open(job_path, "rb") as fh:
         job: Job = pickle.load(fh)
     rank = int(os.environ["RANK"])
-    log = StepLog(step_path(out_dir, rank))
+    log = StepLog(step_path(out_dir, rank), flight_path=flight_path(out_dir, rank))
     log.mark(0, "joining")
     activate(log, raised_path(out_dir, rank), advice_path(out_dir, rank))
     heartbeat = Heartbeat()  # importing torch and joining move too
