@@ -212,6 +212,12 @@ def _apply(text: str, edits: list[_Edit]) -> str:
 # -- the fixes ---------------------------------------------------------------------------------------------
 
 _SENDS_TO_NEXT = "list(range(1, {w})) + [0]"
+MASK_MESSAGE = (
+    "Ring attention supports only a key-only attn_mask of shape (batch, 1 or heads, 1, local keys), ",
+    "rotated with its keys; got {tuple(attn_mask.shape)} with {key.shape[1]} local keys.",
+)
+"""What the patched ring says when it refuses a mask it cannot rotate (two string lines in the patched code, the
+second an f-string: the mask's shape and the local key count are filled in there)."""
 
 
 def _direction_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
@@ -278,6 +284,8 @@ def _mask_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
         raise FixRefused(f"{RING_CLASS} already names `attn_masks`: the mask fix would collide with it")
     if any(isinstance(n, ast.Call) and _calls(n, "all_gather_tensor") and "mask" in ast.unparse(n) for n in ast.walk(forward)):
         raise FixRefused(f"{fwhere} already gathers the mask")
+    if "key" not in {a.arg for a in forward.args.args}:
+        raise FixRefused(f"{fwhere} takes no `key`: the mask's shape cannot be checked against the local keys")
     funcol, group = _gather_call(forward, fwhere)
     loop, i, world = _ring_loop(forward, fwhere)
     rank = _assigned_from_attribute(forward, "_ring_local_rank", fwhere)
@@ -289,6 +297,12 @@ def _mask_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
                 "# Each KV chunk has its own key mask: gather the ranks' masks once and rotate them with the keys.",
                 "attn_masks = None",
                 "if attn_mask is not None:",
+                "    if attn_mask.ndim != 4 or attn_mask.shape[-2] != 1 or attn_mask.shape[-1] != key.shape[1]:",
+                "        # Rank r's mask row holds only its own keys; a mask over query positions would need the",
+                "        # rows of the other ranks' queries too, which no rank holds.",
+                "        raise ValueError(",
+                *(f'            {"f" if "{" in part else ""}"{part}"' for part in MASK_MESSAGE),
+                "        )",
                 f"    attn_masks = {funcol}.all_gather_tensor(attn_mask.contiguous(), gather_dim=0, group={group})",
                 f"    attn_masks = attn_masks.chunk({world})",
                 "ctx.ring_attn_masks = attn_masks",
@@ -316,11 +330,16 @@ def _mask_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
     return edits
 
 
+STALE_KV_FIXED_IN = "diffusers 0.40.0"
+"""The release whose ring backward first hands the backend's op the rotated K/V and the global out/lse
+(diffusers #14265 / PR #14274, docs/FACTS.md "Upstream status"): named in the refusal, never compared with."""
+
+
 def _stale_kv_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
     raise FixRefused(
         "the stale K/V has no minimal fix in the ring: every backend's backward op recomputes from what its forward "
-        "saved at step 0 and takes no rotated K/V, out or lse (a later diffusers changed that op contract); upgrade "
-        "diffusers, then re-check ring ≥ 3"
+        f"saved at step 0 and takes no rotated K/V, out or lse; {STALE_KV_FIXED_IN} changed that op contract and "
+        f"fixed it: upgrade to {STALE_KV_FIXED_IN} or later, then re-check ring ≥ 3"
     )
 
 

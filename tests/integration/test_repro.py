@@ -56,6 +56,7 @@ def test_repro_reproduces_the_ring3_figures_and_hands_a_verified_fix(tmp_path, h
     upstream = run.json["upstream_fix"]
     if has_stale_kv_backward:  # 0.39.0: the stale K/V has no minimal fix in the ring alone, and cpdoctor says so
         assert upstream["verified"] is False and "stale K/V" in upstream["message"], upstream
+        assert "diffusers 0.40.0" in upstream["message"], upstream  # the release that fixed it
         assert not (out / "fix.diff").exists() and "### Proposed fix" not in issue
         return
     assert upstream["verified"] is True and upstream["message"].startswith("fix verified"), upstream
@@ -63,8 +64,18 @@ def test_repro_reproduces_the_ring3_figures_and_hands_a_verified_fix(tmp_path, h
     diff = (out / "fix.diff").read_text()
     assert diff.startswith("--- a/src/diffusers/models/attention_dispatch.py\n+++ b/src/diffusers/models/attention_dispatch.py\n")
     assert "```diff\n" + diff.rstrip("\n") + "\n```" in issue
-    for case in ("ring 2", "Ulysses 2", "ring 3", "ring 4", "ring 3, last 40 keys masked"):
+    for case in (
+        "ring 2",
+        "Ulysses 2",
+        "ring 3",
+        "ring 4",
+        "ring 3, last 40 keys masked",
+        "ring 3, last 40 keys masked, `_native_cudnn` (CPU stand-in)",
+    ):
         assert f"| {case} | PASS |" in issue, (case, issue[issue.index("### Proposed fix") :])
+    # the mask part: verified on every backend whose CP path takes a mask here, the others named with diffusers' reason
+    assert "The mask part was verified on: `cpdoctor_cpu`, `_native_cudnn`" in issue
+    assert "- `flash`: its CP path takes no mask: diffusers says" in issue and "- `native`: it runs no ring" in issue
 
     # `patch -p1` applies it in a tree laid out as diffusers' repository, and leaves valid Python
     import diffusers.models.attention_dispatch as installed
@@ -79,3 +90,4 @@ def test_repro_reproduces_the_ring3_figures_and_hands_a_verified_fix(tmp_path, h
     patched = target.read_text()
     ast.parse(patched)
     assert "next_ranks = [world_size - 1] + list(range(world_size - 1))" in patched and "ctx.ring_attn_masks" in patched
+    assert "Ring attention supports only a key-only attn_mask" in patched

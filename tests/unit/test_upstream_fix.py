@@ -21,7 +21,7 @@ from cpdoctor.compat.upstream_fix import (
     repo_path,
 )
 from cpdoctor.examinations.attention.request import AttentionRequest
-from cpdoctor.examinations.attention.upstream import CaseCheck, Verification, defects_of, issue_section, with_section
+from cpdoctor.examinations.attention.upstream import CaseCheck, MaskBackends, Verification, defects_of, issue_section, with_section
 from cpdoctor.examinations.judging import judge_row
 from cpdoctor.report import Finding, TensorRow, Verdict
 
@@ -155,8 +155,66 @@ def test_stale_kv_is_seen_and_refused_with_why():
     stale = RING.replace("ctx.backward_op(ctx, grad_out, query=query, key=key, value=value)", "ctx.backward_op(ctx, grad_out)")
     assert stale != RING
     assert present(planted(stale), UpstreamDefect.STALE_KV) and not present(planted(), UpstreamDefect.STALE_KV)
-    with pytest.raises(FixRefused, match="no minimal fix in the ring"):
+    with pytest.raises(FixRefused, match="no minimal fix in the ring") as refused:
         make_fix(planted(stale), (UpstreamDefect.STALE_KV,))
+    assert "upgrade to diffusers 0.40.0 or later" in str(refused.value)  # the release that fixed it (docs/FACTS.md)
+
+
+def _patched_ring(text: str) -> type:
+    """The patched source's TemplatedRingAttention class, executed alone (it needs torch and funcol at call
+    time), with the K/V all-gather answered locally (no process group)."""
+    import types
+
+    import torch
+
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "TemplatedRingAttention")
+    namespace = {
+        "torch": torch,
+        "funcol": types.SimpleNamespace(all_gather_tensor=lambda t, gather_dim, group: torch.cat([t, t], dim=gather_dim)),
+    }
+    code = "from __future__ import annotations\n" + ast.get_source_segment(text, cls)
+    exec(compile(code, "attention_dispatch.py", "exec"), namespace)  # noqa: S102 - the patched class under test
+    return namespace["TemplatedRingAttention"]
+
+
+def test_the_mask_fix_refuses_a_mask_it_cannot_rotate_with_a_message():
+    """The patched ring takes a key-only mask (B, 1, 1, S_local) and refuses one over query positions, in its
+    own words, before its ring loop runs an op."""
+    pytest.importorskip("diffusers")
+    import types
+
+    import torch
+
+    from cpdoctor.compat.upstream_fix import MASK_MESSAGE
+
+    source = dispatch_source()
+    if not present(source, M):
+        pytest.skip("the installed ring has no unrotated mask to fix")
+    ring = _patched_ring(make_fix(source, (M,)).patched)
+    cp = types.SimpleNamespace(_ring_mesh=types.SimpleNamespace(get_group=lambda: None), _ring_local_rank=0, ring_degree=2)
+    config = types.SimpleNamespace(context_parallel_config=cp)
+    b, s_local, h, d = 2, 8, 2, 4
+    q = k = v = torch.zeros(b, s_local, h, d)
+
+    class OpReached(Exception):
+        pass
+
+    def forward_op(*args, **kwargs):
+        raise OpReached
+
+    def run(mask):
+        ctx = types.SimpleNamespace()
+        ring.forward(ctx, q, k, v, mask, 0.0, False, None, False, False, forward_op, None, config)
+
+    with pytest.raises(OpReached):
+        run(torch.ones(b, 1, 1, s_local, dtype=torch.bool))  # the shape it supports reaches the op
+    with pytest.raises(OpReached):
+        run(torch.ones(b, h, 1, s_local, dtype=torch.bool))
+    for shape in ((b, 1, s_local, s_local), (b, 1, 2 * s_local, 2 * s_local), (b, s_local), (b, 1, 1, 2 * s_local)):
+        with pytest.raises(ValueError) as refused:
+            run(torch.ones(*shape, dtype=torch.bool))
+        said = str(refused.value)
+        assert said.startswith(MASK_MESSAGE[0]) and f"got {shape} with {s_local} local keys" in said, said
 
 
 def test_double_transpose_drops_the_second_transpose_of_saved_k_v():
@@ -250,6 +308,56 @@ def test_the_cases_a_fix_is_verified_on():
     masked = AttentionRequest(ring=3, seq=513, mask_pad=40).to_dict()
     layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(masked, (M,))]
     assert layouts == [(3, 1, 40), (2, 1, 0), (1, 2, 0)]
+    # the mask fix: the FAIL's own case again on every other backend it is verified on (stand-ins in bf16)
+    backends = MaskBackends((("cpdoctor_cpu", False), ("_native_cudnn", True)), (("flash", "its CP path takes no mask"),))
+    extra = [(c["backend"], c["emulate"], c["dtype"], c["mask_pad"]) for c in _cases(masked, (M,), backends)][3:]
+    assert extra == [("_native_cudnn", True, "bf16", 40)]
+    assert len(_cases(masked, (D,), backends)) == 5  # not for the direction alone
+
+
+def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
+    """On a CPU: the FAIL's own, the CPU backend and each stand-in backend whose CP path takes a mask (read in
+    diffusers' own code); every other CP backend is listed with diffusers' reason; on a GPU the FAIL's own only."""
+    pytest.importorskip("diffusers")
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.examinations.attention.upstream import _backend_lines, mask_backends
+
+    on_cpu = mask_backends("cpdoctor_cpu", False, on_cpu=True)
+    assert on_cpu.verified[0] == ("cpdoctor_cpu", False)
+    for name in ("_native_flash", "_native_cudnn", "flash"):
+        refusal = compat.ring_mask_refusal(name)
+        assert ((name, True) in on_cpu.verified) is (refusal is None)
+        assert any(n == name and refusal[1].rstrip(".") in why for n, why in on_cpu.not_verified) is (refusal is not None)
+    named = {n for n, _ in on_cpu.verified} | {n for n, _ in on_cpu.not_verified}
+    cp = {n for n in compat.registered_backend_names() if compat.is_cp_registered(n)}
+    assert cp <= named and len(named) == len(on_cpu.verified) + len(on_cpu.not_verified)
+    on_gpu = mask_backends("_native_cudnn", False, on_cpu=False)
+    assert on_gpu.verified == (("_native_cudnn", False),)
+    lines = "\n".join(_backend_lines(on_cpu))
+    assert "The mask part was verified on: `cpdoctor_cpu`" in lines and "Not verified on:" in lines
+
+
+def test_a_backend_that_refuses_a_mask_says_so_in_its_own_code(monkeypatch):
+    from cpdoctor.compat import diffusers as compat
+
+    def refusing(query, key, value, attn_mask=None, return_lse=False, _parallel_config=None):
+        if attn_mask is not None:
+            raise ValueError("`attn_mask` is not supported for this kernel.")
+        return query
+
+    def no_lse(query, key, value, attn_mask=None, return_lse=False, _parallel_config=None):
+        if return_lse:
+            raise ValueError("no LSE here")
+        if attn_mask is not None and query is None:
+            raise ValueError("not a refusal of the mask alone")
+        return query
+
+    for fn, expected in (
+        (refusing, ("attn_mask", "`attn_mask` is not supported for this kernel.")),
+        (no_lse, ("return_lse", "no LSE here")),
+    ):
+        monkeypatch.setattr(compat, "backend_function", lambda name, fn=fn: fn)
+        assert compat.ring_mask_refusal("x") == expected
 
 
 @pytest.mark.parametrize(

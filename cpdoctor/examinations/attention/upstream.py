@@ -30,6 +30,7 @@ from cpdoctor.compat.upstream_fix import (
 )
 from cpdoctor.errors import BadInput
 from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
+from cpdoctor.vocabulary import HALF, DType
 
 TENSORS = ("out", "dq", "dk", "dv")
 GUARD = ((2, 1), (1, 2))
@@ -49,11 +50,29 @@ class CaseCheck:
     after: dict[str, float]
     before: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    backend: str = ""
+    """Set for a case run on another backend than the FAIL's (the mask fix's other backends)."""
+    emulated: bool = False
 
     @property
     def label(self) -> str:
         parts = [f"ring {self.ring}" if self.ring > 1 else "", f"Ulysses {self.ulysses}" if self.ulysses > 1 else ""]
-        return " × ".join(p for p in parts if p) + (f", last {self.mask_pad} keys masked" if self.mask_pad else "")
+        label = " × ".join(p for p in parts if p) + (f", last {self.mask_pad} keys masked" if self.mask_pad else "")
+        if self.backend:
+            label += f", `{self.backend}`" + (" (CPU stand-in)" if self.emulated else "")
+        return label
+
+
+@dataclass(frozen=True)
+class MaskBackends:
+    """Where the mask fix is verified: the backends whose ring accepts a mask and runs here (the FAIL's own, the
+    CPU backend, the CUDA backends whose CPU stand-in keeps the kernel's mask contract), and every other
+    CP-registered backend with why it was not."""
+
+    verified: tuple[tuple[str, bool], ...]
+    """(backend, emulated) pairs, the FAIL's own first."""
+    not_verified: tuple[tuple[str, str], ...]
+    """(backend, why) pairs."""
 
 
 @dataclass
@@ -66,6 +85,7 @@ class Verification:
     repro_after: dict[str, float] = field(default_factory=dict)
     cases: list[CaseCheck] = field(default_factory=list)
     wall_s: float = 0.0
+    mask_backends: MaskBackends | None = None
 
 
 @dataclass
@@ -125,7 +145,8 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
         return UpstreamOutcome(
             None, "no fix.diff: under torchrun cpdoctor cannot launch the patched copy's ranks to verify it; run without torchrun", fix=fix
         )
-    verification = verify(fix, req, finding, script, timeout_s)
+    backend = report.environment.backend or req["backend"]
+    verification = verify(fix, req, finding, script, timeout_s, backend)
     section = issue_section(fix, verification, req)
     if not verification.verified:
         return UpstreamOutcome(None, f"fix not verified, no fix.diff written: {verification.reason}", section, fix, verification)
@@ -136,28 +157,79 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
     return UpstreamOutcome(path, f"fix verified ({names}; {verification.wall_s:.0f} s): wrote {path}", section, fix, verification)
 
 
-def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...]) -> list[dict[str, Any]]:
+def mask_backends(own: str, emulated: bool, on_cpu: bool) -> MaskBackends:
+    """The backends the mask fix is verified on, and why each other CP-registered backend is not: on a CPU the
+    FAIL's own, cpdoctor's CPU backend and every CUDA backend with a CPU stand-in whose ring takes a mask (a
+    backend that refuses `attn_mask` or has no LSE for the ring says so in its own code: compat reads it); on a
+    GPU the FAIL's own only (no stand-ins there)."""
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.cpu_kernels import cpu_backend
+    from cpdoctor.cpu_kernels.standins import EMULATED_BACKENDS
+
+    verified: list[tuple[str, bool]] = [(own, emulated)]
+    not_verified: list[tuple[str, str]] = []
+    for name in (cpu_backend.NAME, *EMULATED_BACKENDS):
+        if name == own or not on_cpu:
+            continue
+        refusal = None if name == cpu_backend.NAME else compat.ring_mask_refusal(name)
+        if refusal:
+            not_verified.append((name, _refused(refusal)))
+        else:
+            verified.append((name, name in EMULATED_BACKENDS))
+    seen = {name for name, _ in verified} | {name for name, _ in not_verified}
+    for name in compat.registered_backend_names():
+        if name in seen or not compat.is_cp_registered(name):
+            continue
+        refusal = compat.ring_mask_refusal(name)
+        why = _refused(refusal) if refusal else "no kernel or CPU stand-in of it here"
+        not_verified.append((name, why if on_cpu or refusal else "the verification runs on the FAIL's backend only on a GPU"))
+    return MaskBackends(tuple(verified), tuple(not_verified))
+
+
+def _refused(refusal: tuple[str, str]) -> str:
+    """Why a backend cannot show the mask fix, in diffusers' own words."""
+    refused, message = refusal
+    what = "it runs no ring (the ring needs an LSE)" if refused == "return_lse" else "its CP path takes no mask"
+    return f"{what}: diffusers says “{message.rstrip('.')}”"
+
+
+def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: MaskBackends | None = None) -> list[dict[str, Any]]:
     """The layouts to examine on the patched copy: the FAIL's own case first, then ring 2–4 for the direction,
-    then the guard; duplicates dropped."""
+    then the guard, then (mask fix) the FAIL's own case on each other backend the mask fix is verified on (the
+    CUDA kernels' stand-ins take half precision only: bf16 there when the FAIL's dtype is not); duplicates
+    dropped."""
     own = dict(req, patch=False)
     layouts = [own]
     if UpstreamDefect.DKV_DIRECTION in defects:
         layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None) for r in DIRECTION_RINGS]
     layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None) for r, u in GUARD]
+    if backends is not None and UpstreamDefect.MASK_NOT_ROTATED in defects:
+        for name, emulated in backends.verified[1:]:
+            dtype = own["dtype"] if not emulated or DType(own["dtype"]) in HALF else DType.BF16.value
+            layouts.append(dict(own, backend=name, emulate=emulated, dtype=dtype))
     seen, unique = set(), []
     for fields in layouts:
-        key = (fields["ring"], fields["ulysses"], fields["mask_pad"])
+        key = _case_key(fields)
         if key not in seen:
             seen.add(key)
             unique.append(fields)
     return unique
 
 
-def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float) -> Verification:
-    """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there."""
+def _case_key(fields: Any) -> tuple[Any, ...]:
+    """What tells two cases apart: the layout, the mask, the backend and whether it is emulated."""
+    get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
+    return (get("ring"), get("ulysses"), get("mask_pad"), get("backend"), bool(get("emulate")))
+
+
+def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float, backend: str = "") -> Verification:
+    """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there
+    (the mask fix also on the other backends `mask_backends` names)."""
     start = time.monotonic()
     before = {n: t.rel_err for n, t in finding.tensors.items()}
     result = Verification(False, "", before)
+    if UpstreamDefect.MASK_NOT_ROTATED in fix.defects:
+        result.mask_backends = mask_backends(backend or req["backend"], bool(req.get("emulate")), _on_cpu(req))
     with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
         try:
             _patched_copy(fix, root)
@@ -165,7 +237,7 @@ def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str,
             result.reason = f"cannot apply the diff to a copy of the installed diffusers ({exc})"
             return result
         _run_repro(result, script, req["ring"] * req["ulysses"], root, timeout_s)
-        _run_cases(result, req, fix.defects, root, timeout_s)
+        _run_cases(result, req, fix.defects, root, timeout_s, backend)
     result.wall_s = time.monotonic() - start
     failed = [c.label for c in result.cases if c.verdict not in (Verdict.PASS, Verdict.UNSUPPORTED)]
     if not result.reason and failed:
@@ -212,8 +284,18 @@ def _run_repro(result: Verification, script: str, world: int, root: str, timeout
         result.reason = "repro.py on the patched copy still reproduces the FAIL"
 
 
-def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float) -> None:
-    """The examination's cases on the copy, one launch per world size."""
+def _on_cpu(req: dict[str, Any]) -> bool:
+    """Do the verification's ranks run on the CPU (where the CUDA kernels' stand-ins can stand in)?"""
+    import torch
+
+    return req["device"] == "cpu" or (req["device"] != "cuda" and not torch.cuda.is_available())
+
+
+def _run_cases(
+    result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float, backend: str = ""
+) -> None:
+    """The examination's cases on the copy, one launch per world size (a world's cases on the FAIL's backend
+    first: an emulated case installs the stand-ins in its rank, which the cases after it then keep)."""
     from cpdoctor import launch
     from cpdoctor.examinations import registry
     from cpdoctor.launch.jobs import Case, Job
@@ -221,14 +303,17 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
 
     entry = registry.get("attention")
     by_world: dict[int, list[Any]] = {}
-    for fields in _cases(req, defects):
+    for fields in _cases(req, defects, result.mask_backends):
+        other = _other_backend(fields, req)
         try:
             request = entry.prepare(entry.build_request(**fields))
         except BadInput as exc:  # e.g. heads that Ulysses 2 cannot split: that guard does not apply
-            result.cases.append(CaseCheck(fields["ring"], fields["ulysses"], fields["mask_pad"], Verdict.UNSUPPORTED, {}, note=str(exc)))
+            result.cases.append(
+                CaseCheck(fields["ring"], fields["ulysses"], fields["mask_pad"], Verdict.UNSUPPORTED, {}, note=str(exc), **other)
+            )
             continue
         by_world.setdefault(request.world_size, []).append(request)
-    own = (req["ring"], req["ulysses"], req["mask_pad"])
+    own = _case_key(req)
     with ranks_import_first(root):
         for world, requests in sorted(by_world.items()):
             cases = tuple(Case(r) for r in requests)
@@ -236,12 +321,13 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
             outcomes = ran.outcomes
             for n, request in enumerate(requests):
                 key = (request.ring, request.ulysses, request.mask_pad)
-                before = result.repro_before if key == own else {}
+                before = result.repro_before if _case_key(request) == own else {}
+                other = _other_backend(request, req)
                 if n >= len(outcomes):
                     refused = ran.bad_input or ran.cannot_examine
                     verdict = Verdict.CRASH if refused else Verdict.HANG
                     note = f"the ranks refused: {refused}" if refused else "not examined: the launch stopped earlier"
-                    result.cases.append(CaseCheck(*key, verdict, {}, before, note))
+                    result.cases.append(CaseCheck(*key, verdict, {}, before, note, **other))
                     continue
                 outcome = outcomes[n]
                 found = (
@@ -257,8 +343,17 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
                         {t: row.rel_err for t, row in f.tensors.items()},
                         before,
                         f.diagnosis if f.verdict is not Verdict.PASS else "",
+                        **other,
                     )
                 )
+
+
+def _other_backend(fields: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """CaseCheck's backend fields for a case on another backend than the FAIL's (none for the FAIL's own)."""
+    get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
+    if get("backend") == req["backend"] and bool(get("emulate")) == bool(req.get("emulate")):
+        return {}
+    return {"backend": get("backend"), "emulated": bool(get("emulate"))}
 
 
 def _fmt(value: float | None) -> str:
@@ -290,9 +385,24 @@ def issue_section(fix: UpstreamFix, v: Verification, req: dict[str, Any]) -> str
         after = " / ".join(_fmt(c.after.get(n)) for n in TENSORS) if c.after else c.note or "–"
         before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else "not run"
         lines.append(f"| {c.label} | {c.verdict.value} | {after} | {before} |")
+    lines += _backend_lines(v.mask_backends)
     if not v.verified:
         lines += ["", f"Not verified: {v.reason}."]
     return "\n".join(lines) + "\n"
+
+
+def _backend_lines(backends: MaskBackends | None) -> list[str]:
+    """Which backends the mask fix was verified on and which not, and why (the issue's reader asks first)."""
+    if backends is None:
+        return []
+    verified = ", ".join(
+        f"`{name}`" + (" (its CUDA kernel replaced by cpdoctor's CPU stand-in, which keeps the kernel's mask contract)" if emulated else "")
+        for name, emulated in backends.verified
+    )
+    lines = ["", f"The mask part was verified on: {verified}.", ""]
+    if backends.not_verified:
+        lines += ["Not verified on:", ""] + [f"- `{name}`: {why}" for name, why in backends.not_verified]
+    return lines
 
 
 def with_section(issue: str, section: str) -> str:
