@@ -175,6 +175,7 @@ def describe(req: Any, backend: str | None = None) -> str:
         f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}"
         + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
         + (" emulated" if getattr(req, "emulate", False) else "")
+        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
     )
 
 
@@ -203,6 +204,8 @@ def check_command(req: Any, patch: bool = False) -> str:
         parts.append(f"--mask-pad {req.mask_pad}")
     if getattr(req, "emulate", False):
         parts.append("--emulate")
+    if getattr(req, "checkpointing", False):
+        parts.append("--checkpointing")
     if patch:
         parts.append("--patch")
     return " ".join(parts)

@@ -142,11 +142,24 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
     q, k, v = (shard(inputs[n]).requires_grad_(True) for n in ("q", "k", "v"))
     mask = None if inputs["mask"] is None else inputs["mask"].chunk(req.world_size, dim=-1)[flat].to(ctx.device)
     rng_before = device_rng_state(ctx.device)
-    out = dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=name, parallel_config=config)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=name, parallel_config=config)
+
+    out = checkpointed(attend, q, k, v) if req.checkpointing else attend(q, k, v)
     out.backward(shard(inputs["grad_out"]))
     advanced = not torch.equal(rng_before, device_rng_state(ctx.device))
     cpu = [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
     return AttentionShard(flat, name, facts, *cpu, rng_advanced=advanced)
+
+
+def checkpointed(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` under torch's non-reentrant activation checkpointing, as diffusers' own
+    `enable_gradient_checkpointing()` runs a block (its default `_gradient_checkpointing_func`): the forward keeps no
+    activations, the backward recomputes them and unpacks each saved tensor once."""
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def device_rng_state(device: Any) -> Any:
