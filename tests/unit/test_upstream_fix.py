@@ -379,3 +379,99 @@ def test_the_repro_on_the_patched_copy_decides(monkeypatch, returncode, stdout, 
     assert (reason in result.reason) if reason else result.reason == ""
     if not reason:
         assert result.repro_after == {"out": 4.1e-07, "dk": 4.2e-07}
+
+
+S = UpstreamDefect.SAVED_PER_STEP
+UNPACKED_TWICE = (
+    'Traceback (most recent call last):\n  File "/site/diffusers/models/attention_dispatch.py", line 2506, in backward\n'
+    "    grad_query_op, grad_key_op, grad_value_op, *_ = ctx.backward_op(\n"
+    "torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
+    "already unpacked once. If you are calling ctx.saved_tensors in backward, make sure to do so only once."
+)
+
+
+def test_saved_once_fix_unpacks_once_and_hands_the_op_a_view_of_the_ctx():
+    fix = make_fix(planted(), (S,))
+    tree = ast.parse(fix.patched)
+    names = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert names == ["_RingBackwardCtx", "TemplatedRingAttention"]  # the view's class just before the ring's
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TemplatedRingAttention")
+    backward = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "backward")
+    text = ast.unparse(backward)
+    assert text.count("ctx.saved_tensors") == 1 and "op_ctx = _RingBackwardCtx(ctx, saved_tensors)" in text
+    assert "ctx.backward_op(op_ctx, grad_out, query=query, key=key, value=value)" in text
+    loop = next(n for n in backward.body if isinstance(n, ast.For))
+    assert "saved_tensors" not in ast.unparse(loop).replace("op_ctx", "")  # unpacked before the ring loop
+    # the forward and every backend op are untouched: only the ring's backward and the new class change
+    removed = [ln[1:].strip() for ln in fix.diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    assert removed == ["grad_query_op, grad_key_op, grad_value_op, *_ = ctx.backward_op(ctx, grad_out, query=query, key=key, value=value)"]
+
+
+def test_the_view_reads_and_writes_through_to_the_ctx_but_holds_the_tensors_unpacked_once():
+    from cpdoctor.compat.upstream_fix import RING_CTX_SOURCE
+
+    namespace: dict = {}
+    exec(RING_CTX_SOURCE, namespace)  # noqa: S102 - the class the diff adds
+    ctx = type("Ctx", (), {})()
+    ctx.attn_mask, ctx.scale = "mask", 0.5
+    view = namespace["_RingBackwardCtx"](ctx, ("q", "k", "v"))
+    assert view.saved_tensors == ("q", "k", "v") and view.attn_mask == "mask" and view.scale == 0.5
+    view.max_q = 7  # an op that writes to its ctx writes to the autograd ctx
+    ctx.attn_mask = "the chunk's mask"  # and sees what the ring sets on the ctx at each step
+    assert ctx.max_q == 7 and view.attn_mask == "the chunk's mask" and not hasattr(ctx, "saved_tensors")
+
+
+def test_saved_once_fix_rewrites_the_rings_own_unpack_and_refuses_other_shapes():
+    own_unpack = RING.replace(
+        "        for i in range(world_size):\n            grad_query_op",
+        "        query, key, value, *_ = ctx.saved_tensors\n        for i in range(world_size):\n            grad_query_op",
+    )
+    assert own_unpack != RING
+    fix = make_fix(planted(own_unpack), (S,))
+    backward = ast.unparse(next(n for n in ast.walk(ast.parse(fix.patched)) if isinstance(n, ast.FunctionDef) and n.name == "backward"))
+    assert "query, key, value, *_ = saved_tensors" in backward and backward.count("ctx.saved_tensors") == 1
+    in_loop = RING.replace(
+        "            grad_query_op, grad_key_op", "            q = ctx.saved_tensors[0]\n            grad_query_op, grad_key_op"
+    )
+    with pytest.raises(FixRefused, match="reads ctx.saved_tensors itself"):
+        make_fix(planted(in_loop), (S,))
+    no_ctx = RING.replace("ctx.backward_op(ctx, grad_out,", "ctx.backward_op(other, grad_out,")
+    with pytest.raises(FixRefused, match="autograd ctx as its first argument"):
+        make_fix(planted(no_ctx), (S,))
+    with pytest.raises(FixRefused, match="already has a class _RingBackwardCtx"):
+        make_fix(planted(fix.patched), (S,))
+
+
+def test_the_installed_ring_backward_gets_the_saved_once_fix():
+    pytest.importorskip("diffusers")
+    source = dispatch_source()
+    assert present(source, S)  # every release with ring CP hands its op the autograd ctx once per ring step
+    fix = make_fix(source, (S,))
+    assert apply_diff(source.text, fix.diff) == fix.patched and not present(SourceFile(source.path, REPO, fix.patched), S)
+
+
+def test_the_defects_behind_the_rings_crash_under_checkpointing():
+    from cpdoctor.report.findings import FailureEvidence
+
+    ring2 = AttentionRequest(ring=2, checkpointing=True).to_dict()
+    crash = Finding("x", Verdict.CRASH, "rank 0 raised", failure=FailureEvidence(tracebacks={0: UNPACKED_TWICE, 1: UNPACKED_TWICE}))
+    assert defects_of(ring2, crash) == (S,)
+    # the verification runs ring 3 and 4 with checkpointing: the direction fix joins where the source shows it
+    assert defects_of(ring2, crash, has=lambda d: d is D) == (D, S)
+    assert UpstreamDefect.STALE_KV in defects_of(ring2, crash, has=lambda d: d is UpstreamDefect.STALE_KV)  # refused: no diff
+    other = Finding("x", Verdict.CRASH, "rank 0 raised", failure=FailureEvidence(tracebacks={0: "RuntimeError: something else"}))
+    assert defects_of(ring2, other, has=lambda d: True) == ()
+    assert defects_of(AttentionRequest(ring=2).to_dict(), crash, has=lambda d: True) == ()  # not a checkpointing run
+
+
+def test_the_cases_the_saved_once_fix_is_verified_on():
+    from cpdoctor.examinations.attention.upstream import _cases
+
+    ring2 = AttentionRequest(ring=2, checkpointing=True).to_dict()
+    cases = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (D, S))]
+    assert cases[0] == (2, 1, True)  # the crash's own case first
+    for ring in (2, 3, 4):
+        assert (ring, 1, True) in cases and (ring, 1, False) in cases  # with and without checkpointing
+    assert (1, 2, True) in cases and (1, 2, False) in cases and len(cases) == len(set(cases)) == 8
+    alone = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (S,))]
+    assert alone == [(2, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)]

@@ -53,11 +53,15 @@ class CaseCheck:
     backend: str = ""
     """Set for a case run on another backend than the FAIL's (the mask fix's other backends)."""
     emulated: bool = False
+    checkpointing: bool = False
+    crashed_before: bool = False
+    """The FAIL's own case, which crashed on the installed code (no errors before)."""
 
     @property
     def label(self) -> str:
         parts = [f"ring {self.ring}" if self.ring > 1 else "", f"Ulysses {self.ulysses}" if self.ulysses > 1 else ""]
         label = " × ".join(p for p in parts if p) + (f", last {self.mask_pad} keys masked" if self.mask_pad else "")
+        label += ", checkpointing" if self.checkpointing else ""
         if self.backend:
             label += f", `{self.backend}`" + (" (CPU stand-in)" if self.emulated else "")
         return label
@@ -86,6 +90,8 @@ class Verification:
     cases: list[CaseCheck] = field(default_factory=list)
     wall_s: float = 0.0
     mask_backends: MaskBackends | None = None
+    crashed_before: str = ""
+    """The FAIL's own case crashed on the installed code (no errors before): what it raised."""
 
 
 @dataclass
@@ -110,6 +116,8 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     from cpdoctor.examinations.judging import diagnose
 
     r = SimpleNamespace(**req)
+    if finding.verdict is Verdict.CRASH:
+        return _crash_defects(r, finding, has)
     sig = judge.signature(r, getattr(finding.evidence, "facts", None), finding.tensors)
     spoken = diagnose(judge.RULES, sig)[2]
     rule_of = {
@@ -128,8 +136,26 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     return tuple(d for d in UpstreamDefect if d in found)
 
 
-def propose(report: Any, finding: Finding, directory: str, script: str, timeout_s: float) -> UpstreamOutcome:
-    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL; the outcome says what happened."""
+def _crash_defects(r: Any, finding: Finding, has: Any) -> tuple[UpstreamDefect, ...]:
+    """The defects behind a CRASH: the ring backward's under checkpointing, and the known ones the verification
+    runs through where the installed source shows them: a stale-K/V backward (no fix: the refusal says so), the
+    dK/dV direction (the verification checks ring 3 and 4 with checkpointing, so the diffs are combined) and the
+    mask under a masked ring."""
+    from cpdoctor.examinations.attention.repro import checkpointing_crash
+
+    if not (getattr(r, "checkpointing", False) and r.ring > 1 and checkpointing_crash(finding)):
+        return ()
+    found = [UpstreamDefect.SAVED_PER_STEP]
+    if has is not None:
+        found += [d for d in (UpstreamDefect.STALE_KV, UpstreamDefect.DKV_DIRECTION) if has(d)]
+        if r.mask_pad and has(UpstreamDefect.MASK_NOT_ROTATED):
+            found.append(UpstreamDefect.MASK_NOT_ROTATED)
+    return tuple(d for d in UpstreamDefect if d in found)
+
+
+def propose(report: Any, finding: Finding, directory: str, script: str, timeout_s: float, backend: str = "") -> UpstreamOutcome:
+    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL (`backend`: the one repro.py runs);
+    the outcome says what happened."""
     from cpdoctor.launch import under_torchrun
 
     req = report.request.to_dict()  # the plain fields defects_of and the launches read
@@ -145,7 +171,7 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
         return UpstreamOutcome(
             None, "no fix.diff: under torchrun cpdoctor cannot launch the patched copy's ranks to verify it; run without torchrun", fix=fix
         )
-    backend = report.environment.backend or req["backend"]
+    backend = backend or report.environment.backend or req["backend"]
     verification = verify(fix, req, finding, script, timeout_s, backend)
     section = issue_section(fix, verification, req)
     if not verification.verified:
@@ -202,7 +228,11 @@ def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: M
     layouts = [own]
     if UpstreamDefect.DKV_DIRECTION in defects:
         layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None) for r in DIRECTION_RINGS]
-    layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None) for r, u in GUARD]
+    if UpstreamDefect.SAVED_PER_STEP in defects:  # with and without checkpointing, on every ring the diff fixes
+        rings = DIRECTION_RINGS if UpstreamDefect.DKV_DIRECTION in defects else (own["ring"],)
+        layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None, checkpointing=c) for r in rings for c in (True, False)]
+        layouts += [dict(own, ring=1, ulysses=2, mask_pad=0, seq=None, checkpointing=True)]
+    layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None, checkpointing=False) for r, u in GUARD]
     if backends is not None and UpstreamDefect.MASK_NOT_ROTATED in defects:
         for name, emulated in backends.verified[1:]:
             dtype = own["dtype"] if not emulated or DType(own["dtype"]) in HALF else DType.BF16.value
@@ -219,7 +249,7 @@ def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: M
 def _case_key(fields: Any) -> tuple[Any, ...]:
     """What tells two cases apart: the layout, the mask, the backend and whether it is emulated."""
     get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
-    return (get("ring"), get("ulysses"), get("mask_pad"), get("backend"), bool(get("emulate")))
+    return (get("ring"), get("ulysses"), get("mask_pad"), get("backend"), bool(get("emulate")), bool(get("checkpointing")))
 
 
 def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float, backend: str = "") -> Verification:
@@ -228,6 +258,8 @@ def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str,
     start = time.monotonic()
     before = {n: t.rel_err for n, t in finding.tensors.items()}
     result = Verification(False, "", before)
+    if finding.verdict is Verdict.CRASH:
+        result.crashed_before = "CRASH"
     if UpstreamDefect.MASK_NOT_ROTATED in fix.defects:
         result.mask_backends = mask_backends(backend or req["backend"], bool(req.get("emulate")), _on_cpu(req))
     with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
@@ -323,6 +355,8 @@ def _run_cases(
                 key = (request.ring, request.ulysses, request.mask_pad)
                 before = result.repro_before if _case_key(request) == own else {}
                 other = _other_backend(request, req)
+                if _case_key(request) == own and result.crashed_before:
+                    other["crashed_before"] = True
                 if n >= len(outcomes):
                     refused = ran.bad_input or ran.cannot_examine
                     verdict = Verdict.CRASH if refused else Verdict.HANG
@@ -349,11 +383,13 @@ def _run_cases(
 
 
 def _other_backend(fields: Any, req: dict[str, Any]) -> dict[str, Any]:
-    """CaseCheck's backend fields for a case on another backend than the FAIL's (none for the FAIL's own)."""
+    """CaseCheck's backend fields for a case on another backend than the FAIL's (none for the FAIL's own), and
+    whether it ran under checkpointing."""
     get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
+    checkpointing = {"checkpointing": bool(get("checkpointing"))}
     if get("backend") == req["backend"] and bool(get("emulate")) == bool(req.get("emulate")):
-        return {}
-    return {"backend": get("backend"), "emulated": bool(get("emulate"))}
+        return checkpointing
+    return {"backend": get("backend"), "emulated": bool(get("emulate")), **checkpointing}
 
 
 def _fmt(value: float | None) -> str:
@@ -379,11 +415,13 @@ def issue_section(fix: UpstreamFix, v: Verification, req: dict[str, Any]) -> str
         "| tensor | before (installed) | after (patched copy) |",
         "|---|---|---|",
     ]
-    lines += [f"| {TENSOR_LABELS.get(n, n)} | {_fmt(v.repro_before.get(n))} | {_fmt(v.repro_after.get(n))} |" for n in TENSORS]
+    lines += [
+        f"| {TENSOR_LABELS.get(n, n)} | {v.crashed_before or _fmt(v.repro_before.get(n))} | {_fmt(v.repro_after.get(n))} |" for n in TENSORS
+    ]
     lines += ["", "| case on the patched copy | verdict | out / dQ / dK / dV after | before |", "|---|---|---|---|"]
     for c in v.cases:
         after = " / ".join(_fmt(c.after.get(n)) for n in TENSORS) if c.after else c.note or "–"
-        before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else "not run"
+        before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else ("CRASH" if c.crashed_before else "not run")
         lines.append(f"| {c.label} | {c.verdict.value} | {after} | {before} |")
     lines += _backend_lines(v.mask_backends)
     if not v.verified:
