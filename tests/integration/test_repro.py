@@ -129,7 +129,12 @@ def test_the_rings_crash_under_checkpointing_is_reproduced_and_its_fix_verified(
     assert "+class _RingBackwardCtx:" in diff and "+                op_ctx, grad_out," in diff
     assert "next_ranks = [world_size - 1] + list(range(world_size - 1))" in diff  # combined: ring 3 and 4 verified too
     section = issue[issue.index("### Proposed fix") :]
-    assert "| dK | CRASH |" in section and "NOT verified" not in section  # the patched copy's repro.py printed its errors
+    # repro.py alone under torchrun against the patched copy (the verification's run): it completed and printed errors
+    # as small as without CP (the examination's tolerance is built the same way)
+    assert "NOT verified" not in section
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in section.splitlines() if row.startswith("| ")]
+    after = {cells[0]: cells[2] for cells in rows if len(cells) == 3 and cells[1] == "CRASH"}  # tensor | before | after
+    assert set(after) == {"out", "dQ", "dK", "dV"} and all(float(v) < 1e-5 for v in after.values()), after
     for case in (
         "ring 2, checkpointing",
         "ring 3, checkpointing",
