@@ -4,7 +4,7 @@ A newcomer who runs one `cpdoctor check --ring 2` may see PASS while ring 3, rin
 corrupt. The doctor runs the layouts people actually use, on the best CP-capable backend here ("auto"):
 
     ring 2 · ring 3 · ring N (N = the accelerators visible, when N ≥ 2 and N is not 2 or 3) · Ulysses 2 ·
-    ring 2 × Ulysses 2 · ring 2 with a padded key mask
+    ring 2 × Ulysses 2 · ring 2 with a padded key mask · ring 2 inside non-reentrant activation checkpointing
 
 as one `Suite` through `cpdoctor.api.run_suite`, which runs the checks of one world size in one launch (on a
 CPU host: world 2, 3 and 4, three launches). Every finding carries `command`, the exact `cpdoctor check ...`
@@ -62,6 +62,7 @@ def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[Plan
         PlannedCheck("Ulysses 2", {"ulysses": 2}, "heads split (all-to-all)"),
         PlannedCheck("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}, "the ring inside unified CP"),
         PlannedCheck(f"ring 2, mask_pad {MASK_PAD}", {"ring": 2, "mask_pad": MASK_PAD}, "a padded prompt's key mask"),
+        PlannedCheck("ring 2, checkpointing", {"ring": 2, "checkpointing": True}, "gradient checkpointing (non-reentrant)"),
         *peers,
     ]
     if torchrun_world is not None:

@@ -111,3 +111,21 @@ def has_stale_kv_backward(diffusers_release: tuple[int, ...]) -> bool:
     """docs/FACTS.md: releases before the fix of the ring backward (0.39.0 among them) recompute every ring step
     against the iteration-0 K/V; 0.42.1 passes the rotated chunk."""
     return diffusers_release < (0, 42, 0)
+
+
+@pytest.fixture(scope="session")
+def ring_unpacks_twice() -> bool:
+    """docs/FACTS.md, read from the installed ring backward's source (as text: importing diffusers here is slow): it
+    unpacks `ctx.saved_tensors` and hands the same ctx to the backend's backward op (which unpacks them again), so
+    non-reentrant checkpointing refuses it."""
+    import ast
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    (root,) = importlib.util.find_spec("diffusers").submodule_search_locations
+    text = (Path(root) / "models" / "attention_dispatch.py").read_text()
+    ring = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "TemplatedRingAttention")
+    backward = next(f for f in ring.body if isinstance(f, ast.FunctionDef) and f.name == "backward")
+    source = ast.get_source_segment(text, backward) or ""
+    return "ctx.saved_tensors" in source and re.search(r"backward_op\(\s*ctx\b", source) is not None

@@ -37,6 +37,12 @@ def cp_plan(cls: Any) -> dict[str, Any]:
     return dict(getattr(cls, "_cp_plan", None) or {})
 
 
+def supports_gradient_checkpointing(cls: type) -> bool:
+    """Whether `enable_gradient_checkpointing()` works on the class (ModelMixin refuses it unless the class sets
+    `_supports_gradient_checkpointing`)."""
+    return bool(getattr(cls, "_supports_gradient_checkpointing", False)) and hasattr(cls, "enable_gradient_checkpointing")
+
+
 def forward_params(cls: type) -> set[str]:
     """The parameter names of a model class's `forward` (without self): which optional inputs this release's
     class takes (pooled projections, guidance, ids, masks) is read from its signature."""

@@ -33,6 +33,27 @@ def test_lse_rank_signature_needs_an_lse_in_the_failing_line():
     assert crash_signature([crash(0, msg, "    x = a + b  # return_lse=False\n")]) is None
 
 
+UNPACKED_TWICE = (
+    "CheckpointError: torch.utils.checkpoint: Unpack is being triggered for a tensor that was already unpacked once. "
+    "If you are calling ctx.saved_tensors in backward, make sure to do so only once."
+)
+RING_BACKWARD_TB = (
+    'Traceback (most recent call last):\n  File "/x/site-packages/diffusers/models/attention_dispatch.py", line 2506, in backward\n'
+    "    grad_query_op, grad_key_op, grad_value_op, *_ = ctx.backward_op(\n"
+    '  File "/x/site-packages/torch/utils/checkpoint.py", line 1199, in unpack_hook\n'
+    f"torch.utils.checkpoint.{UNPACKED_TWICE}\n"
+)
+
+
+def test_ring_backward_under_checkpointing_signature():
+    (f,) = failure_findings("p", [crash(0, UNPACKED_TWICE, RING_BACKWARD_TB), crash(1, UNPACKED_TWICE, RING_BACKWARD_TB)], 30)
+    assert f.verdict == Verdict.CRASH and f.failure.signature == "ring backward under checkpointing"
+    assert "once per ring step" in f.diagnosis and "non-reentrant" in f.diagnosis
+    assert f.remedy.startswith("cpdoctor.patch()") and "Ulysses-only CP" in f.remedy and "use_reentrant=True" in f.remedy
+    # the same refusal raised by someone else's autograd Function is not diffusers' ring
+    assert crash_signature([crash(0, UNPACKED_TWICE, '  File "/my/train.py", line 3, in backward\n')]) is None
+
+
 def test_an_unknown_crash_says_read_the_traceback():
     (f,) = failure_findings("p", [crash(1, "RuntimeError: fault injected into rank 1", "Traceback ...")], 30)
     assert f.remedy == "read the traceback below" and f.failure.signature is None

@@ -49,6 +49,7 @@ def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None
         f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
         + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
         + (" emulated" if getattr(req, "emulate", False) else "")
+        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
     )
 
 

@@ -39,7 +39,10 @@ from cpdoctor.report.environment import Environment
 def op_level_requests(req: ModelRequest) -> tuple[AttentionRequest, ...]:
     """The op-level cross-checks run at the same layout: exactly what `cpdoctor check --ring R --ulysses U
     [--dtype D] [--backend B]` runs, and again with `--mask-pad N` when the model's text is padded."""
-    common = dict(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate)
+    common = dict(
+        ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate,
+        checkpointing=req.checkpointing,
+    )  # fmt: skip
     ops = [build_request(**common)]
     if req.mask_pad:
         ops.append(build_request(**common, mask_pad=req.mask_pad))
@@ -159,7 +162,8 @@ def _not_runnable(facts: Any, req: ModelRequest) -> Unsupported | None:
 
 
 def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) -> ModelShard:
-    """The model under CP, forward and backward; the parameter gradients summed over the CP group."""
+    """The model under CP (with --checkpointing through its own `enable_gradient_checkpointing()`), forward and
+    backward; the parameter gradients summed over the CP group."""
     from cpdoctor.model_zoo.slicing import ReadStats
 
     req: ModelRequest = case.request
@@ -169,6 +173,8 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
     recorder = BlockRecorder(model)
     kwargs = make_inputs(spec, req, spec.full_config())
     model.set_attention_backend(backend)
+    if req.checkpointing:
+        model.enable_gradient_checkpointing()
     with compat.accelerator_count_at_least_one():
         model.enable_parallelism(config=compat.context_parallel_config(req.ring, req.ulysses, mesh=ctx.cp_mesh(req.ring, req.ulysses)))
     try:

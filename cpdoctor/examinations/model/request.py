@@ -33,6 +33,9 @@ class ModelRequest(LayoutRequest):
     frames: int | None = None
     batch: int = 1
     emulate: bool = False  # the CUDA backends' CP code on CPU through cpdoctor's kernel stand-ins
+    checkpointing: bool = False
+    """The CP run through the model's own `enable_gradient_checkpointing()` (diffusers' default: torch's
+    non-reentrant checkpoint around every block), as trainers run it; the one-process reference without."""
     # where a checkpoint's weights come from (cpdoctor.model_zoo.checkpoints): the hub revision (branch, tag or
     # commit; `prepare` pins it to the commit found), the file variant (fp16, bf16), whether to fetch a hub
     # checkpoint missing from the local cache, whether pickle weights (.bin) may be loaded
@@ -61,6 +64,8 @@ class ModelRequest(LayoutRequest):
             raise BadInput(f"reference must be fp64 or fp32, got {self.reference!r}")
         if self.blocks is not None and self.blocks < 1:
             raise BadInput(f"--blocks must be at least 1, got {self.blocks}")
+        if not isinstance(self.checkpointing, bool):
+            raise BadInput(f"checkpointing must be true or false, got {self.checkpointing!r}")
         if self.batch < 1:
             raise BadInput(f"--batch must be at least 1, got {self.batch}")
         for name in ("height", "width", "text_len", "frames"):
