@@ -145,3 +145,7 @@ def test_the_rings_crash_under_checkpointing_is_reproduced_and_its_fix_verified(
         "Ulysses 2, checkpointing",
     ):
         assert f"| {case} | PASS |" in section, (case, section)
+    # the op contract is per backend: the crash's own case through every CUDA backend's CPU stand-in too
+    for name in ("_native_flash", "_native_cudnn", "flash"):
+        assert f"| ring 2, checkpointing, `{name}` (CPU stand-in) | PASS |" in section, (name, section)
+    assert "The fix was verified on: `cpdoctor_cpu`, `_native_flash`" in section

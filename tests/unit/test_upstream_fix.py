@@ -21,7 +21,7 @@ from cpdoctor.compat.upstream_fix import (
     repo_path,
 )
 from cpdoctor.examinations.attention.request import AttentionRequest
-from cpdoctor.examinations.attention.upstream import CaseCheck, MaskBackends, Verification, defects_of, issue_section, with_section
+from cpdoctor.examinations.attention.upstream import CaseCheck, FixBackends, Verification, defects_of, issue_section, with_section
 from cpdoctor.examinations.judging import judge_row
 from cpdoctor.report import Finding, TensorRow, Verdict
 
@@ -309,10 +309,9 @@ def test_the_cases_a_fix_is_verified_on():
     layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(masked, (M,))]
     assert layouts == [(3, 1, 40), (2, 1, 0), (1, 2, 0)]
     # the mask fix: the FAIL's own case again on every other backend it is verified on (stand-ins in bf16)
-    backends = MaskBackends((("cpdoctor_cpu", False), ("_native_cudnn", True)), (("flash", "its CP path takes no mask"),))
+    backends = FixBackends((("cpdoctor_cpu", False), ("_native_cudnn", True)), (("flash", "its CP path takes no mask"),))
     extra = [(c["backend"], c["emulate"], c["dtype"], c["mask_pad"]) for c in _cases(masked, (M,), backends)][3:]
     assert extra == [("_native_cudnn", True, "bf16", 40)]
-    assert len(_cases(masked, (D,), backends)) == 5  # not for the direction alone
 
 
 def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
@@ -320,9 +319,9 @@ def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
     diffusers' own code); every other CP backend is listed with diffusers' reason; on a GPU the FAIL's own only."""
     pytest.importorskip("diffusers")
     from cpdoctor.compat import diffusers as compat
-    from cpdoctor.examinations.attention.upstream import _backend_lines, mask_backends
+    from cpdoctor.examinations.attention.upstream import _backend_lines, fix_backends
 
-    on_cpu = mask_backends("cpdoctor_cpu", False, on_cpu=True)
+    on_cpu = fix_backends("cpdoctor_cpu", False, on_cpu=True)
     assert on_cpu.verified[0] == ("cpdoctor_cpu", False)
     for name in ("_native_flash", "_native_cudnn", "flash"):
         refusal = compat.ring_mask_refusal(name)
@@ -331,10 +330,16 @@ def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
     named = {n for n, _ in on_cpu.verified} | {n for n, _ in on_cpu.not_verified}
     cp = {n for n in compat.registered_backend_names() if compat.is_cp_registered(n)}
     assert cp <= named and len(named) == len(on_cpu.verified) + len(on_cpu.not_verified)
-    on_gpu = mask_backends("_native_cudnn", False, on_cpu=False)
+    on_gpu = fix_backends("_native_cudnn", False, on_cpu=False)
     assert on_gpu.verified == (("_native_cudnn", False),)
     lines = "\n".join(_backend_lines(on_cpu))
     assert "The mask part was verified on: `cpdoctor_cpu`" in lines and "Not verified on:" in lines
+    # without a mask (the checkpointing fix) a backend that refuses masks is verified too; one without an LSE never
+    unmasked = fix_backends("cpdoctor_cpu", False, on_cpu=True, masked=False)
+    for name in ("_native_flash", "_native_cudnn", "flash"):
+        refusal = compat.ring_mask_refusal(name)
+        assert ((name, True) in unmasked.verified) is (refusal is None or refusal[0] == "attn_mask")
+    assert "The fix was verified on: `cpdoctor_cpu`" in "\n".join(_backend_lines(unmasked))
 
 
 def test_a_backend_that_refuses_a_mask_says_so_in_its_own_code(monkeypatch):
@@ -475,3 +480,6 @@ def test_the_cases_the_saved_once_fix_is_verified_on():
     assert (1, 2, True) in cases and (1, 2, False) in cases and len(cases) == len(set(cases)) == 8
     alone = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (S,))]
     assert alone == [(2, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)]
+    backends = FixBackends((("cpdoctor_cpu", False), ("_native_flash", True)), (), masked=False)
+    extra = [(c["backend"], c["emulate"], c["dtype"], c["checkpointing"]) for c in _cases(ring2, (S,), backends)][4:]
+    assert extra == [("_native_flash", True, "bf16", True)]  # the crash's own case through each other backend

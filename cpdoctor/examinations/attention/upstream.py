@@ -68,15 +68,17 @@ class CaseCheck:
 
 
 @dataclass(frozen=True)
-class MaskBackends:
-    """Where the mask fix is verified: the backends whose ring accepts a mask and runs here (the FAIL's own, the
-    CPU backend, the CUDA backends whose CPU stand-in keeps the kernel's mask contract), and every other
-    CP-registered backend with why it was not."""
+class FixBackends:
+    """Where a fix whose contract is per backend (the mask's, the checkpointing's) is verified: the backends whose
+    ring runs here and takes what the case hands it (the FAIL's own, the CPU backend, the CUDA backends whose CPU
+    stand-in keeps the kernel's contract), and every other CP-registered backend with why it was not."""
 
     verified: tuple[tuple[str, bool], ...]
     """(backend, emulated) pairs, the FAIL's own first."""
     not_verified: tuple[tuple[str, str], ...]
     """(backend, why) pairs."""
+    masked: bool = True
+    """Verified for the mask fix (a backend that refuses a mask cannot show it)."""
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Verification:
     repro_after: dict[str, float] = field(default_factory=dict)
     cases: list[CaseCheck] = field(default_factory=list)
     wall_s: float = 0.0
-    mask_backends: MaskBackends | None = None
+    backends: FixBackends | None = None
     crashed_before: str = ""
     """The FAIL's own case crashed on the installed code (no errors before): what it raised."""
 
@@ -183,11 +185,11 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
     return UpstreamOutcome(path, f"fix verified ({names}; {verification.wall_s:.0f} s): wrote {path}", section, fix, verification)
 
 
-def mask_backends(own: str, emulated: bool, on_cpu: bool) -> MaskBackends:
-    """The backends the mask fix is verified on, and why each other CP-registered backend is not: on a CPU the
-    FAIL's own, cpdoctor's CPU backend and every CUDA backend with a CPU stand-in whose ring takes a mask (a
-    backend that refuses `attn_mask` or has no LSE for the ring says so in its own code: compat reads it); on a
-    GPU the FAIL's own only (no stand-ins there)."""
+def fix_backends(own: str, emulated: bool, on_cpu: bool, masked: bool = True) -> FixBackends:
+    """The backends a fix is verified on, and why each other CP-registered backend is not: on a CPU the FAIL's
+    own, cpdoctor's CPU backend and every CUDA backend with a CPU stand-in whose ring runs (a backend that has no
+    LSE for the ring, or with `masked` refuses `attn_mask`, says so in its own code: compat reads it); on a GPU
+    the FAIL's own only (no stand-ins there)."""
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.cpu_kernels import cpu_backend
     from cpdoctor.cpu_kernels.standins import EMULATED_BACKENDS
@@ -197,7 +199,7 @@ def mask_backends(own: str, emulated: bool, on_cpu: bool) -> MaskBackends:
     for name in (cpu_backend.NAME, *EMULATED_BACKENDS):
         if name == own or not on_cpu:
             continue
-        refusal = None if name == cpu_backend.NAME else compat.ring_mask_refusal(name)
+        refusal = None if name == cpu_backend.NAME else _refusal(compat.ring_mask_refusal(name), masked)
         if refusal:
             not_verified.append((name, _refused(refusal)))
         else:
@@ -206,10 +208,15 @@ def mask_backends(own: str, emulated: bool, on_cpu: bool) -> MaskBackends:
     for name in compat.registered_backend_names():
         if name in seen or not compat.is_cp_registered(name):
             continue
-        refusal = compat.ring_mask_refusal(name)
+        refusal = _refusal(compat.ring_mask_refusal(name), masked)
         why = _refused(refusal) if refusal else "no kernel or CPU stand-in of it here"
         not_verified.append((name, why if on_cpu or refusal else "the verification runs on the FAIL's backend only on a GPU"))
-    return MaskBackends(tuple(verified), tuple(not_verified))
+    return FixBackends(tuple(verified), tuple(not_verified), masked)
+
+
+def _refusal(refusal: tuple[str, str] | None, masked: bool) -> tuple[str, str] | None:
+    """A backend's refusal that matters here: no LSE always, a refused mask only for a masked case."""
+    return refusal if refusal is not None and (masked or refusal[0] == "return_lse") else None
 
 
 def _refused(refusal: tuple[str, str]) -> str:
@@ -219,11 +226,11 @@ def _refused(refusal: tuple[str, str]) -> str:
     return f"{what}: diffusers says “{message.rstrip('.')}”"
 
 
-def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: MaskBackends | None = None) -> list[dict[str, Any]]:
+def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: FixBackends | None = None) -> list[dict[str, Any]]:
     """The layouts to examine on the patched copy: the FAIL's own case first, then ring 2–4 for the direction,
-    then the guard, then (mask fix) the FAIL's own case on each other backend the mask fix is verified on (the
-    CUDA kernels' stand-ins take half precision only: bf16 there when the FAIL's dtype is not); duplicates
-    dropped."""
+    then the guard, then (mask and checkpointing fixes) the FAIL's own case on each other backend the fix is
+    verified on (the CUDA kernels' stand-ins take half precision only: bf16 there when the FAIL's dtype is not);
+    duplicates dropped."""
     own = dict(req, patch=False)
     layouts = [own]
     if UpstreamDefect.DKV_DIRECTION in defects:
@@ -233,7 +240,7 @@ def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: M
         layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None, checkpointing=c) for r in rings for c in (True, False)]
         layouts += [dict(own, ring=1, ulysses=2, mask_pad=0, seq=None, checkpointing=True)]
     layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None, checkpointing=False) for r, u in GUARD]
-    if backends is not None and UpstreamDefect.MASK_NOT_ROTATED in defects:
+    if backends is not None:
         for name, emulated in backends.verified[1:]:
             dtype = own["dtype"] if not emulated or DType(own["dtype"]) in HALF else DType.BF16.value
             layouts.append(dict(own, backend=name, emulate=emulated, dtype=dtype))
@@ -254,14 +261,15 @@ def _case_key(fields: Any) -> tuple[Any, ...]:
 
 def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float, backend: str = "") -> Verification:
     """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there
-    (the mask fix also on the other backends `mask_backends` names)."""
+    (the mask and checkpointing fixes also on the other backends `fix_backends` names)."""
     start = time.monotonic()
     before = {n: t.rel_err for n, t in finding.tensors.items()}
     result = Verification(False, "", before)
     if finding.verdict is Verdict.CRASH:
         result.crashed_before = "CRASH"
-    if UpstreamDefect.MASK_NOT_ROTATED in fix.defects:
-        result.mask_backends = mask_backends(backend or req["backend"], bool(req.get("emulate")), _on_cpu(req))
+    if UpstreamDefect.MASK_NOT_ROTATED in fix.defects or UpstreamDefect.SAVED_PER_STEP in fix.defects:  # per-backend contracts
+        masked = UpstreamDefect.MASK_NOT_ROTATED in fix.defects
+        result.backends = fix_backends(backend or req["backend"], bool(req.get("emulate")), _on_cpu(req), masked)
     with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
         try:
             _patched_copy(fix, root)
@@ -326,8 +334,9 @@ def _on_cpu(req: dict[str, Any]) -> bool:
 def _run_cases(
     result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float, backend: str = ""
 ) -> None:
-    """The examination's cases on the copy, one launch per world size (a world's cases on the FAIL's backend
-    first: an emulated case installs the stand-ins in its rank, which the cases after it then keep)."""
+    """The examination's cases on the copy, one launch per world size (a world's emulated cases first: the
+    flash-attn stand-in must be on sys.path before the ranks import diffusers; a plain case after them removes the
+    aten stand-ins again, probe.prepare_emulation)."""
     from cpdoctor import launch
     from cpdoctor.examinations import registry
     from cpdoctor.launch.jobs import Case, Job
@@ -335,7 +344,7 @@ def _run_cases(
 
     entry = registry.get("attention")
     by_world: dict[int, list[Any]] = {}
-    for fields in _cases(req, defects, result.mask_backends):
+    for fields in sorted(_cases(req, defects, result.backends), key=lambda f: not f.get("emulate")):
         other = _other_backend(fields, req)
         try:
             request = entry.prepare(entry.build_request(**fields))
@@ -423,21 +432,22 @@ def issue_section(fix: UpstreamFix, v: Verification, req: dict[str, Any]) -> str
         after = " / ".join(_fmt(c.after.get(n)) for n in TENSORS) if c.after else c.note or "–"
         before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else ("CRASH" if c.crashed_before else "not run")
         lines.append(f"| {c.label} | {c.verdict.value} | {after} | {before} |")
-    lines += _backend_lines(v.mask_backends)
+    lines += _backend_lines(v.backends)
     if not v.verified:
         lines += ["", f"Not verified: {v.reason}."]
     return "\n".join(lines) + "\n"
 
 
-def _backend_lines(backends: MaskBackends | None) -> list[str]:
-    """Which backends the mask fix was verified on and which not, and why (the issue's reader asks first)."""
+def _backend_lines(backends: FixBackends | None) -> list[str]:
+    """Which backends the fix was verified on and which not, and why (the issue's reader asks first)."""
     if backends is None:
         return []
+    kept = "mask contract" if backends.masked else "op contract (what its forward saves, what its backward reads)"
     verified = ", ".join(
-        f"`{name}`" + (" (its CUDA kernel replaced by cpdoctor's CPU stand-in, which keeps the kernel's mask contract)" if emulated else "")
+        f"`{name}`" + (f" (its CUDA kernel replaced by cpdoctor's CPU stand-in, which keeps the kernel's {kept})" if emulated else "")
         for name, emulated in backends.verified
     )
-    lines = ["", f"The mask part was verified on: {verified}.", ""]
+    lines = ["", f"{'The mask part' if backends.masked else 'The fix'} was verified on: {verified}.", ""]
     if backends.not_verified:
         lines += ["Not verified on:", ""] + [f"- `{name}`: {why}" for name, why in backends.not_verified]
     return lines
