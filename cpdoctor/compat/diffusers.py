@@ -106,11 +106,20 @@ def backend_function(name: str) -> Callable:
     return registry()._backends[backend_member(name)]
 
 
-def ring_mask_refusal(name: str) -> tuple[str, str] | None:
-    """What the backend refuses of a masked ring step, and diffusers' own message: ("attn_mask", ...) or
-    ("return_lse", ...) (the ring merges its steps by LSE), read from a top-level `if <that>: raise ...("...")` of
-    its registered function; None when it refuses neither (or has no Python source). Read, not tried: trying a
-    backend whose package diffusers looks for at import would need a fresh interpreter."""
+@dataclasses.dataclass(frozen=True)
+class BackendRefusal:
+    """What a backend's registered function refuses of a ring step: `return_lse=True` (no_lse: it runs no ring,
+    which merges its steps by LSE) or an `attn_mask`, with diffusers' own message."""
+
+    no_lse: bool
+    message: str
+
+
+def ring_mask_refusal(name: str) -> BackendRefusal | None:
+    """What the backend refuses of a masked ring step, with diffusers' own message, read from a top-level `if
+    <attn_mask / return_lse test>: raise ...("...")` of its registered function; None when it refuses neither (or
+    has no Python source). Read, not tried: trying a backend whose package diffusers looks for at import would
+    need a fresh interpreter."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(backend_function(name))))
     except (OSError, TypeError, SyntaxError):
@@ -126,8 +135,8 @@ def ring_mask_refusal(name: str) -> tuple[str, str] | None:
             exc = node.body[0].exc
             args = exc.args if isinstance(exc, ast.Call) else []
             said = next((a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)), None)
-            refused = "return_lse" if "return_lse" in tested else "attn_mask"
-            return refused, said or f"refuses {refused}"
+            no_lse = "return_lse" in tested
+            return BackendRefusal(no_lse, said or f"refuses {'return_lse=True' if no_lse else 'attn_mask'}")
     return None
 
 

@@ -326,7 +326,7 @@ def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
     for name in ("_native_flash", "_native_cudnn", "flash"):
         refusal = compat.ring_mask_refusal(name)
         assert ((name, True) in on_cpu.verified) is (refusal is None)
-        assert any(n == name and refusal[1].rstrip(".") in why for n, why in on_cpu.not_verified) is (refusal is not None)
+        assert any(n == name and refusal.message.rstrip(".") in why for n, why in on_cpu.not_verified) is (refusal is not None)
     named = {n for n, _ in on_cpu.verified} | {n for n, _ in on_cpu.not_verified}
     cp = {n for n in compat.registered_backend_names() if compat.is_cp_registered(n)}
     assert cp <= named and len(named) == len(on_cpu.verified) + len(on_cpu.not_verified)
@@ -338,7 +338,7 @@ def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
     unmasked = fix_backends("cpdoctor_cpu", False, on_cpu=True, masked=False)
     for name in ("_native_flash", "_native_cudnn", "flash"):
         refusal = compat.ring_mask_refusal(name)
-        assert ((name, True) in unmasked.verified) is (refusal is None or refusal[0] == "attn_mask")
+        assert ((name, True) in unmasked.verified) is (refusal is None or not refusal.no_lse)
     assert "The fix was verified on: `cpdoctor_cpu`" in "\n".join(_backend_lines(unmasked))
 
 
@@ -357,10 +357,11 @@ def test_a_backend_that_refuses_a_mask_says_so_in_its_own_code(monkeypatch):
             raise ValueError("not a refusal of the mask alone")
         return query
 
-    for fn, expected in (
-        (refusing, ("attn_mask", "`attn_mask` is not supported for this kernel.")),
-        (no_lse, ("return_lse", "no LSE here")),
-    ):
+    expected_refusals = (
+        (refusing, compat.BackendRefusal(False, "`attn_mask` is not supported for this kernel.")),
+        (no_lse, compat.BackendRefusal(True, "no LSE here")),
+    )
+    for fn, expected in expected_refusals:
         monkeypatch.setattr(compat, "backend_function", lambda name, fn=fn: fn)
         assert compat.ring_mask_refusal("x") == expected
 

@@ -202,19 +202,10 @@ def _ops_source() -> str:
     return "from typing import Any\n\n\n" + "\n\n".join(parts)
 
 
-def checkpointing_crash(finding: Any) -> bool:
-    """Is this CRASH the ring backward's under non-reentrant checkpointing (the judge's signature object, matched
-    against the finding's own tracebacks)?"""
-    from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING
-
-    failure = getattr(finding, "failure", None)
-    if finding.verdict is not Verdict.CRASH or failure is None:
-        return False
-    return RING_UNDER_CHECKPOINTING.matches("\n".join(failure.tracebacks.values()))
-
-
 def _reproducible(report: Report) -> Any:
     """The report's first op-level FAIL with measured tensors, or its CRASH of the ring under checkpointing."""
+
+    from cpdoctor.examinations.attention.upstream import checkpointing_crash
 
     def first(findings: list[Any]) -> Any:
         return next((f for f in findings if (f.verdict is Verdict.FAIL and f.tensors) or checkpointing_crash(f)), None)

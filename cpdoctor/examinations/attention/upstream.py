@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.compat.diffusers import BackendRefusal
 from cpdoctor.compat.upstream_fix import (
     FixRefused,
     UpstreamDefect,
@@ -93,7 +94,7 @@ class Verification:
     wall_s: float = 0.0
     backends: FixBackends | None = None
     crashed_before: str = ""
-    """The FAIL's own case crashed on the installed code (no errors before): what it raised."""
+    """"CRASH" when the FAIL's own case crashed on the installed code (no errors before it), "" otherwise."""
 
 
 @dataclass
@@ -138,13 +139,22 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     return tuple(d for d in UpstreamDefect if d in found)
 
 
+def checkpointing_crash(finding: Any) -> bool:
+    """Is this CRASH the ring backward's under non-reentrant checkpointing (the judge's signature object, matched
+    against the finding's own tracebacks)?"""
+    from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING
+
+    failure = getattr(finding, "failure", None)
+    if finding.verdict is not Verdict.CRASH or failure is None:
+        return False
+    return RING_UNDER_CHECKPOINTING.matches("\n".join(failure.tracebacks.values()))
+
+
 def _crash_defects(r: Any, finding: Finding, has: Any) -> tuple[UpstreamDefect, ...]:
     """The defects behind a CRASH: the ring backward's under checkpointing, and the known ones the verification
     runs through where the installed source shows them: a stale-K/V backward (no fix: the refusal says so), the
     dK/dV direction (the verification checks ring 3 and 4 with checkpointing, so the diffs are combined) and the
     mask under a masked ring."""
-    from cpdoctor.examinations.attention.repro import checkpointing_crash
-
     if not (getattr(r, "checkpointing", False) and r.ring > 1 and checkpointing_crash(finding)):
         return ()
     found = [UpstreamDefect.SAVED_PER_STEP]
@@ -214,16 +224,15 @@ def fix_backends(own: str, emulated: bool, on_cpu: bool, masked: bool = True) ->
     return FixBackends(tuple(verified), tuple(not_verified), masked)
 
 
-def _refusal(refusal: tuple[str, str] | None, masked: bool) -> tuple[str, str] | None:
+def _refusal(refusal: BackendRefusal | None, masked: bool) -> BackendRefusal | None:
     """A backend's refusal that matters here: no LSE always, a refused mask only for a masked case."""
-    return refusal if refusal is not None and (masked or refusal[0] == "return_lse") else None
+    return refusal if refusal is not None and (masked or refusal.no_lse) else None
 
 
-def _refused(refusal: tuple[str, str]) -> str:
-    """Why a backend cannot show the mask fix, in diffusers' own words."""
-    refused, message = refusal
-    what = "it runs no ring (the ring needs an LSE)" if refused == "return_lse" else "its CP path takes no mask"
-    return f"{what}: diffusers says “{message.rstrip('.')}”"
+def _refused(refusal: BackendRefusal) -> str:
+    """Why a backend cannot show the fix, in diffusers' own words."""
+    what = "it runs no ring (the ring needs an LSE)" if refusal.no_lse else "its CP path takes no mask"
+    return f"{what}: diffusers says “{refusal.message.rstrip('.')}”"
 
 
 def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: FixBackends | None = None) -> list[dict[str, Any]]:
