@@ -452,11 +452,14 @@ def _backend_lines(backends: FixBackends | None) -> list[str]:
     if backends is None:
         return []
     kept = "mask contract" if backends.masked else "op contract (what its forward saves, what its backward reads)"
-    verified = ", ".join(
-        f"`{name}`" + (f" (its CUDA kernel replaced by cpdoctor's CPU stand-in, which keeps the kernel's {kept})" if emulated else "")
-        for name, emulated in backends.verified
+    names = ", ".join(f"`{name}`" for name, _ in backends.verified)
+    emulated = [f"`{name}`" for name, em in backends.verified if em]
+    stand_in = (
+        f" ({', '.join(emulated)}: the CUDA kernel replaced by cpdoctor's CPU stand-in, which keeps the kernel's {kept})"
+        if emulated
+        else ""
     )
-    lines = ["", f"{'The mask part' if backends.masked else 'The fix'} was verified on: {verified}.", ""]
+    lines = ["", f"{'The mask part' if backends.masked else 'The fix'} was verified on: {names}{stand_in}.", ""]
     if backends.not_verified:
         lines += ["Not verified on:", ""] + [f"- `{name}`: {why}" for name, why in backends.not_verified]
     return lines
