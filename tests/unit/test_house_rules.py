@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import pathlib
 import re
@@ -11,6 +12,14 @@ import sys
 import tokenize
 
 import pytest
+
+
+@functools.cache
+def parsed(path: pathlib.Path) -> ast.AST:
+    """A module's syntax tree, parsed once for the whole file of rules (the rules only read it): the owner rule
+    alone walked every module once per owner, 45 s of the unit tier under load."""
+    return ast.parse(path.read_text())
+
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "cpdoctor"
 
@@ -54,7 +63,7 @@ def _diffusers_private_uses(tree: ast.AST) -> list[str]:
 def test_private_diffusers_names_only_in_compat():
     offenders = {}
     for path in _sources(skip="compat"):
-        names = _diffusers_private_uses(ast.parse(path.read_text()))
+        names = _diffusers_private_uses(parsed(path))
         if names:
             offenders[str(path.relative_to(PACKAGE))] = sorted(set(names))
     assert not offenders, f"private diffusers names outside cpdoctor/compat/: {offenders}"
@@ -106,7 +115,7 @@ def test_private_attributes_of_diffusers_objects_only_in_compat():
     ours = _private_names_defined(PACKAGE)
     offenders = {}
     for path in _sources(skip="compat"):
-        names = private_attribute_reads(ast.parse(path.read_text()), theirs, ours)
+        names = private_attribute_reads(parsed(path), theirs, ours)
         if names:
             offenders[str(path.relative_to(PACKAGE))] = sorted(set(names))
     assert not offenders, f"private attributes of diffusers objects read outside cpdoctor/compat/: {offenders}"
@@ -144,7 +153,7 @@ def _process_calls(tree: ast.AST) -> list[str]:
 
 def test_collectives_only_in_launch_and_the_fix():
     offenders = {
-        str(p.relative_to(PACKAGE)): _process_calls(ast.parse(p.read_text()))
+        str(p.relative_to(PACKAGE)): _process_calls(parsed(p))
         for p in PACKAGE.rglob("*.py")
         if p.relative_to(PACKAGE).parts[0] not in ("launch", "fix")
     }
@@ -248,9 +257,7 @@ def _imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -
 def _package_graph(root: pathlib.Path) -> dict[str, set[str]]:
     """module -> the package's modules it imports (anywhere in it)."""
     paths = {_module_name(p, root): p for p in root.rglob("*.py") if "flash_attn_standin" not in p.parts}
-    return {
-        name: _imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name} for name, path in paths.items()
-    }
+    return {name: _imports(parsed(path), name, path.name == "__init__.py", set(paths)) - {name} for name, path in paths.items()}
 
 
 def import_cycles(root: pathlib.Path = PACKAGE) -> list[list[str]]:
@@ -317,7 +324,7 @@ def sibling_imports(root: pathlib.Path = PACKAGE) -> list[str]:
         rel = path.relative_to(root)
         if len(rel.parts) < 3:  # an examinations-level module
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             modules: list[str] = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 prefix = "cpdoctor.examinations"
@@ -363,7 +370,7 @@ def classes_sharing_a_name(root: pathlib.Path = PACKAGE) -> dict[str, list[str]]
     for path in sorted(root.rglob("*.py")):
         if "flash_attn_standin" in path.parts:  # a stand-in of another package, with that package's names
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.ClassDef):
                 seen.setdefault(node.name, []).append(path.relative_to(root).as_posix())
     return {name: files for name, files in seen.items() if len(files) > 1}
@@ -411,7 +418,7 @@ def layer_table() -> tuple[dict[str, int], dict[str, set[str]]]:
 def _imported_packages(path: pathlib.Path) -> list[tuple[str, int]]:
     """(top-level cpdoctor package, line) of every import in the file, module level and inside functions alike."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         modules: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules = [f"{node.module}.{a.name}" for a in node.names] if node.module == "cpdoctor" else [node.module]
@@ -641,7 +648,7 @@ def test_every_state_owner_is_documented():
     docs/ARCHITECTURE.md lists it."""
     text = ARCHITECTURE.read_text()
     for rel, name in STATE_OWNERS.items():
-        tree = ast.parse((PACKAGE / rel).read_text())
+        tree = parsed(PACKAGE / rel)
         value = next(
             (n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and name in [getattr(t, "id", None) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]),
             None,
@@ -650,7 +657,7 @@ def test_every_state_owner_is_documented():
         docs = [
             ast.get_docstring(node) or ""
             for path in PACKAGE.rglob("*.py")
-            for node in ast.walk(ast.parse(path.read_text()))
+            for node in ast.walk(parsed(path))
             if isinstance(node, ast.ClassDef) and node.name == value.func.id
         ]
         assert docs and all("Lifetime:" in d for d in docs), f"{rel}: {value.func.id}'s docstring does not state its lifetime"
@@ -683,7 +690,7 @@ def test_no_dtype_table_outside_the_vocabulary():
     offenders = {}
     for path in _sources("flash_attn_standin"):
         if path.name != "vocabulary.py" or path.parent != PACKAGE:
-            found = dtype_tables(ast.parse(path.read_text()))
+            found = dtype_tables(parsed(path))
             if found:
                 offenders[str(path.relative_to(PACKAGE))] = found
     assert not offenders, f"dtype tables outside cpdoctor/vocabulary.py (file: lines): {offenders}"
@@ -728,7 +735,7 @@ def str_kinds(tree: ast.AST) -> list[int]:
 def test_no_str_kind():
     offenders = {}
     for path in _sources("flash_attn_standin"):
-        found = str_kinds(ast.parse(path.read_text()))
+        found = str_kinds(parsed(path))
         if found:
             offenders[str(path.relative_to(PACKAGE))] = found
     assert not offenders, f"`kind: str` (file: lines): {offenders}"
@@ -769,7 +776,7 @@ def untyped_report_fields(tree: ast.AST) -> list[str]:
 
 
 def test_no_untyped_dict_on_a_report_or_a_finding():
-    offences = [f"{p.relative_to(PACKAGE)}: {f}" for p in PACKAGE.rglob("*.py") for f in untyped_report_fields(ast.parse(p.read_text()))]
+    offences = [f"{p.relative_to(PACKAGE)}: {f}" for p in PACKAGE.rglob("*.py") for f in untyped_report_fields(parsed(p))]
     assert offences == []
 
 
