@@ -24,6 +24,7 @@ from itertools import product
 
 from cpdoctor.examinations.judging import Aspect, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.factors import Expectation, Power, degree_powers, power_of
+from cpdoctor.examinations.step.input_layouts import Placement
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
 from cpdoctor.vocabulary import DType
@@ -280,8 +281,22 @@ def _skip_text(s: StepSignature) -> str:
 
 
 def _inputs_text(s: StepSignature) -> str:
-    parts = [f"{d.name} on rank {_ranks(d.different)} (rank {_ranks(d.same_as_first)} had another)" for d in s.n.inputs_differ]
-    text = "the model's inputs differ between CP peers, which must all feed the same full inputs: " + "; ".join(parts)
+    judged = s.n.inputs_judged
+    if judged is not None and judged.by_layout:
+        wrong = "; ".join(d.detail or f"{d.name}: rank {_ranks(d.different)}" for d in s.n.inputs_differ)
+        right = ", ".join(g.describe() for g in judged.right())
+        text = (
+            f"the model's inputs are not what the run without CP fed it (its rank {judged.against}; each CP rank's input "
+            f"must equal that run's, or be this rank's shard of it along a sequence dimension): {wrong}"
+        ) + (f"; right: {right}" if right else "")
+    else:
+        parts = [f"{d.name} on rank {_ranks(d.different)} (rank {_ranks(d.same_as_first)} had another)" for d in s.n.inputs_differ]
+        text = "the model's inputs differ between CP peers, which must all feed the same full inputs: " + "; ".join(parts)
+        if judged is not None:  # two runs, and no peer fed what a rank of the run without CP did: the peers compared
+            text = (
+                "no CP rank fed the model what a rank of the run without CP did (its data depend on the layout), and the "
+                "inputs every peer feeds whole differ between the CP peers: " + "; ".join(parts)
+            )
     if len(s.n.rng_before_groups) > 1:
         text += (
             "; their RNG states differed already before the step (ranks "
@@ -549,8 +564,13 @@ def _pass_text(s: StepSignature) -> str:
         notes.append(f"not read: {'; '.join(s.e.hidden)}")
     said = f" ({'; '.join(notes)})" if notes else ""
     out = f"; out {s.n.out_rel_err:.2g}" if math.isfinite(s.n.out_rel_err) else ""
+    inputs = "same inputs and loss on every CP peer"
+    judged = s.n.inputs_judged
+    if judged is not None and judged.by_layout and any(g.placement is Placement.SHARD for g in judged.inputs):
+        shards = ", ".join(g.name for g in judged.inputs if g.placement is Placement.SHARD)
+        inputs = f"inputs the run without CP's ({shards} as each rank's shard, the rest replicated), the loss the same"
     return (
-        f"the step matches {s.n.reference}: same inputs and loss on every CP peer, gradients reduced right{said} "
+        f"the step matches {s.n.reference}: {inputs}, gradients reduced right{said} "
         f"(worst rank rel err {s.rank_error(worst):.2g}, tolerance {s.tol:.2g} for {s.n.dtype}{out}), RNG states in step"
     )
 
