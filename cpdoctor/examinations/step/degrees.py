@@ -83,11 +83,6 @@ class Given:
     mesh: Any = None
     target: str | None = None
 
-    @property
-    def says(self) -> bool:
-        """Whether anything here says how the job is laid out for CP."""
-        return self.declared.says_cp or self.declared.dp is not None or self.cp_group is not None or self.mesh is not None
-
 
 def consecutive_group(rank: int, cp: int) -> tuple[int, ...]:
     """The CP group of `rank` when CP groups are blocks of `cp` consecutive ranks."""

@@ -103,7 +103,7 @@ def step_group(module: Any, step: int | None, timeout_s: float, given: Given = G
     else:
         if one_run and not rebuildable(module):
             raise BadInput(one_run_refusal(module, given.target, given.declared if given.declared.says_cp else None))
-        if not given.says and rebuildable(module):
+        if rebuildable(module) and given.cp_group is None and given.mesh is None:  # a diffusers class: its CP is diffusers'
             raise BadInput(
                 f"{type(module).__name__} has no context parallelism enabled: call model.enable_parallelism(config=...) "
                 "before watching a CP step (or pass the job's cp_group= or mesh= when its CP is not diffusers')"
