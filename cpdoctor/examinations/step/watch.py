@@ -7,8 +7,9 @@
     optimizer.step()                     # after the block: the watcher reads the gradients at its exit
     print(step.report.verdict)           # the same Report on every rank
 
-On entry every rank hooks the diffusers transformer (unwrapped from DDP, accelerate and torch.compile; FSDP2's
-fully_shard keeps it in place: record.py) and starts observing what the step does to its gradients (observe.py:
+On entry every rank finds its CP group (a diffusers transformer's parallel config; for a model whose CP is not
+diffusers', what the caller says: degrees.py), hooks the model (unwrapped from DDP, accelerate and torch.compile;
+FSDP2's fully_shard keeps it in place: record.py) and starts observing what the step does to its gradients (observe.py:
 the backward roots, GradScaler, clipping, reductions). At exit it stops observing (always, whatever happened)
 and closes the examination (examine.py): the ranks agree through the store that they are all here and well, the
 CP group's first rank compares the gradients before any clip with the baseline and judges them with the events.
