@@ -170,6 +170,16 @@ def test_mean_over_cp_without_the_factor_is_a_bug_named_from_its_reduction():
     assert "these events make it" in f.diagnosis
 
 
+def test_two_runs_name_the_reduction_that_makes_the_factor():
+    """torchtitan's FSDP with its default division (a mean over dp_shard × cp), against the same step without CP:
+    the reduction the watcher saw makes the factor, which the diagnosis says (not an unseen scaling)."""
+    e = Expectation(reductions=(Reduction("FSDP2 sums over its 2 ranks (the CP group) and divides by 2", 0.5),))
+    f = step_finding(numbers(grads=HALF, recomputed=False, reference="the same step run without CP"), e)
+    assert f.verdict is Verdict.FAIL and "factor 1/cp" in f.diagnosis and "these events make it" in f.diagnosis
+    unseen = step_finding(numbers(grads=HALF, recomputed=False, reference="the same step run without CP"), Expectation())
+    assert unseen.verdict is Verdict.FAIL and "the watcher did not see makes part of it" in unseen.diagnosis
+
+
 def test_loss_times_cp_summed_over_cp_is_a_bug_not_two_readings():
     """A factor cp on the loss that a sum over CP keeps: the gradients are cp× one process's, whatever the step meant."""
     e = Expectation(

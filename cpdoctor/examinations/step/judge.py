@@ -209,10 +209,14 @@ class StepSignature:
 
     @property
     def explained(self) -> bool:
-        """The seen reductions and unscaling give the measured factor: nothing the watcher missed acted."""
+        """The seen reductions and unscaling give the measured factor: nothing the watcher missed acted. With two runs
+        the factor is against the same code at cp 1, so the reductions alone, or with the loss's factors of the
+        degrees read (a mean over the shard), may make it: the loss is read against this rank's output, which is
+        a shard where the trainer shards it (torchtitan's global token count reads as 1/cp of it), so either counts."""
         c = self.worst.factor
         ev = self.e.events_factor
-        return self.n.recomputed and ev > 0 and abs(c - ev) <= self.factor_tol * ev
+        made = (ev,) if self.n.recomputed else (ev, ev * self.e.loss_power)
+        return any(x > 0 and abs(c - x) <= self.factor_tol * x for x in made)
 
     @property
     def loss_unread(self) -> tuple[str, ...]:
