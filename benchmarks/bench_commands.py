@@ -10,6 +10,8 @@ the repetitions on this machine, with its load average (a 2-core machine shared 
 
 Usage: python benchmarks/bench_commands.py [--repeats 5] [--only NAME ...]
        -> benchmarks/results/commands_<diffusers version>.json
+`--only` re-measures the commands named and keeps the file's other rows as they were measured: each row carries
+its own load averages, date and command line.
 """
 
 from __future__ import annotations
@@ -66,9 +68,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", nargs="+", choices=sorted(COMMANDS), default=list(COMMANDS))
     args = parser.parse_args()
+    import diffusers
+
+    path = os.path.join(HERE, "results", f"commands_{diffusers.__version__}.json")
+    kept = {}
+    if os.path.exists(path) and len(args.only) < len(COMMANDS):
+        with open(path) as fh:
+            kept = {k: v for k, v in json.load(fh)["rows"].items() if k not in args.only}
     load_before = run_record.load_average()
     rows = {}
     for name in args.only:
+        row_load = run_record.load_average()
         walls, colds, codes, checks, same = [], [], set(), None, True
         for _ in range(args.repeats):
             wall, code, report = run_once(COMMANDS[name])
@@ -89,10 +99,13 @@ def main() -> None:
             "exit_codes": sorted(codes),
             "findings": checks,
             "launches": (report.get("doctor") or {}).get("launches"),
+            "load_average": {"before": row_load, "after": run_record.load_average()},
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "reps": args.repeats,
+            "command_line": "python benchmarks/bench_commands.py " + " ".join(sys.argv[1:]),
         }
         print(name, rows[name], flush=True)
-    import diffusers
-
+    rows = {name: (rows.get(name) or kept[name]) for name in COMMANDS if name in rows or name in kept}
     result = {
         "what": "wall seconds of each command in a fresh process, JSON report to a file, warm ranks and (paired, same "
         "repetition) CPDOCTOR_WARM=0; median and [min, max]",
@@ -104,7 +117,7 @@ def main() -> None:
         "command": "python benchmarks/bench_commands.py " + " ".join(sys.argv[1:]),
     }
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"commands_{diffusers.__version__}.json"), "w") as fh:
+    with open(path, "w") as fh:
         json.dump(result, fh, indent=2)
 
 

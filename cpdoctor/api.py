@@ -20,7 +20,7 @@ from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch import torchrun
 from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Report, RunResult, Verdict
-from cpdoctor.vocabulary import Kind
+from cpdoctor.vocabulary import Device, DType, Kind
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -298,6 +298,7 @@ def watch_step(
     )
 
 
+# the public API's keywords (README); step_request, which the CLI also calls, takes the same
 def examine_step(
     target: str,
     *,
@@ -305,8 +306,8 @@ def examine_step(
     ring: int | None = None,
     ulysses: int | None = None,
     dp: int | None = None,
-    device: str = "auto",
-    reference: str = "fp64",
+    device: Device = Device.AUTO,
+    reference: DType = DType.FP64,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Report:
     """`cpdoctor step path/to/train.py:function`: the user's step function on its ranks (spawned, or torchrun's

@@ -4,7 +4,7 @@ A newcomer who runs one `cpdoctor check --ring 2` may see PASS while ring 3, rin
 corrupt. The doctor runs the layouts people actually use, on the best CP-capable backend here ("auto"):
 
     ring 2 · ring 3 · ring N (N = the accelerators visible, when N ≥ 2 and N is not 2 or 3) · Ulysses 2 ·
-    ring 2 × Ulysses 2 · ring 2 with a padded key mask
+    ring 2 × Ulysses 2 · ring 2 with a padded key mask · ring 2 inside non-reentrant activation checkpointing
 
 as one `Suite` through `cpdoctor.api.run_suite`, which runs the checks of one world size in one launch (on a
 CPU host: world 2, 3 and 4, three launches). Every finding carries `command`, the exact `cpdoctor check ...`
@@ -15,7 +15,7 @@ renders) and nothing here looks at version numbers: the verdicts come from measu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cpdoctor.errors import BadInput
@@ -62,6 +62,7 @@ def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[Plan
         PlannedCheck("Ulysses 2", {"ulysses": 2}, "heads split (all-to-all)"),
         PlannedCheck("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}, "the ring inside unified CP"),
         PlannedCheck(f"ring 2, mask_pad {MASK_PAD}", {"ring": 2, "mask_pad": MASK_PAD}, "a padded prompt's key mask"),
+        PlannedCheck("ring 2, checkpointing", {"ring": 2, "checkpointing": True}, "gradient checkpointing (non-reentrant)"),
         *peers,
     ]
     if torchrun_world is not None:
@@ -188,18 +189,19 @@ def run_doctor(
     report = run_suite(suite_for(checks), patch=patch, timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, on_tick=on_tick)
 
     befores = report.before.findings if report.before is not None else [None] * len(report.findings)
-    rows = []
+    rows, findings, found_before = [], [], []
     for check, finding, before in zip(checks, report.findings, befores, strict=True):
         # A check that did not pass (before or after the fix) is looked at closer before and after the fix.
         failed = any(f is not None and f.verdict != Verdict.PASS for f in (finding, before))
-        for f in (finding, before):
-            if f is not None:
-                f.command = command_for(check, patch=failed, torchrun_world=torchrun_world)
+        command = command_for(check, patch=failed, torchrun_world=torchrun_world)
+        findings.append(replace(finding, command=command))
+        found_before.append(None if before is None else replace(before, command=command))
         rows.append(
-            DoctorRow(
-                check.label, dict(check.fields), check.why, finding.verdict, finding.command, None if before is None else before.verdict
-            )
+            DoctorRow(check.label, dict(check.fields), check.why, finding.verdict, command, None if before is None else before.verdict)
         )
+    report.findings = findings
+    if report.before is not None:
+        report.before.findings = found_before  # type: ignore[assignment]
     backends = sorted({b for f in report.findings if (b := _backend_of(f))})
     report.environment = report.environment.replace(accelerators=n, backend=", ".join(backends) if backends else "auto")
     # run_suite's request (every check as its full, validated request), marked as the doctor's.

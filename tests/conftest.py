@@ -28,6 +28,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "smoke: an integration test of the fast default tier (the rest need the full tier)")
 
 
+MAX_WORKERS = 4
+"""`-n auto`'s ceiling: every worker holds a warm fork server of torch and diffusers (about 0.5 GB) and starts
+gloo ranks of its own; most of a test's wall time is one core busy (a parent importing, judging, waiting for a
+rank), so two workers on 2 cores roughly halve the suite, and more than 4 only add memory."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """pytest-xdist's `-n auto` (pyproject's addopts): one worker per core this process may run on, at most
+    MAX_WORKERS."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
 def full_tier(config: pytest.Config) -> bool:
     """The full integration tier: asked for, or a path under tests/integration named on the command line."""
     if config.getoption("--full") or os.environ.get(FULL_TIER_ENV) == "full":
@@ -36,7 +48,22 @@ def full_tier(config: pytest.Config) -> bool:
     return any(path == INTEGRATION or path.startswith(INTEGRATION + os.sep) for path in named)
 
 
+LONG_FIRST = (
+    "test_step_compile.py",
+    "test_step_matrix.py",
+    "test_step_conventions.py",
+    "test_repro.py",
+    "test_hub_cache_verdicts.py",
+    "test_gpu_acceptance_dry_run.py",
+)
+"""The integration files that take longest (`--durations`, README "Tests and lint"), started first: the workers
+take files in collection order (`--no-loadscope-reorder`), and a long file started last would leave one worker
+alone at the end."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
     if full_tier(config):
         return
     kept, left = [], []
@@ -111,3 +138,21 @@ def has_stale_kv_backward(diffusers_release: tuple[int, ...]) -> bool:
     """docs/FACTS.md: releases before the fix of the ring backward (0.39.0 among them) recompute every ring step
     against the iteration-0 K/V; 0.42.1 passes the rotated chunk."""
     return diffusers_release < (0, 42, 0)
+
+
+@pytest.fixture(scope="session")
+def ring_unpacks_twice() -> bool:
+    """docs/FACTS.md, read from the installed ring backward's source (as text: importing diffusers here is slow): it
+    unpacks `ctx.saved_tensors` and hands the same ctx to the backend's backward op (which unpacks them again), so
+    non-reentrant checkpointing refuses it."""
+    import ast
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    (root,) = importlib.util.find_spec("diffusers").submodule_search_locations
+    text = (Path(root) / "models" / "attention_dispatch.py").read_text()
+    ring = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "TemplatedRingAttention")
+    backward = next(f for f in ring.body if isinstance(f, ast.FunctionDef) and f.name == "backward")
+    source = ast.get_source_segment(text, backward) or ""
+    return "ctx.saved_tensors" in source and re.search(r"backward_op\(\s*ctx\b", source) is not None

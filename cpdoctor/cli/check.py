@@ -6,7 +6,20 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
-from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, Device, Emulate, JsonPath, JunitPath, MarkdownPath, Patch, Ring, Timeout, Ulysses, flag
+from cpdoctor.cli.options import (
+    DEFAULT_TIMEOUT_S,
+    Checkpointing,
+    Device,
+    Emulate,
+    JsonPath,
+    JunitPath,
+    MarkdownPath,
+    Patch,
+    Ring,
+    Timeout,
+    Ulysses,
+    flag,
+)
 from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.errors import BadInput
 from cpdoctor.vocabulary import Device as DeviceName
@@ -35,6 +48,7 @@ def check(
     device: Device = DeviceName.AUTO,
     patch: Patch = False,
     emulate: Emulate = False,
+    checkpointing: Checkpointing = False,
     impl: Annotated[
         Impl,
         typer.Option("--impl", help="Whose CP attention: diffusers', or a peer's (torch: its context_parallel)."),
@@ -77,7 +91,7 @@ def check(
     if not emulate:  # emulating ranks import diffusers themselves, after the stand-ins
         api.warm_ranks()
     if impl.is_peer:  # the request is built once, here, and validated by its type (None: the type's default)
-        _refuse_diffusers_options(impl, backend=backend, patch=patch, mask_pad=mask_pad, repro=repro_dir)
+        _refuse_diffusers_options(impl, backend=backend, patch=patch, mask_pad=mask_pad, repro=repro_dir, checkpointing=checkpointing)
         peer = api.PeerRequest.of(
             impl=impl, variant=variant, kernel=kernel, causal=causal, emulate=emulate, ring=ring, ulysses=ulysses,
             dtype=dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=seed, device=device,
@@ -89,7 +103,7 @@ def check(
     if given:
         raise BadInput(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a peer (--impl ring-flash-attn|yunchang|torch)")
     request = api.AttentionRequest.of(
-        backend=backend, mask_pad=mask_pad, patch=patch, emulate=emulate, ring=ring, ulysses=ulysses,
+        backend=backend, mask_pad=mask_pad, patch=patch, emulate=emulate, checkpointing=checkpointing, ring=ring, ulysses=ulysses,
         dtype=dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=seed, device=device,
     )  # fmt: skip
     with waiting(f"examining CP attention on {request.world_size} ranks", quiet=quiet):
@@ -101,7 +115,7 @@ def check(
 
 
 def _refuse_diffusers_options(impl: Impl, **given: object) -> None:
-    """--backend, --patch, --mask-pad and --repro examine diffusers' code: with a peer they are bad input."""
+    """--backend, --patch, --mask-pad, --checkpointing and --repro examine diffusers' code: with a peer they are bad input."""
     named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value not in (None, False)]
     if named:
         raise BadInput(f"{', '.join(named)} appl{'ies' if len(named) == 1 else 'y'} to --impl diffusers only, not to {impl}")

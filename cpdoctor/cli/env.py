@@ -29,7 +29,7 @@ COLUMNS = ("backend", "installed", "CP", "runs here", "LSE", "backward", "saves 
 def _cell_values(row: Any) -> list[tuple[Optional[bool], str]]:
     """(ok, text) per table column after the name, from a typed BackendRow; ok None renders dim."""
     op = row.op
-    meta = bool(op is not None and op.measured_on == "meta")
+    meta = bool(op is not None and op.on_meta)
     star = "*" if meta else ""
     na: tuple[Optional[bool], str] = (None, "–")
     installed = (row.installed, MARK[row.installed])

@@ -10,6 +10,7 @@ from cpdoctor.cli.options import (
     DEFAULT_TIMEOUT_S,
     Backend,
     Batch,
+    Checkpointing,
     Device,
     Dtype,
     Emulate,
@@ -181,6 +182,7 @@ def model(
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
     emulate: Emulate = False,
+    checkpointing: Checkpointing = False,
 ) -> NoReturn:
     from cpdoctor import api
 
@@ -209,6 +211,7 @@ def model(
         allow_pickle=allow_pickle,
         blocks=blocks,
         emulate=emulate,
+        checkpointing=checkpointing,
     )
     print_plan(request)
     with waiting(f"examining {model_name} under CP on {request.world_size} ranks", quiet="-" in (json_path, junit_path, markdown_path)):

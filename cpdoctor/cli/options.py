@@ -59,6 +59,13 @@ Emulate = Annotated[
         help="Run the CUDA backends' CP code (_native_flash, _native_cudnn, flash) on CPU through cpdoctor's kernel stand-ins.",
     ),
 ]
+Checkpointing = Annotated[
+    bool,
+    flag(
+        "--checkpointing",
+        help="Run the CP forward and backward inside torch's non-reentrant activation checkpointing, as enable_gradient_checkpointing() does.",
+    ),
+]
 Timeout = Annotated[
     float,
     typer.Option(

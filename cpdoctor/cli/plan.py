@@ -66,7 +66,7 @@ def _tensor_line(t: Any) -> list[str]:
     """One split tensor (a models.splits.result.SplitRow) as a table row."""
     from rich.markup import escape
 
-    name = escape(t.name) + (" [dim](gathered)[/dim]" if t.kind.value == "gather" else "")
+    name = escape(t.name) + (" [dim](gathered)[/dim]" if t.gathered else "")
     if t.calls > 1:
         name += f" [dim]x{t.calls}[/dim]"
     return [name, str(t.split_dim), str(t.length), str(t.per_rank), _mark(t.divisible)]

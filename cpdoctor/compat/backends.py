@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat import diffusers as compat
-from cpdoctor.errors import Unsupported, UnsupportedKind, first_line
+from cpdoctor.errors import Unsupported, UnsupportedKind
 
 AUTO = "auto"
 PREFERENCE = ("_native_flash", "_native_cudnn", "flash", "flash_hub", "_flash_3", "cpdoctor_cpu")
@@ -80,26 +81,32 @@ class _Captured(Exception):
         self.backward_op = backward_op
 
 
-class _OpCtx:
-    """Stands in for an autograd ctx when calling a forward op outside autograd."""
+class OpCtx:
+    """Stands in for the autograd ctx diffusers' templates hand to a forward op, when one is called outside autograd
+    (here, and by env's backend table)."""
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tensors
 
 
-def discover_ops(
-    name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64
-) -> tuple[bool | None, Callable | None, Callable | None, str | None]:
-    """(routes_cp, forward_op, backward_op, error): call the backend with a parallel config while a spy
-    stands in for diffusers' templated CP attention. Nothing is computed when the backend routes to CP."""
-    return _call_with_spy(name, device, dtype, heads, head_dim)[:4]
+@dataclass(frozen=True)
+class BackendProbe:
+    """One backend probed once: its facts, and the forward/backward ops it handed diffusers' templated CP
+    attention (None when it does not route there). env's backend table calls those ops again as training does,
+    so it reads them here instead of probing the backend a second time."""
+
+    facts: BackendFacts
+    forward_op: Callable | None = None
+    backward_op: Callable | None = None
 
 
 def _call_with_spy(
     name: str, device: Any, dtype: Any, heads: int, head_dim: int
 ) -> tuple[bool | None, Callable | None, Callable | None, str | None, Any]:
-    """discover_ops, plus the output when the backend computed local attention instead (a leaf that
-    requires grad went in, so its backward can be tried without a second forward)."""
+    """(routes_cp, forward_op, backward_op, error, local output): call the backend with a parallel config while
+    a spy stands in for diffusers' templated CP attention. Nothing is computed when the backend routes to CP;
+    when it computed local attention instead, its output is returned (a leaf that requires grad went in, so its
+    backward can be tried without a second forward)."""
     import torch
 
     def spy(*args: Any, forward_op: Callable, backward_op: Callable, **kwargs: Any) -> Any:
@@ -112,17 +119,16 @@ def _call_with_spy(
         return False, None, None, "does not accept a parallel config (dispatch_attention_fn drops it)", None
     kwargs = {"query": q, "key": q, "value": q, "_parallel_config": object()}
     with compat.replaced_templated_attention(spy):
-        try:
-            out = fn(**kwargs)
-        except _Captured as cap:
-            return True, cap.forward_op, cap.backward_op, None, None
-        except Exception as exc:  # noqa: BLE001 - a backend that fails this call in any way has no CP path we can see
-            return None, None, None, first_line(exc), None
-    return False, None, None, None, out
+        call = Attempt.of(lambda: fn(**kwargs))
+    if isinstance(call.error, _Captured):
+        return True, call.error.forward_op, call.error.backward_op, None, None
+    if not call.ok:  # a backend that fails this call in any way has no CP path we can see
+        return None, None, None, call.why(), None
+    return False, None, None, None, call.value
 
 
-def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_config: Any = None) -> tuple[Any, _OpCtx]:
-    ctx = _OpCtx()
+def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_config: Any = None) -> tuple[Any, OpCtx]:
+    ctx = OpCtx()
     out = forward_op(ctx, q, q, q, None, 0.0, False, None, False, return_lse, _save_ctx=True, _parallel_config=parallel_config)
     return out, ctx
 
@@ -130,22 +136,25 @@ def _try_forward_op(forward_op: Callable, q: Any, return_lse: bool, parallel_con
 def _ring_like_config(device: Any) -> Any:
     """A parallel config as the ring hands it to a forward op (world size 2, no process group): some ops decide
     from it whether to compute an LSE or force dropout (docs/FACTS.md); None when this diffusers cannot build one."""
-    try:
-        return compat.meshless_parallel_config(2, 1, device)
-    except Exception:  # noqa: BLE001 - the plain call below still tells what it can
-        return None
+    return Attempt.of(lambda: compat.meshless_parallel_config(2, 1, device)).value  # None: the plain call still tells
 
 
 def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> BackendFacts:
     """All facts about one backend on this device and dtype (milliseconds; no second process)."""
+    return probe_backend(name, device, dtype, heads, head_dim).facts
+
+
+def probe_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim: int = 64) -> BackendProbe:
+    """All facts about one backend on this device and dtype, and the CP ops it hands diffusers' templates; each
+    op is tried once here, whatever it raises being the fact recorded."""
     import torch
 
     if compat.backend_member(name) is None:
-        return BackendFacts(name, registered=False)
+        return BackendProbe(BackendFacts(name, registered=False))
     facts = BackendFacts(name, registered=True, cp_registered=compat.is_cp_registered(name))
     facts.requirement_error = compat.requirement_error(name)
     if facts.requirement_error:
-        return facts
+        return BackendProbe(facts)
     routes, fwd, bwd, err, local_out = _call_with_spy(name, device, dtype, heads, head_dim)
     facts.routes_cp = routes
     facts.forward_op = getattr(fwd, "__name__", None)
@@ -154,39 +163,38 @@ def examine_backend(name: str, device: Any, dtype: Any, heads: int = 2, head_dim
     if fwd is None:
         # No CP path to test (the backend ignores or drops the parallel config): does it run here at all,
         # forward and backward? When it ignored the parallel config, the call above already ran the forward.
-        try:
-            out = local_out if local_out is not None else compat.backend_function(name)(query=q.requires_grad_(True), key=q, value=q)
-            facts.runs_here = True
-            out.float().sum().backward()
-            facts.has_backward = True
-        except Exception as exc:  # noqa: BLE001 - whatever the backend raises here is the fact recorded (runs / has a backward)
-            if facts.runs_here:
-                facts.has_backward = False
-            facts.run_error = first_line(exc) if err is None else err
-        return facts
-    try:
-        out, ctx = _try_forward_op(fwd, q, return_lse=False)
-        facts.runs_here = True
-    except Exception as exc:  # noqa: BLE001 - whatever the forward op raises here is the fact recorded
-        facts.run_error = first_line(exc)
-        return facts
-    try:
-        # called as the ring calls it (return_lse, a parallel config of world size 2); its saved context is
-        # what a CP backward gets, so the backward below is tried on it
-        res, ring_ctx = _try_forward_op(fwd, q, return_lse=True, parallel_config=_ring_like_config(device))
+        run = Attempt.of(
+            lambda: local_out if local_out is not None else compat.backend_function(name)(query=q.requires_grad_(True), key=q, value=q)
+        )
+        facts.runs_here = run.ok
+        failed = run
+        if run.ok:
+            failed = Attempt.of(lambda: run.value.float().sum().backward())
+            facts.has_backward = failed.ok
+        if not failed.ok:
+            facts.run_error = failed.why() if err is None else err
+        return BackendProbe(facts)
+    forward = Attempt.of(lambda: _try_forward_op(fwd, q, return_lse=False))
+    if forward.value is None:
+        facts.run_error = forward.why()
+        return BackendProbe(facts, fwd, bwd)
+    facts.runs_here = True
+    out, ctx = forward.value
+    # called as the ring calls it (return_lse, a parallel config of world size 2); its saved context is what a
+    # CP backward gets, so the backward below is tried on it; whatever it raises means it has no LSE here
+    ring = Attempt.of(lambda: _try_forward_op(fwd, q, return_lse=True, parallel_config=_ring_like_config(device)))
+    if ring.value is None:
+        facts.returns_lse, facts.lse_error = False, ring.why()
+    else:
+        res, ring_ctx = ring.value
         facts.returns_lse = isinstance(res, tuple) and len(res) >= 2 and res[1] is not None
         if facts.returns_lse:
             out, ctx = res[0], ring_ctx
-    except Exception as exc:  # noqa: BLE001 - whatever the op raises when asked for an LSE means it has none here
-        facts.returns_lse = False
-        facts.lse_error = first_line(exc)
-    try:
-        grads = bwd(ctx, torch.randn_like(out))
-        facts.has_backward = all(g is not None for g in grads[:3])
-    except Exception as exc:  # noqa: BLE001 - whatever the backward op raises means it has no working backward here
-        facts.has_backward = False
-        facts.run_error = f"backward: {first_line(exc)}"
-    return facts
+    backward = Attempt.of(lambda: all(g is not None for g in bwd(ctx, torch.randn_like(out))[:3]))
+    facts.has_backward = bool(backward.value)
+    if not backward.ok:
+        facts.run_error = f"backward: {backward.why()}"
+    return BackendProbe(facts, fwd, bwd)
 
 
 def resolve_auto(

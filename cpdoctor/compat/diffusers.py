@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import inspect
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cpdoctor.errors import BadInput, first_line
+from cpdoctor.attempt import Attempt
+from cpdoctor.errors import BadInput
 
 
 def dispatch_module() -> Any:
@@ -33,6 +35,12 @@ def cp_plan(cls: Any) -> dict[str, Any]:
     """A model class's context-parallel plan (`_cp_plan`: which module's inputs are split on which dim, which
     output is gathered), {} when it has none."""
     return dict(getattr(cls, "_cp_plan", None) or {})
+
+
+def supports_gradient_checkpointing(cls: type) -> bool:
+    """Whether `enable_gradient_checkpointing()` works on the class (ModelMixin refuses it unless the class sets
+    `_supports_gradient_checkpointing`)."""
+    return bool(getattr(cls, "_supports_gradient_checkpointing", False)) and hasattr(cls, "enable_gradient_checkpointing")
 
 
 def forward_params(cls: type) -> set[str]:
@@ -116,11 +124,7 @@ def requirement_error(name: str) -> str | None:
     check = getattr(dispatch_module(), "_check_attention_backend_requirements", None)
     if check is None:
         return None
-    try:
-        check(backend_member(name))
-    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot run here"
-        return first_line(exc, with_type=False)
-    return None
+    return Attempt.of(lambda: check(backend_member(name))).why(with_type=False)  # any failure: "cannot run here"
 
 
 def add_backend(name: str, fn: Callable, supports_context_parallel: bool) -> None:
@@ -435,13 +439,8 @@ def anything_backward_refused(mode: str) -> bool | None:
         for p in inspect.signature(fn_cls.backward).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
-    try:
-        fn_cls.backward(*([None] * len(params)))
-    except NotImplementedError:
-        return True
-    except Exception:  # noqa: BLE001 - anything else means the backward exists and did some work
-        return False
-    return False
+    # NotImplementedError is the refusal; anything else means the backward exists and did some work
+    return isinstance(Attempt.of(lambda: fn_cls.backward(*([None] * len(params)))).error, NotImplementedError)
 
 
 # --- the fix's view of backend ops (flash-attn wrappers, hub kernels) ---
@@ -449,21 +448,33 @@ def anything_backward_refused(mode: str) -> bool | None:
 # calls the same low-level functions diffusers wraps. Those are all private names of attention_dispatch (or
 # of flash-attn), so they are looked up here and nowhere in fix/.
 
+
+class ForwardOpKind(enum.Enum):
+    """Which backend a CP forward op belongs to (the value is the backend's public name): what the fix reads to
+    pick the fused kernel underneath."""
+
+    NATIVE_FLASH = "_native_flash"
+    NATIVE_CUDNN = "_native_cudnn"
+    NATIVE_EFFICIENT = "_native_efficient"
+    NATIVE = "native"
+    FLASH = "flash"
+    FLASH_HUB = "flash_hub"
+
+
 _FORWARD_OP_BACKENDS = {
-    "_native_flash_attention_forward_op": "_native_flash",
-    "_cudnn_attention_forward_op": "_native_cudnn",
-    "_native_efficient_attention_forward_op": "_native_efficient",
-    "_efficient_attention_forward_op": "_native_efficient",
-    "_native_attention_forward_op": "native",
-    "_flash_attention_forward_op": "flash",
-    "_flash_attention_hub_forward_op": "flash_hub",
+    "_native_flash_attention_forward_op": ForwardOpKind.NATIVE_FLASH,
+    "_cudnn_attention_forward_op": ForwardOpKind.NATIVE_CUDNN,
+    "_native_efficient_attention_forward_op": ForwardOpKind.NATIVE_EFFICIENT,
+    "_efficient_attention_forward_op": ForwardOpKind.NATIVE_EFFICIENT,
+    "_native_attention_forward_op": ForwardOpKind.NATIVE,
+    "_flash_attention_forward_op": ForwardOpKind.FLASH,
+    "_flash_attention_hub_forward_op": ForwardOpKind.FLASH_HUB,
 }
-"""A CP backend's forward op (function name in attention_dispatch) -> that backend's public name."""
+"""A CP backend's forward op (function name in attention_dispatch) -> that backend."""
 
 
-def forward_op_kind(forward_op: Any) -> str | None:
-    """Which backend's forward op `forward_op` is, as the backend's public name ("_native_flash",
-    "_native_cudnn", "_native_efficient", "native", "flash", "flash_hub"), or None for any other op.
+def forward_op_kind(forward_op: Any) -> ForwardOpKind | None:
+    """Which backend's forward op `forward_op` is, or None for any other op.
     Matched by `__name__`, not identity: the ring receives whatever object the backend passed, and a wrapper
     made with functools.wraps (a profiler, a timer) still names the op it wraps."""
     return _FORWARD_OP_BACKENDS.get(getattr(forward_op, "__name__", ""))
@@ -480,7 +491,7 @@ def flash_attn_functions(forward_op: Any) -> tuple[Callable, Callable] | None:
     mod = sys.modules.get(getattr(forward_op, "__module__", ""), None)
     if mod is None:
         return None
-    if forward_op_kind(forward_op) == "flash_hub":
+    if forward_op_kind(forward_op) is ForwardOpKind.FLASH_HUB:
         registry = getattr(mod, "_HUB_KERNELS_REGISTRY", None)
         enum = getattr(mod, "AttentionBackendName", None)
         config = registry.get(getattr(enum, "FLASH_HUB", None)) if registry is not None and enum is not None else None

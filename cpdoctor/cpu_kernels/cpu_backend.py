@@ -46,6 +46,7 @@ def additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype, seq_k: int
     return attn_mask.to(dtype)
 
 
+# diffusers' forward-op contract (attention_dispatch's `_*_forward_op(ctx, query, key, value, ...)`)
 def forward_op(
     ctx: Any,
     query: torch.Tensor,
@@ -148,6 +149,7 @@ class _LocalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+# diffusers' backend-function contract (the keywords dispatch_attention_fn passes a registered backend)
 def cpdoctor_cpu_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,6 +167,7 @@ def cpdoctor_cpu_attention(
     if _parallel_config is None:
         out, lse = _LocalAttention.apply(query, key, value, attn_mask, is_causal, scale)
         return (out, lse) if return_lse else out
+    # diffusers' TemplatedAttention call, in the templates' positional order
     return compat.templated_attention()(
         query,
         key,

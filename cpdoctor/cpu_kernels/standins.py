@@ -110,6 +110,7 @@ def _expand_kv(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[1] == q.shape[1] else x.repeat_interleave(q.shape[1] // x.shape[1], dim=1)
 
 
+# the fused kernels' argument convention (aten's _scaled_dot_product_*_attention, flash-attn's _flash_attn_*)
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,6 +143,7 @@ def attention_forward(
     return torch.matmul(p, vf), lse
 
 
+# the fused backward's convention (dout, q, k, v, out, lse, ...: aten's and flash-attn's backward ops)
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

@@ -175,7 +175,26 @@ class CrashSignature:
         return all(re.search(p, text) is not None for p in self.patterns)
 
 
+RING_UNDER_CHECKPOINTING = CrashSignature(
+    "ring backward under checkpointing",
+    # torch's refusal, raised from a backward of diffusers' own code (the ring template's, wherever it lives)
+    (r"Unpack is being triggered for a tensor that was already unpacked once", r"diffusers[\\/][^\"]*\.py\", line \d+, in backward\b"),
+    "diffusers' ring backward unpacks ctx.saved_tensors and then calls the backend's backward op once per ring step, and "
+    "every op unpacks ctx.saved_tensors again; torch's non-reentrant activation checkpointing (diffusers' "
+    "enable_gradient_checkpointing(), torch's checkpoint_wrapper) refuses a second unpack, so no training step with "
+    "ring CP and checkpointing completes: every release with ring CP up to the installed one (measured on diffusers "
+    "0.39.0 and 0.42.1)",
+    "cpdoctor.patch() (its fixed ring saves the tensors once and unpacks them once: "
+    "`cpdoctor check --ring 2 --checkpointing --patch` passes); or Ulysses-only CP (its backward calls the op once: "
+    "`cpdoctor check --ulysses 2 --checkpointing` passes); or reentrant checkpointing (use_reentrant=True recomputes "
+    "the forward inside the backward with ordinary saved tensors: diffusers' ring then runs, and is as right as "
+    "`cpdoctor check` without --checkpointing finds it)",
+)
+"""The crash of every ring-CP trainer that checkpoints activations (docs/FACTS.md): named alike by `check
+--checkpointing`, `model --checkpointing` and the step examination."""
+
 CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
+    RING_UNDER_CHECKPOINTING,
     CrashSignature(
         "double transpose",
         (r"[Nn]umber of heads in key/value must divide|GQA|[Nn]um(ber of)? ?heads.*must (match|divide)",),

@@ -13,6 +13,14 @@ from cpdoctor.vocabulary import Device, DType, Word, parse
 
 R = TypeVar("R", bound="LayoutRequest")
 
+DEFAULT_SEQ = 512
+"""The op-level examination's sequence length (`cpdoctor check`), before rounding to the CP world size."""
+
+
+def default_seq(world_size: int) -> int:
+    """512 rounded up to a multiple of the CP world size, so `--ring 3` works without choosing a length."""
+    return -(-DEFAULT_SEQ // world_size) * world_size
+
 
 def validate_timeout(timeout_s: float) -> None:
     """A positive, finite number of seconds (nan would never expire, inf overflows the process group)."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cpdoctor import launch
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.packages import installed_version
 from cpdoctor.errors import BadInput, CannotExamine, Unsupported, UnsupportedKind
 from cpdoctor.examinations import registry
@@ -55,10 +56,7 @@ def visible_gpus() -> int:
 
     torch = sys.modules.get("torch")
     if torch is not None:
-        try:
-            return int(torch.cuda.device_count())
-        except Exception:  # noqa: BLE001 - a broken CUDA install counts as none, as the ranks would find
-            return 0
+        return Attempt.of(lambda: int(torch.cuda.device_count())).or_else(0)  # a broken CUDA install: none, as the ranks would find
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
@@ -100,11 +98,8 @@ def ran_in(outcome: CaseOutcome) -> Environment:
 
 def outcome_findings_in(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
     """`outcome_findings`, each finding keeping the environment its case ran in (`ran_in`)."""
-    findings = outcome_findings(outcome, timeout_s)
     env = ran_in(outcome)
-    for finding in findings:
-        finding.environment = env
-    return findings
+    return [replace(f, environment=env) for f in outcome_findings(outcome, timeout_s)]
 
 
 def case_findings(cases: list[Case], outcomes: list[CaseOutcome], timeout_s: float) -> list[Finding]:

@@ -90,6 +90,7 @@ class BlockKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    # the fused backward's convention (dout, q, k, v, out, lse, ...: aten's and flash-attn's backward ops)
     def backward(
         self,
         dout: torch.Tensor,
@@ -304,11 +305,11 @@ def _is_cpdoctor_cpu(forward_op: Callable) -> bool:
     return forward_op is cpu_backend.forward_op
 
 
-_KERNELS: dict[str, Callable[[], BlockKernel]] = {
-    "_native_flash": NativeFlashKernel,
-    "_native_cudnn": CudnnKernel,
-    "_native_efficient": EfficientKernel,
-    "native": MathKernel,
+_KERNELS: dict[compat.ForwardOpKind, Callable[[], BlockKernel]] = {
+    compat.ForwardOpKind.NATIVE_FLASH: NativeFlashKernel,
+    compat.ForwardOpKind.NATIVE_CUDNN: CudnnKernel,
+    compat.ForwardOpKind.NATIVE_EFFICIENT: EfficientKernel,
+    compat.ForwardOpKind.NATIVE: MathKernel,
 }
 """Backends whose fused kernel this module calls directly, by `compat.forward_op_kind`."""
 
@@ -320,8 +321,8 @@ def select(forward_op: Callable, parallel_config: Any = None) -> BlockKernel:
     kind = compat.forward_op_kind(forward_op)
     if kind in _KERNELS:
         return _KERNELS[kind]()
-    if kind in ("flash", "flash_hub"):
-        name = getattr(forward_op, "__name__", kind)
+    if kind in (compat.ForwardOpKind.FLASH, compat.ForwardOpKind.FLASH_HUB):
+        name = getattr(forward_op, "__name__", kind.value)
         fns = compat.flash_attn_functions(forward_op)
         if fns is None:
             raise KernelUnavailable(

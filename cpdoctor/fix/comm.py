@@ -18,8 +18,11 @@ import torch.distributed._functional_collectives as funcol
 
 from cpdoctor.compat import diffusers as compat
 
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-"""torch renamed the functional collective (the old name warns); same signature."""
+
+def _all_gather(flat: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """torch renamed the functional collective (the old name warns); same signature. Looked up at each call, so
+    a wrapper installed meanwhile (launch/flight.py, while a rank examines) sees it."""
+    return (getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor)(flat, dim, group)
 
 
 class InFlight:

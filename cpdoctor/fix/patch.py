@@ -14,8 +14,8 @@ signature, nobody looking it up by name) is refused with `PatchRefused` unless `
 like that is left in place, `force` or not, and the report says why (`skipped`). The fixed Ulysses calls the
 original class wherever it has no fused kernel to run (`UlyssesAttention.original`, read from `STATE`).
 
-What the patch put aside lives in one owner, `STATE` (a `PatchState`): the originals to put back and the report
-of the apply that replaced them.
+What the patch put aside lives in one owner, `STATE` (a `PatchState`, in `put_aside.py`, which the fixed Ulysses
+reads without importing this module): the originals to put back and the report of the apply that replaced them.
 
     from cpdoctor.fix import patch
     report = patch.apply()          # idempotent
@@ -32,6 +32,7 @@ from typing import Any
 
 from cpdoctor.compat import diffusers as compat
 from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.fix.put_aside import STATE
 
 
 class PatchRefused(CannotExamine):
@@ -72,31 +73,6 @@ class PatchReport:
         forced = " (forced past: " + self.problem + ")" if self.forced and self.problem else ""
         kept = "; kept " + "; ".join(self.skipped) if self.skipped else ""
         return f"cpdoctor: {state}replaced {names} with cpdoctor's fixed CP attention (diffusers {self.diffusers}){forced}{kept}"
-
-
-class PatchState:
-    """What the patch put aside in this process. Lifetime: one instance, `STATE`, created at this module's import;
-    entered by the `apply` that replaces diffusers' globals (it records the originals and that apply's report); an
-    `apply` while patched keeps it as it is; `revert` puts the originals back and empties it, so nothing survives a
-    revert and the next `apply` starts from diffusers' own classes again. diffusers' module global is the truth
-    for "patched?" (`is_patched`); this only knows what to put back."""
-
-    def __init__(self) -> None:
-        self.originals: dict[tuple[str, str], Any] = {}
-        """(module name, attribute) -> the object the patch replaced (None: the attribute was absent)."""
-        self.report: PatchReport | None = None
-        """The report of the apply that replaced the globals; None when not patched."""
-
-    def original(self, attribute: str) -> Any:
-        """The object the patch replaced under `attribute` (in whichever module), or None."""
-        return next((obj for (_, name), obj in self.originals.items() if name == attribute), None)
-
-    def clear(self) -> None:
-        self.originals.clear()
-        self.report = None
-
-
-STATE = PatchState()
 
 
 def _replacement() -> Any:

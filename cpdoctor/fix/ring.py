@@ -365,6 +365,7 @@ def forward_in_passes(
     return out, lse
 
 
+# the fused backward's convention (dout, q, k, v, out, lse, ...: aten's and flash-attn's backward ops)
 def backward_in_passes(
     passes: list[slice],
     dout: torch.Tensor,
@@ -394,6 +395,7 @@ def backward_in_passes(
 class RingAttention(torch.autograd.Function):
     """cpdoctor's fixed ring attention (see the module docstring), with diffusers' ring signature."""
 
+    # diffusers' TemplatedRingAttention.forward signature, which the patch replaces
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,

@@ -103,12 +103,12 @@ class _FixedUlysses(torch.autograd.Function):
 
 
 class _PutAside:
-    """`UlyssesAttention.original`: read from the patch's own state (`cpdoctor.fix.patch.STATE`), so the class
+    """`UlyssesAttention.original`: read from the patch's own state (`cpdoctor.fix.put_aside.STATE`), so the class
     holds no state of its own and a revert leaves nothing behind."""
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         from cpdoctor.compat.diffusers import ULYSSES_CLASS
-        from cpdoctor.fix.patch import STATE
+        from cpdoctor.fix.put_aside import STATE
 
         return STATE.original(ULYSSES_CLASS)
 
@@ -119,6 +119,7 @@ class UlyssesAttention:
     original = _PutAside()
     """The class this one replaced (None when the patch is not applied): it runs wherever the fix has no fused kernel."""
 
+    # diffusers' TemplatedUlyssesAttention.apply signature, which the patch replaces
     @classmethod
     def apply(
         cls,
@@ -135,6 +136,7 @@ class UlyssesAttention:
         backward_op: Any,
         _parallel_config: Any = None,
     ):
+        # diffusers' TemplatedUlyssesAttention.apply arguments, in its positional order
         args = (
             query,
             key,

@@ -1,8 +1,10 @@
 """Injected faults, for the tests that prove a failing rank becomes a finding.
 
 `CPDOCTOR_INJECT_FAULT=WHAT@RANK[:CASE]` makes rank RANK fail just before the examination's first collective:
-WHAT is `raise`, `hang` (sleeps forever, never ticking), `exit` (exit code 17) or `slow` (works for
-`CPDOCTOR_FAULT_SLOW_S` seconds, default 10, ticking as it goes: a rank far slower than its peers, but moving);
+WHAT is `raise`, `hang` (sleeps forever, never ticking), `exit` (exit code 17), `slow` (works for
+`CPDOCTOR_FAULT_SLOW_S` seconds, default 10, ticking as it goes: a rank far slower than its peers, but moving)
+or `stall` (goes on into the examination and sleeps forever at its first collective, before entering it: a rank
+stopped inside the CP attention, outside any collective, while its peers wait in that collective, flight.py);
 CASE, when given, limits it to the `unpatched` or `patched` cases (e.g. `raise@1:unpatched` crashes the stock
 code's run and leaves the patched run alone).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 
+from cpdoctor.launch.flight import stall_at_first_collective
 from cpdoctor.launch.progress import tick
 
 FAULT_ENV = "CPDOCTOR_INJECT_FAULT"
@@ -31,6 +34,8 @@ def inject_fault(rank: int, case_label: str) -> None:
     if what == "hang":
         while True:
             time.sleep(3600)
+    if what == "stall":
+        stall_at_first_collective()
     if what == "exit":
         os._exit(17)
     if what == "slow":

@@ -13,15 +13,20 @@ polls: a file whose text changed is a rank that moved. Ticks come from three pla
   matmul, importing torch): a rank blocked in a gloo collective or asleep burns none.
 Writes are throttled (TICK_WRITE_S), so a tick costs a clock read.
 
+While it examines, a rank also keeps its flight record in `rank<R>.flight` (flight.py): how many collectives
+it entered and the one it is blocked in, rewritten in place at every enter, wait and leave.
+
 When no rank has moved for the timeout, the ranks furthest behind are the stuck ones; the others were waiting
-for them in a collective. Ranks that all stopped at the same step are a deadlock among themselves, and all of
-them are named.
+for them in a collective. Among ranks at the same step, the ones outside any collective are stuck while those
+inside one wait for them (`blame`); ranks that all stopped at the same step with nothing to tell them apart are a
+deadlock among themselves, and all of them are named.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -43,12 +48,51 @@ HEARTBEAT_CPU_SHARE = 0.1
 that computes does (even on a loaded machine), a rank asleep or blocked in a gloo collective does not."""
 
 
+@dataclass(frozen=True)
+class Collectives:
+    """A rank's flight record in its case (flight.py): how many collectives it entered, and the one it is in
+    now (`op` and its number `seq`; no `op`: outside any collective)."""
+
+    entered: int = 0
+    op: str = ""
+    seq: int = 0
+
+    @property
+    def inside(self) -> bool:
+        return bool(self.op)
+
+    def describe(self) -> str:
+        """ "in all_gather #3", "outside any collective (2 entered)"."""
+        return f"in {self.op} #{self.seq}" if self.inside else f"outside any collective ({self.entered} entered)"
+
+    def token(self) -> str:
+        """The flight file's text: `@2` (2 entered, outside), `@3:all_gather#3` (in it); "" when empty."""
+        if not self.entered and not self.inside:
+            return ""
+        return f"@{self.entered}" + (f":{self.op}#{self.seq}" if self.inside else "")
+
+    @classmethod
+    def parse(cls, token: str) -> Collectives:
+        """The record `token` wrote; an empty one for anything else (no file, nothing entered, a torn read)."""
+        found = _TOKEN.fullmatch(token.strip())
+        if found is None:
+            return cls()
+        return cls(int(found["entered"]), found["op"] or "", int(found["seq"] or 0))
+
+
+_TOKEN = re.compile(r"@(?P<entered>\d+)(?::(?P<op>[^\s#]+)#(?P<seq>\d+))?")
+
+
 @dataclass(frozen=True, order=True)
-class Step:
+class Milestone:
+    """Where a rank is (what its step file says): its case, the index of its point in STEPS, the ticks since, and
+    what it is doing. A rank's progress point, not the step examination (examinations/step)."""
+
     case: int
     index: int
     ticks: int = field(default=0, compare=False)
     doing: str = field(default="", compare=False)
+    flight: Collectives = field(default=Collectives(), compare=False)
 
     @property
     def name(self) -> str:
@@ -57,34 +101,50 @@ class Step:
     def describe(self) -> str:
         if self.index == 0:
             return "joining the process group"
-        return f"case {self.case + 1}: {self.name}" + (f" ({self.doing})" if self.doing else "")
+        where = f"case {self.case + 1}: {self.name}" + (f" ({self.doing})" if self.doing else "")
+        return where + (f", {self.flight.describe()}" if self.flight.token() else "")
 
     def text(self) -> str:
+        """The step file's text (the flight record has a file of its own)."""
         return f"{self.case} {self.name} {self.ticks} {self.doing}".rstrip()
 
     @classmethod
-    def parse(cls, text: str) -> Step | None:
+    def parse(cls, text: str, flight: str = "") -> Milestone | None:
+        """The step a step file's `text` says, with the flight file's `flight` record."""
         parts = text.split(maxsplit=3)
         try:
             ticks = int(parts[2]) if len(parts) > 2 else 0
-            return cls(int(parts[0]), STEPS.index(parts[1]), ticks, parts[3] if len(parts) > 3 else "")
+            return cls(int(parts[0]), STEPS.index(parts[1]), ticks, parts[3] if len(parts) > 3 else "", Collectives.parse(flight))
         except (ValueError, IndexError):
             return None
 
 
-class StepLog:
-    """Records this rank's steps and ticks in `path` (no-op without one: under torchrun nobody supervises)."""
+FLIGHT_WIDTH = 64
+"""The flight file's one record, padded to this many bytes: each record overwrites the last in place."""
 
-    def __init__(self, path: str | None, case_offset: int = 0):
+
+class StepLog:
+    """Records this rank's steps and ticks in `path` and its flight record (flight.py) in `flight_path` (no-op
+    without them: under torchrun nobody supervises).
+
+    The step file is replaced atomically at each write (a temporary file renamed over it: 2.5 ms on this
+    project's 2-core machine under load). The flight record changes at every collective entered, waited in and
+    left, so it is written in place instead, one `pwrite` of FLIGHT_WIDTH bytes into a file kept open (1 µs
+    there): a reader may catch a record half written, but only while the rank moves, and the parent reads the
+    record that decides anything after nobody moved for the timeout."""
+
+    def __init__(self, path: str | None, case_offset: int = 0, flight_path: str | None = None):
         self.path = path
+        self.flight_path = flight_path
         self.case_offset = case_offset
-        self._step = Step(case_offset, 0)
+        self._step = Milestone(case_offset, 0)
         self._written = 0.0
         self._lock = threading.Lock()
+        self._flight_fd: int | None = None
 
     def mark(self, case: int, step: str) -> None:
         with self._lock:
-            self._step = Step(case + self.case_offset, STEPS.index(step), self._step.ticks + 1)
+            self._step = Milestone(case + self.case_offset, STEPS.index(step), self._step.ticks + 1)
             self._write()
 
     def tick(self, doing: str | None = None) -> None:
@@ -93,9 +153,18 @@ class StepLog:
             return
         with self._lock:
             s = self._step
-            self._step = Step(s.case, s.index, s.ticks + 1, s.doing if doing is None else doing)
+            self._step = Milestone(s.case, s.index, s.ticks + 1, s.doing if doing is None else doing)
             if time.monotonic() - self._written >= TICK_WRITE_S:
                 self._write()
+
+    def collectives(self, record: Collectives) -> None:
+        """The rank entered, waits in or left a collective (flight.py): its record, written at once, in place
+        (the parent counts a change of it as a move, like one of the step file)."""
+        if self.flight_path is None:
+            return
+        if self._flight_fd is None:
+            self._flight_fd = os.open(self.flight_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._flight_fd, record.token().ljust(FLIGHT_WIDTH).encode(), 0)
 
     def _write(self) -> None:
         if self.path is None:
@@ -107,9 +176,11 @@ class StepLog:
         self._written = time.monotonic()
 
 
-def read_step(path: str) -> Step | None:
+def read_step(path: str, flight_path: str | None = None) -> Milestone | None:
+    """The step a rank's step file says (None: no file yet), with its flight record when `flight_path` is given."""
     text = read_text(path)
-    return None if text is None else Step.parse(text)
+    flight = (read_text(flight_path) or "") if flight_path is not None else ""
+    return None if text is None else Milestone.parse(text, flight)
 
 
 def read_text(path: str) -> str | None:
@@ -256,15 +327,45 @@ class Heartbeat:
             last = now
 
 
-def blame(steps: dict[int, Step | None]) -> tuple[list[int], list[int]]:
-    """(stuck, waiting) among the ranks that did not finish, from the step each one reached (None: not even
-    started). The ranks behind all others are stuck; the rest were waiting for them. When all are at the same
-    step, nobody is ahead to wait for anyone: all are named as stuck."""
+@dataclass(frozen=True)
+class Blame:
+    """Who stopped a launch that nobody moved in for the timeout: the `stuck` ranks, the ones `waiting` for them,
+    and, when their flight records told them apart, what the stuck ones did ("stopped outside any collective while
+    rank 0 waits in all_gather #1"; "" when the steps alone named them)."""
+
+    stuck: list[int]
+    waiting: list[int]
+    why: str = ""
+
+
+def blame(steps: dict[int, Milestone | None]) -> Blame:
+    """Who is stuck among the ranks that did not finish, from the step each one reached (None: not even started).
+
+    The ranks behind all others are stuck; the rest were waiting for them. Among ranks at the same step, their
+    flight records (flight.py) decide: when some are in a collective and others are outside any, and an outside
+    one never went past the collective the others wait in (it entered no more than that collective's number), the
+    ranks outside are stuck and those inside wait for them. Otherwise (nobody in a collective: all compute-bound
+    or asleep; everyone in one: a deadlock or mismatched collectives among them; the ranks outside all went past
+    what the others wait in) nobody is ahead to wait for anyone, and all of them are named."""
     if not steps:
-        return [], []
-    floor = Step(-1, -1)
+        return Blame([], [])
+    floor = Milestone(-1, -1)
     progress = {rank: step or floor for rank, step in steps.items()}
     lowest = min(progress.values())
     hung = sorted(r for r, s in progress.items() if s == lowest)
     waiting = sorted(r for r in progress if r not in hung)
-    return hung, waiting
+    flights = {r: progress[r].flight for r in hung}
+    inside = [r for r in hung if flights[r].inside]
+    outside = [r for r in hung if not flights[r].inside]
+    if inside and outside and any(flights[r].entered <= min(flights[w].seq for w in inside) for r in outside):
+        return Blame(outside, sorted(waiting + inside), _stopped_outside(flights, inside))
+    return Blame(hung, waiting)
+
+
+def _stopped_outside(flights: dict[int, Collectives], inside: list[int]) -> str:
+    """ "stopped outside any collective while rank 0 waits in all_gather #3" (ranks in the same one together)."""
+    where: dict[str, list[int]] = {}
+    for r in inside:
+        where.setdefault(f"{flights[r].op} #{flights[r].seq}", []).append(r)
+    waits = ", ".join(f"rank {', '.join(map(str, ranks))} {'waits' if len(ranks) == 1 else 'wait'} in {c}" for c, ranks in where.items())
+    return f"stopped outside any collective while {waits}"

@@ -30,9 +30,9 @@ from cpdoctor.launch.jobs import (
     RankStatus,
     wall_bound_s,
 )
-from cpdoctor.launch.progress import Step, blame, read_advice, read_raised, read_step, read_text, show_advice
+from cpdoctor.launch.progress import Milestone, blame, read_advice, read_raised, read_step, read_text, show_advice
 from cpdoctor.launch.warm import WARM, WarmRank
-from cpdoctor.launch.worker import advice_path, outcome_path, raised_path, status_path, step_path
+from cpdoctor.launch.worker import advice_path, flight_path, outcome_path, raised_path, status_path, step_path
 
 RankProcess = subprocess.Popen | WarmRank
 """A rank the parent supervises: spawned (Popen) or forked from the warm server; both have pid, poll and wait."""
@@ -108,7 +108,7 @@ class _Watch:
     failed_at: float | None = None
     killed: bool = False  # after we killed the ranks, their exit codes say nothing about them
     started: float = field(default_factory=time.monotonic)
-    seen: dict[int, str | None] = field(default_factory=dict)  # rank -> the text of its step file last read
+    seen: dict[int, str | None] = field(default_factory=dict)  # rank -> the text of its step and flight files last read
     moved: dict[int, float] = field(default_factory=dict)  # rank -> when its step file last changed
     why: str = "stalled"  # why the launch was stopped: "stalled" (nobody moved) or "wall" (the wall bound)
     advice: list[str] = field(default_factory=list)  # what the ranks advised (progress.advise), in the order first read
@@ -122,9 +122,11 @@ class _Watch:
                     show_advice(line)
 
     def watch_progress(self, now: float) -> None:
-        """Note every rank whose step file changed since the last poll: it moved."""
+        """Note every rank whose step file or flight record changed since the last poll: it moved."""
         for rank in range(len(self.procs)):
             text = read_text(step_path(self.out_dir, rank))
+            if text is not None:
+                text += "\n" + (read_text(flight_path(self.out_dir, rank)) or "")
             if text is not None and text != self.seen.get(rank):
                 self.seen[rank] = text
                 self.moved[rank] = now
@@ -174,10 +176,12 @@ class _Watch:
 
 def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     """Why case `index` did not complete: ranks that raised or died are CRASH. Otherwise, when no rank moved for
-    the timeout, the ranks named by the step they reached (progress.py) furthest behind are HANG and the rest
-    were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
+    the timeout, the ranks named by the step they reached and, at the same step, by the collective they are in
+    (progress.blame) are HANG and the rest were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
     crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
-    steps: dict[int, Step | None] = {r: read_step(step_path(watch.out_dir, r)) for r in range(len(watch.procs))}
+    steps: dict[int, Milestone | None] = {
+        r: read_step(step_path(watch.out_dir, r), flight_path(watch.out_dir, r)) for r in range(len(watch.procs))
+    }
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
     for r in sorted(set(steps) - set(crashed)):  # an exception the examination caught, then a peer never arrived
         noted = read_raised(raised_path(watch.out_dir, r))
@@ -190,8 +194,9 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
             RankFailure(r, FailureKind.CRASH, "stopped while waiting for the failed rank in a collective", waiting=True, where=_where(s))
             for r, s in others.items()
         ]
-    hung, waiting = blame(others)
-    message = f"stopped moving: no rank moved for {timeout_s:g} s"
+    blamed = blame(others)
+    hung, waiting = blamed.stuck, blamed.waiting
+    message = f"{blamed.why or 'stopped moving'}: no rank moved for {timeout_s:g} s"
     still_moving = watch.why == "wall"
     if still_moving:
         still = [r for r in watch.moving(time.monotonic(), timeout_s) if r in others]
@@ -216,7 +221,7 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     return failures
 
 
-def _where(step: Step | None) -> str:
+def _where(step: Milestone | None) -> str:
     return step.describe() if step is not None else "not started"
 
 

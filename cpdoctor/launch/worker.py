@@ -9,22 +9,24 @@ import contextlib
 import os
 import pickle
 import signal
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.launch.context import DistContext
 from cpdoctor.launch.faults import inject_fault
-from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankProgram, RankStatus
+from cpdoctor.launch.flight import recording
+from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, Job, RankFailure, RankPayload, RankProgram, RankResult, RankStatus
 from cpdoctor.launch.progress import Heartbeat, StepLog, activate
 
 OutcomeSink = Callable[[int, CaseOutcome], None]
 
 
-def _error(exc: BaseException) -> RankPayload:
-    return RankPayload(RankStatus.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+def _error(failed: Attempt[Any]) -> RankPayload:
+    """A failed attempt (taken with its traceback) as a rank's error payload."""
+    return RankPayload(RankStatus.ERROR, message=f"{type(failed.error).__name__}: {failed.error}", traceback=failed.trace)
 
 
 def run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
@@ -38,18 +40,23 @@ def run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, i
 
 
 def _run_case(program: RankProgram, case: Case, ctx: DistContext, log: StepLog, index: int) -> RankPayload:
-    """Every exception becomes a payload, never an escape."""
-    try:
+    """Every exception becomes a payload, never an escape: a rank's exception is a finding, not our crash."""
+
+    def examine() -> RankResult:
         log.mark(index, "preparing")
         inject_fault(ctx.rank, case.label)
         log.mark(index, "examining")
-        return RankPayload(RankStatus.OK, program.run_rank(case, ctx))
-    except BadInput as exc:
-        return RankPayload(RankStatus.BAD_INPUT, message=str(exc))
-    except CannotExamine as exc:
-        return RankPayload(RankStatus.CANNOT_EXAMINE, message=str(exc))
-    except Exception as exc:  # noqa: BLE001 - a rank's exception is a finding, not our crash
-        return _error(exc)
+        with recording():
+            return program.run_rank(case, ctx)
+
+    run = Attempt.of(examine, trace=True)
+    if run.ok:
+        return RankPayload(RankStatus.OK, run.value)
+    if isinstance(run.error, BadInput):
+        return RankPayload(RankStatus.BAD_INPUT, message=str(run.error))
+    if isinstance(run.error, CannotExamine):
+        return RankPayload(RankStatus.CANNOT_EXAMINE, message=str(run.error))
+    return _error(run)
 
 
 def failures_from_payloads(payloads: list[RankPayload]) -> list[RankFailure]:
@@ -84,12 +91,12 @@ def _outcome(program: RankProgram, case: Case, payloads: list[RankPayload], ctx:
         return CaseOutcome(case, refusal=refused)
     if not all(p.ok for p in payloads):
         return CaseOutcome(case, failures=failures_from_payloads(payloads))
-    try:
-        results = [p.value for p in payloads if p.value is not None]
-        return CaseOutcome(case, evaluated=program.evaluate(case, results, ctx))
-    except Exception as exc:  # noqa: BLE001 - rank 0's evaluation failing is a finding too
-        p = _error(exc)
-        return CaseOutcome(case, failures=[RankFailure(0, FailureKind.CRASH, p.message, p.traceback)])
+    results = [p.value for p in payloads if p.value is not None]
+    evaluated = Attempt.of(lambda: program.evaluate(case, results, ctx), trace=True)
+    if evaluated.ok:
+        return CaseOutcome(case, evaluated=evaluated.value)
+    p = _error(evaluated)  # rank 0's evaluation failing is a finding too
+    return CaseOutcome(case, failures=[RankFailure(0, FailureKind.CRASH, p.message, p.traceback)])
 
 
 def execute_job(
@@ -163,6 +170,10 @@ def step_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.step")
 
 
+def flight_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.flight")
+
+
 def raised_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.raised")
 
@@ -181,7 +192,7 @@ def worker_main(job_path: str, out_dir: str) -> int:
     with open(job_path, "rb") as fh:
         job: Job = pickle.load(fh)
     rank = int(os.environ["RANK"])
-    log = StepLog(step_path(out_dir, rank))
+    log = StepLog(step_path(out_dir, rank), flight_path=flight_path(out_dir, rank))
     log.mark(0, "joining")
     activate(log, raised_path(out_dir, rank), advice_path(out_dir, rank))
     heartbeat = Heartbeat()  # importing torch and joining move too
@@ -197,10 +208,15 @@ def worker_main(job_path: str, out_dir: str) -> int:
         return 0
     heartbeat.enabled = ctx.device.type == "cpu"  # a CUDA rank's host thread may spin while it waits: no proof of work
     try:
-        execute_job(job, ctx, log, on_local_error=report_error, on_outcome=lambda i, o: write_atomic(outcome_path(out_dir, i), o))
-    except Exception as exc:  # noqa: BLE001 - cpdoctor's own failure on a rank is reported, not left as a silent exit
-        report_error(-1, _error(exc))
-        return 1
+        ran = Attempt.of(
+            lambda: execute_job(
+                job, ctx, log, on_local_error=report_error, on_outcome=lambda i, o: write_atomic(outcome_path(out_dir, i), o)
+            ),
+            trace=True,
+        )
+        if not ran.ok:  # cpdoctor's own failure on a rank is reported, not left as a silent exit
+            report_error(-1, _error(ran))
+            return 1
     finally:
         ctx.close()
     return 0

@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.diffusers import cp_plan
 from cpdoctor.errors import BadInput, CannotExamine
 from cpdoctor.memo import Memo
@@ -74,10 +75,10 @@ def _scan_models() -> tuple[tuple[type, ModelEntry], ...]:
     for attr in sorted(dir(models)):
         if attr.startswith("_"):
             continue
-        try:
-            obj = getattr(models, attr)
-        except Exception:  # noqa: BLE001 - a model whose optional dependency is missing: not ours to examine
+        found = Attempt.of(lambda: getattr(models, attr))  # noqa: B023 - called at once, in this iteration
+        if not found.ok:  # a model whose optional dependency is missing: not ours to examine
             continue
+        obj = found.value
         if inspect.isclass(obj) and issubclass(obj, ModelMixin) and cp_plan(obj):
             classes[obj.__name__] = obj
 

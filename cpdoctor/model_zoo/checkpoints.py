@@ -383,6 +383,7 @@ def _download(repo_id: str, revision: str | None, cache: str, variant: str | Non
     return folder
 
 
+# the checkpoint options of `cpdoctor model` (--revision, --variant, --download, --allow-pickle, --partial)
 def locate_hub(
     repo_id: str,
     *,

@@ -34,7 +34,7 @@ def parse_impl(name: object) -> Impl:
 
 
 @dataclass(frozen=True)
-class Variant:
+class VariantSpec:
     """One algorithm of a peer: its token layout, the causal values it accepts (`refuses` is where its own code
     says no to the others), whether it returns the LSE, and whether its inputs are packed varlen."""
 
@@ -52,7 +52,7 @@ class Variant:
 
 
 @dataclass(frozen=True)
-class Kernel:
+class KernelSpec:
     """A block kernel a peer calls per ring step, the dtypes it takes and the CPU stand-in that replaces it."""
 
     name: vocabulary.Kernel
@@ -73,8 +73,8 @@ class PeerSpec:
     distribution: str  # the pip name
     module: str  # the import name
     version: str  # the version CI tests (pinned in pyproject.toml's extra)
-    variants: tuple[Variant, ...]
-    kernels: tuple[Kernel, ...]  # the first is the default
+    variants: tuple[VariantSpec, ...]
+    kernels: tuple[KernelSpec, ...]  # the first is the default
     has_ring: bool = True
     has_ulysses: bool = False
     bundled: bool = False  # ships with torch: always installed
@@ -86,14 +86,14 @@ class PeerSpec:
             return "pip install torch"
         return f"pip install --no-deps {self.distribution}=={self.version}  (or pip install '{EXTRA}')"
 
-    def variant(self, name: object) -> Variant:
+    def variant(self, name: object) -> VariantSpec:
         """The variant named (its `vocabulary.Variant`, or the string); BadInput when this peer has none such."""
         for v in self.variants:
             if v.name == name:
                 return v
         raise BadInput(f"{self.impl.value} has no variant {name!r} (its variants: {', '.join(v.name for v in self.variants)})")
 
-    def kernel(self, name: object) -> Kernel:
+    def kernel(self, name: object) -> KernelSpec:
         """The block kernel named (its `vocabulary.Kernel`, or the string); BadInput when this peer has none such."""
         for k in self.kernels:
             if k.name == name:
@@ -166,7 +166,7 @@ class Adapter(ABC):
         return self.spec.bundled or package_root(self.spec.module) is not None
 
     def refusal(
-        self, variant: Variant, kernel: Kernel, causal: bool, dtype: DType, ring: int, ulysses: int, seq: int, heads: int
+        self, variant: VariantSpec, kernel: KernelSpec, causal: bool, dtype: DType, ring: int, ulysses: int, seq: int, heads: int
     ) -> Unsupported | None:
         """The peer's own reason to refuse this request (None: it accepts it), typed like every other refusal. The
         shared checks; an adapter adds its own (degrees it cannot split) by overriding `degree_refusal`."""
@@ -182,11 +182,11 @@ class Adapter(ABC):
             return refused(f"{self.spec.impl.value} has no Ulysses degree (ring attention only): use --ulysses 1")
         return self.degree_refusal(variant, causal, ring, ulysses, seq, heads)
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
+    def degree_refusal(self, variant: VariantSpec, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         """The adapter's own refusal of these degrees and this length (None: it takes them)."""
         return None
 
-    def layout(self, variant: Variant, causal: bool, seq: int, world: int) -> Layout:
+    def layout(self, variant: VariantSpec, causal: bool, seq: int, world: int) -> Layout:
         """The token layout the peer shards by for this request (torch's depends on causal and the length)."""
         return variant.layout
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.errors import Unsupported
-from cpdoctor.peer_impls.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
+from cpdoctor.peer_impls.base import Adapter, KernelSpec, PeerOutputs, PeerSpec, RunShape, VariantSpec, refused
 from cpdoctor.peer_impls.layouts import Layout
 from cpdoctor.peer_impls.source import SourceLine
 from cpdoctor.vocabulary import HALF, Impl
@@ -26,7 +26,7 @@ from cpdoctor.vocabulary import Variant as V
 
 MODULE = "ring_flash_attn"
 
-FLASH_ATTN = Kernel(
+FLASH_ATTN = KernelSpec(
     K.FA,
     HALF,
     "cpdoctor's flash-attn 2 stand-in (cpdoctor/cpu_kernels/flash_attn_standin)",
@@ -40,22 +40,22 @@ SPEC = PeerSpec(
     module=MODULE,
     version="0.1.8",
     variants=(
-        Variant(V.BASIC, Layout.CONTIGUOUS, source="ring_flash_attn.py"),
-        Variant(
+        VariantSpec(V.BASIC, Layout.CONTIGUOUS, source="ring_flash_attn.py"),
+        VariantSpec(
             V.ZIGZAG,
             Layout.ZIGZAG,
             causal=(True,),
             source="zigzag_ring_flash_attn.py",
             refuses=SourceLine(MODULE, "zigzag_ring_flash_attn.py", r'assert causal == True, "([^"]+)"'),
         ),
-        Variant(
+        VariantSpec(
             V.STRIPE,
             Layout.STRIPE,
             causal=(True,),
             source="stripe_flash_attn.py",
             refuses=SourceLine(MODULE, "stripe_flash_attn.py", r'assert \(\s*causal\s*\),\s*"([^"]+)"'),
         ),
-        Variant(
+        VariantSpec(
             V.LLAMA3,
             Layout.VARLEN,
             varlen=True,
@@ -80,7 +80,7 @@ def _where(line: SourceLine) -> str:
 class RingFlashAttn(Adapter):
     spec = SPEC
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
+    def degree_refusal(self, variant: VariantSpec, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         if variant.layout is Layout.ZIGZAG and seq % (2 * ring):
             return refused(
                 f"ring-flash-attn zigzag needs --seq divisible by 2 × ring = {2 * ring}, got {seq}: each rank halves its shard{_where(ZIGZAG_SPLIT)}"

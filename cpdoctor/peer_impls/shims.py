@@ -32,6 +32,7 @@ from typing import Any
 
 from cpdoctor.peer_impls.base import Shim
 from cpdoctor.peer_impls.source import peer_frame
+from cpdoctor.vocabulary import Kernel
 
 HF_ADAPTER = "ring_flash_attn.adapters.hf_adapter"
 
@@ -141,14 +142,14 @@ def self_send_shim(copies: int) -> Shim:
 
 
 CUDA_OPS = {
-    "flash": "_scaled_dot_product_flash_attention",
-    "cudnn": "_scaled_dot_product_cudnn_attention",
-    "efficient": "_scaled_dot_product_efficient_attention",
+    Kernel.FLASH: "_scaled_dot_product_flash_attention",
+    Kernel.CUDNN: "_scaled_dot_product_cudnn_attention",
+    Kernel.EFFICIENT: "_scaled_dot_product_efficient_attention",
 }
 """The CUDA SDPA op of each backend (what PyTorch's context_parallel intercepts)."""
 
 
-def _router(kernel: str) -> Any:
+def _router(kernel: Kernel) -> Any:
     import torch
 
     op = getattr(torch.ops.aten, CUDA_OPS[kernel])
@@ -157,9 +158,9 @@ def _router(kernel: str) -> Any:
         if attn_mask is not None or enable_gqa:
             raise NotImplementedError("cpdoctor's CUDA SDPA routing takes no mask and no GQA (the examination passes neither)")
         lse = any(t.requires_grad for t in (query, key, value))
-        if kernel == "flash":
+        if kernel is Kernel.FLASH:
             return op(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        if kernel == "cudnn":
+        if kernel is Kernel.CUDNN:
             return op(query, key, value, None, lse, dropout_p, is_causal, False, scale=scale)[0]
         return op(query, key, value, None, lse, dropout_p, is_causal, scale=scale)[0]
 
@@ -167,7 +168,7 @@ def _router(kernel: str) -> Any:
 
 
 @contextlib.contextmanager
-def cuda_sdpa_routing(kernel: str) -> Iterator[list[int]]:
+def cuda_sdpa_routing(kernel: Kernel) -> Iterator[list[int]]:
     """Within the block, `torch.nn.functional.scaled_dot_product_attention` calls the CUDA op of `kernel`
     (enter it before context_parallel, which wraps whatever F.scaled_dot_product_attention is then)."""
     import torch.nn.functional as F
@@ -180,7 +181,7 @@ def cuda_sdpa_routing(kernel: str) -> Iterator[list[int]]:
         F.scaled_dot_product_attention = original
 
 
-def sdpa_routing_shim(kernel: str) -> Shim:
+def sdpa_routing_shim(kernel: Kernel) -> Shim:
     return Shim(
         "CUDA SDPA routing",
         f"torch.nn.functional.scaled_dot_product_attention routed to aten.{CUDA_OPS[kernel]} (the op CUDA picks for {kernel})",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpdoctor.errors import Unsupported
-from cpdoctor.peer_impls.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
+from cpdoctor.peer_impls.base import Adapter, KernelSpec, PeerOutputs, PeerSpec, RunShape, VariantSpec, refused
 from cpdoctor.peer_impls.layouts import Layout
 from cpdoctor.vocabulary import HALF, DType, Impl
 from cpdoctor.vocabulary import Kernel as K
@@ -30,13 +30,15 @@ SPEC = PeerSpec(
     module="torch",
     version="(the installed torch)",
     variants=(
-        Variant(V.ALLGATHER, Layout.HEAD_TAIL, exposes_lse=False, note="K/V all-gathered (torch's default rotate method)", source=SOURCE),
-        Variant(V.ALLTOALL, Layout.HEAD_TAIL, exposes_lse=False, note="K/V passed round the ring", source=SOURCE),
+        VariantSpec(
+            V.ALLGATHER, Layout.HEAD_TAIL, exposes_lse=False, note="K/V all-gathered (torch's default rotate method)", source=SOURCE
+        ),
+        VariantSpec(V.ALLTOALL, Layout.HEAD_TAIL, exposes_lse=False, note="K/V passed round the ring", source=SOURCE),
     ),
     kernels=(
-        Kernel(K.FLASH, HALF, "cpdoctor's aten flash stand-in", refuses_dtype="'FlashAttention only support fp16 and bf16 data type'"),
-        Kernel(K.CUDNN, HALF, "cpdoctor's aten cuDNN stand-in", refuses_dtype="cuDNN attention takes fp16 and bf16 only"),
-        Kernel(K.EFFICIENT, (DType.FP32, *HALF), "cpdoctor's aten efficient stand-in"),
+        KernelSpec(K.FLASH, HALF, "cpdoctor's aten flash stand-in", refuses_dtype="'FlashAttention only support fp16 and bf16 data type'"),
+        KernelSpec(K.CUDNN, HALF, "cpdoctor's aten cuDNN stand-in", refuses_dtype="cuDNN attention takes fp16 and bf16 only"),
+        KernelSpec(K.EFFICIENT, (DType.FP32, *HALF), "cpdoctor's aten efficient stand-in"),
     ),
     bundled=True,
     shards_itself=True,
@@ -48,12 +50,12 @@ SDPA_BACKENDS = {K.FLASH: "FLASH_ATTENTION", K.CUDNN: "CUDNN_ATTENTION", K.EFFIC
 class TorchContextParallel(Adapter):
     spec = SPEC
 
-    def layout(self, variant: Variant, causal: bool, seq: int, world: int) -> Layout:
+    def layout(self, variant: VariantSpec, causal: bool, seq: int, world: int) -> Layout:
         """Head-tail when the load balancer is on (causal) and the length divides by 2·W (torch's
         `_create_default_load_balancer`), contiguous otherwise."""
         return Layout.HEAD_TAIL if causal and seq % (2 * world) == 0 else Layout.CONTIGUOUS
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
+    def degree_refusal(self, variant: VariantSpec, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         if seq % ring:
             return refused(f"torch context_parallel shards the sequence evenly: --seq {seq} does not divide by {ring} ranks")
         return None

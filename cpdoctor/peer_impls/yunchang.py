@@ -17,7 +17,7 @@ from typing import Any
 
 from cpdoctor.errors import Unsupported
 from cpdoctor.memo import Memo
-from cpdoctor.peer_impls.base import Adapter, Kernel, PeerOutputs, PeerSpec, RunShape, Variant, refused
+from cpdoctor.peer_impls.base import Adapter, KernelSpec, PeerOutputs, PeerSpec, RunShape, VariantSpec, refused
 from cpdoctor.peer_impls.layouts import Layout
 from cpdoctor.peer_impls.source import SourceLine
 from cpdoctor.vocabulary import HALF, DType, Impl
@@ -37,8 +37,8 @@ SPEC = PeerSpec(
     module=MODULE,
     version="0.6.4",
     variants=(
-        Variant(V.BASIC, Layout.CONTIGUOUS, exposes_lse=False, source="ring/ring_flash_attn.py"),
-        Variant(
+        VariantSpec(V.BASIC, Layout.CONTIGUOUS, exposes_lse=False, source="ring/ring_flash_attn.py"),
+        VariantSpec(
             V.ZIGZAG,
             Layout.ZIGZAG,
             causal=(True,),
@@ -46,7 +46,7 @@ SPEC = PeerSpec(
             source="ring/zigzag_ring_flash_attn.py",
             refuses=SourceLine(MODULE, "ring/zigzag_ring_flash_attn.py", r'assert causal == True, "([^"]+)"'),
         ),
-        Variant(
+        VariantSpec(
             V.STRIP,
             Layout.STRIPE,
             causal=(True,),
@@ -54,7 +54,7 @@ SPEC = PeerSpec(
             source="ring/stripe_flash_attn.py",
             refuses=SourceLine(MODULE, "ring/stripe_flash_attn.py", r'assert \(\s*causal\s*\),\s*"([^"]+)"'),
         ),
-        Variant(
+        VariantSpec(
             V.BASIC_PYTORCH,
             Layout.CONTIGUOUS,
             exposes_lse=False,
@@ -64,15 +64,15 @@ SPEC = PeerSpec(
         ),
     ),
     kernels=(
-        Kernel(
+        KernelSpec(
             K.FA,
             HALF,
             "cpdoctor's flash-attn 2 stand-in (cpdoctor/cpu_kernels/flash_attn_standin)",
             refuses_dtype=_FA_REFUSES,
             package="flash_attn",
         ),
-        Kernel(K.TORCH_FLASH, HALF, "cpdoctor's aten flash stand-in", no_backward=_NO_TORCH_BACKWARD),
-        Kernel(K.TORCH_EFFICIENT, (DType.FP32, *HALF), "cpdoctor's aten efficient stand-in", no_backward=_NO_TORCH_BACKWARD),
+        KernelSpec(K.TORCH_FLASH, HALF, "cpdoctor's aten flash stand-in", no_backward=_NO_TORCH_BACKWARD),
+        KernelSpec(K.TORCH_EFFICIENT, (DType.FP32, *HALF), "cpdoctor's aten efficient stand-in", no_backward=_NO_TORCH_BACKWARD),
     ),
     has_ring=True,
     has_ulysses=True,
@@ -104,7 +104,7 @@ GROUPS = YunchangGroups()
 class Yunchang(Adapter):
     spec = SPEC
 
-    def degree_refusal(self, variant: Variant, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
+    def degree_refusal(self, variant: VariantSpec, causal: bool, ring: int, ulysses: int, seq: int, heads: int) -> Unsupported | None:
         if heads % ulysses:
             return refused(
                 f"yunchang's Ulysses all-to-all splits the heads: --heads {heads} does not divide by --ulysses {ulysses} "

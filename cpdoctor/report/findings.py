@@ -13,7 +13,7 @@ JSON document (`Report.to_dict`, through `serialize.to_jsonable`) is a contract 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cpdoctor.report.environment import Environment
@@ -43,9 +43,11 @@ class FailureEvidence:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finding:
     """One examined thing: its verdict, what the numbers say (diagnosis), what to do (remedy), the numbers.
+    Frozen: built once with what it knows; whoever adds to it (where it ran, the command to look closer) makes a
+    new one (`dataclasses.replace`), so no holder of a finding sees it change.
 
     `subject` names what was examined (JSON key "probe", kept for scripts written against earlier releases);
     `evidence` is the examination's own typed record (backend facts, a model's blocks and parameters, ...),
@@ -69,7 +71,11 @@ class Finding:
     there the finding's is the one that says how it ran. JSON `environment` of the finding."""
 
     def __post_init__(self) -> None:
-        self.verdict = Verdict(self.verdict)
+        object.__setattr__(self, "verdict", Verdict(self.verdict))  # a suite or the API may pass the word
+
+    def ran_in(self, environment: Environment) -> Finding:
+        """This finding, knowing where it ran: itself when it knows already, else a copy with `environment`."""
+        return self if self.environment is not None else replace(self, environment=environment)
 
     @property
     def tracebacks(self) -> dict[int, str]:
@@ -142,10 +148,9 @@ class Report:
         finding) that does not know where it ran ran in `environment`."""
         verdict, code = overall(findings)
         before = kwargs.get("before")
-        for finding in [*findings, *(before.findings if before is not None else [])]:
-            if finding.environment is None:
-                finding.environment = environment
-        return cls(verdict, code, environment, request, findings, **kwargs)
+        if before is not None:
+            before.findings = [f.ran_in(environment) for f in before.findings]
+        return cls(verdict, code, environment, request, [f.ran_in(environment) for f in findings], **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

@@ -34,8 +34,31 @@ def summary(report) -> dict:
     }
 
 
-def bad_inputs(example, args) -> dict:
-    """The watcher's bad inputs, in process: no CP, no backward, a raising step, ranks at different steps."""
+def checkpointed_step(model, x, cond, patched: bool) -> dict:
+    """A step of the model under its own enable_gradient_checkpointing() through diffusers' stock ring (unpatched
+    for it): what the watcher names when the attention raises inside the step (issue 30)."""
+    import cpdoctor
+    from cpdoctor import watch_step
+
+    cpdoctor.unpatch()
+    model.enable_gradient_checkpointing()
+    raised = None
+    try:
+        with watch_step(model) as w:
+            model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)[0].sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the user's step raising is what is examined
+        raised = type(exc).__name__
+    finally:
+        model.disable_gradient_checkpointing()
+        model.zero_grad(set_to_none=True)
+        if patched:
+            cpdoctor.patch()
+    return {**summary(w.report), "raised": raised}
+
+
+def bad_inputs(example, args, patched: bool = False) -> dict:
+    """The watcher's bad inputs, in process: no CP, no backward, a raising step, ranks at different steps; and a
+    step under gradient checkpointing with the stock ring."""
     from cpdoctor import watch_step
     from cpdoctor.errors import BadInput
 
@@ -62,6 +85,7 @@ def bad_inputs(example, args) -> dict:
             raise ValueError("the user's step failed")
     except ValueError:
         out["raises"] = summary(w.report)
+    out["checkpointing"] = checkpointed_step(model, x, cond, patched)
     with watch_step(model, step=dist.get_rank() % 2) as w:
         model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)[0].sum().backward()
     out["step_count"] = summary(w.report)
@@ -119,7 +143,7 @@ def main() -> None:
             results["variants"][f"fsdp2/{name}"] = summary(reports[0])
     if a.patch:
         cpdoctor.patch()  # the first-step case checks the armed watch PASSes a correct step
-    results["bad_inputs"] = bad_inputs(load(os.path.join(a.copies, "correct.py")), args)
+    results["bad_inputs"] = bad_inputs(load(os.path.join(a.copies, "correct.py")), args, a.patch)
     write_and_leave(results, a.out)
 
 

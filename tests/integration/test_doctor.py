@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import run_cli
 
-LABELS = ["ring 2", "ring 3", "Ulysses 2", "ring 2 × Ulysses 2", "ring 2, mask_pad 3"]
+LABELS = ["ring 2", "ring 3", "Ulysses 2", "ring 2 × Ulysses 2", "ring 2, mask_pad 3", "ring 2, checkpointing"]
 
 
 @pytest.mark.smoke
@@ -16,7 +16,7 @@ def test_doctor_alone_names_the_defects_of_this_diffusers(has_stale_kv_backward)
     data = run.json
     summary = data["doctor"]
     assert run.code == data["exit_code"] == 1, run.stderr
-    assert data["verdict"] == "FAIL"
+    assert data["verdict"] == "CRASH"  # the ring under checkpointing, the worst verdict of the run
 
     # The plan for this CPU host: no accelerators, so no ring over all of them; diffusers' checks, then ring 2 and
     # ring 3 of every installed peer, in three launches (world 2, 3, 4): a peer's checks share diffusers' launch.
@@ -36,14 +36,17 @@ def test_doctor_alone_names_the_defects_of_this_diffusers(has_stale_kv_backward)
     assert [c["verdict"] for c in summary["checks"]][: len(LABELS)] == verdicts
     diagnoses = dict(zip(LABELS, (f["diagnosis"] for f in findings), strict=True))
     if has_stale_kv_backward:  # 0.39.0: every ring layout, the unified one included, recomputes on stale K/V
-        assert verdicts == ["FAIL", "FAIL", "PASS", "FAIL", "FAIL"]
+        assert verdicts == ["FAIL", "FAIL", "PASS", "FAIL", "FAIL", "CRASH"]
         for label in ("ring 2", "ring 3", "ring 2 × Ulysses 2", "ring 2, mask_pad 3"):
             assert "stale iteration-0" in diagnoses[label], diagnoses[label]
     else:  # 0.42.1: ring 2 and unified pass; ring ≥ 3 sends dK/dV the wrong way
-        assert verdicts == ["PASS", "FAIL", "PASS", "PASS", "FAIL"]
+        assert verdicts == ["PASS", "FAIL", "PASS", "PASS", "FAIL", "CRASH"]
         assert "wrong way round the ring" in diagnoses["ring 3"]
         assert "dQ exact" in diagnoses["ring 3"]
     assert "rotating the mask with its keys" in diagnoses["ring 2, mask_pad 3"]
+    # both releases: the ring backward unpacks the saved tensors once per ring step, which checkpointing refuses
+    assert "CheckpointError" in diagnoses["ring 2, checkpointing"]
+    assert "once per ring step" in diagnoses["ring 2, checkpointing"] and "non-reentrant" in diagnoses["ring 2, checkpointing"]
     assert summary["not_passed"] == [label for label, v in zip(LABELS, verdicts, strict=True) if v != "PASS"]
 
     # Every finding names the exact command that looks closer; the failing ones with the fix side by side.
@@ -53,6 +56,7 @@ def test_doctor_alone_names_the_defects_of_this_diffusers(has_stale_kv_backward)
         "Ulysses 2": "cpdoctor check --ulysses 2",
         "ring 2 × Ulysses 2": "cpdoctor check --ring 2 --ulysses 2",
         "ring 2, mask_pad 3": "cpdoctor check --ring 2 --mask-pad 3",
+        "ring 2, checkpointing": "cpdoctor check --ring 2 --checkpointing",
     }
     for label, finding in zip(LABELS, findings, strict=True):
         want = expected[label] + (" --patch" if finding["verdict"] != "PASS" else "")

@@ -40,6 +40,8 @@ WORLD2 = [
     ({"ulysses": 2, "backend": "flash", **BF16}, True),
     ({"ulysses": 2, "backend": "_native_cudnn", "mask_pad": 3, **BF16}, True),
     ({"ulysses": 2, "backend": "_native_cudnn", "mask_pad": 3, **BF16}, False),  # 16
+    *(({"ring": 2, "backend": b, "checkpointing": True, **BF16}, False) for b in CUDA_BACKENDS),  # 17-19
+    *(({"ring": 2, "backend": b, "checkpointing": True, **BF16}, True) for b in CUDA_BACKENDS),  # 20-22
 ]
 
 
@@ -119,6 +121,18 @@ def test_patched_ulysses_runs_every_cuda_block_kernel(world2):
     for f in world2[12:16]:
         assert f.verdict == "PASS", (f.subject, f.diagnosis)
         assert max(t.rel_err for t in f.tensors.values()) < 1e-2
+
+
+def test_every_cuda_backends_ring_under_checkpointing(world2, ring_unpacks_twice):
+    """Each backend's backward op unpacks ctx.saved_tensors (its contract, kept by the stand-ins): diffusers' ring,
+    which unpacks them too, crashes under non-reentrant checkpointing with every backend; the fixed ring passes."""
+    for f in world2[17:20]:
+        if ring_unpacks_twice:
+            assert f.verdict == "CRASH" and f.failure.signature == "ring backward under checkpointing", (f.subject, f.diagnosis)
+        else:
+            assert f.failure is None or f.failure.signature != "ring backward under checkpointing", f.diagnosis
+    for f in world2[20:23]:
+        assert f.verdict == "PASS", (f.subject, f.diagnosis)
 
 
 def assert_direction_then_fixed(stock, patched, has_stale_kv_backward) -> None:

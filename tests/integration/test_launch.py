@@ -83,6 +83,23 @@ def test_a_rank_that_hangs_is_a_hang_within_the_timeout():
     assert 8 < elapsed < 8 + 60
 
 
+def test_a_rank_stopped_inside_the_attention_is_named_alone_not_its_waiting_peer():
+    """Issue 30: rank 1 goes into the CP attention and stops before the ring's all-gather (asleep, outside any
+    collective) while rank 0 waits in it. Both are at the same step (examining); their flight records (which
+    collective each entered and is in) name rank 1 alone, with what rank 0 waits in."""
+    shape = ("--seq", "64", "--heads", "2", "--head-dim", "16", "--batch", "1")
+    run = run_tagged("check", "--ring", "2", *shape, "--timeout", "6", "--json", "-", env={"CPDOCTOR_INJECT_FAULT": "stall@1"})
+    assert run.code == 1
+    (finding,) = run.json["findings"]
+    assert finding["verdict"] == "HANG", finding["diagnosis"]
+    where = finding["details"]["where"]
+    assert where["1"] == "case 1: examining"  # it never entered a collective
+    assert where["0"].startswith("case 1: examining, in ")  # the ring's first collective, as the template names it
+    waits_in = where["0"].removeprefix("case 1: examining, in ")
+    assert finding["diagnosis"].startswith(f"rank 1 stopped outside any collective while rank 0 waits in {waits_in}: no rank moved for 6 s")
+    assert "rank 0 was waiting for it" in finding["diagnosis"] and list(finding["details"]["logs"]) == ["1"]
+
+
 def test_a_slow_rank_that_keeps_moving_passes(has_stale_kv_backward):
     """A rank that works 12 s (ticking) while its peer waits for it in a collective, with --timeout 4: far
     slower than its peer (whose whole check takes ~2 s), past the timeout in total, but never still for 4 s: the

@@ -136,6 +136,22 @@ def test_fsdp2_sharding_over_the_cp_ranks(results):
     assert wrong["verdict"] == "FAIL" and "factor 1/cp = 0.5" in wrong["diagnoses"][0], wrong
 
 
+def test_checkpointing_crash_is_named_as_the_attentions(results, ring_unpacks_twice):
+    """A step under the model's own enable_gradient_checkpointing() through diffusers' stock ring (dp 2 × ring 2):
+    torch's CheckpointError from the ring backward is the attention's defect, with the check that shows it alone."""
+    _, data = results
+    got = data["bad_inputs"]["checkpointing"]
+    if not ring_unpacks_twice:
+        assert got["raised"] is None and not any("checkpointing" in d for d in got["diagnoses"]), got
+        return
+    assert got["raised"] == "CheckpointError" and got["verdict"] == "CRASH", got
+    text = got["diagnoses"][0]
+    assert "inside diffusers' CP attention on rank 0, 1, 2, 3, the attention's defect and not the step's own error" in text, text
+    assert "once per ring step" in text and "`cpdoctor check --ring 2 --checkpointing` shows it alone" in text, text
+    assert got["commands"][0] == "cpdoctor check --ring 2 --checkpointing"
+    assert "cpdoctor.patch()" in got["remedies"][0]
+
+
 def test_bad_inputs(results):
     _, data = results
     bad = data["bad_inputs"]

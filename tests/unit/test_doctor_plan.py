@@ -14,6 +14,7 @@ BASE = [
     ("Ulysses 2", {"ulysses": 2}),
     ("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}),
     ("ring 2, mask_pad 3", {"ring": 2, "mask_pad": 3}),
+    ("ring 2, checkpointing", {"ring": 2, "checkpointing": True}),
 ]
 
 
@@ -34,7 +35,7 @@ def test_a_ring_over_every_accelerator_after_ring_3(accelerators):
 
 def test_cpu_plan_is_three_launches_of_world_2_3_and_4():
     checks = doctor.plan(0)
-    assert [c.world_size for c in checks] == [2, 3, 2, 4, 2]
+    assert [c.world_size for c in checks] == [2, 3, 2, 4, 2, 2]
     assert sorted({c.world_size for c in checks}) == [2, 3, 4]
     assert all(c.why for c in checks)
 
@@ -42,7 +43,7 @@ def test_cpu_plan_is_three_launches_of_world_2_3_and_4():
 def test_suite_is_attention_checks_on_the_best_backend_in_plan_order():
     suite = doctor.suite_for(doctor.plan(8))
     assert suite.name == "doctor"
-    assert [kind for kind, _ in suite.checks] == ["attention"] * 6
+    assert [kind for kind, _ in suite.checks] == ["attention"] * 7
     assert [fields for _, fields in suite.checks] == [f for _, f in _plan(8)]
     assert all("backend" not in fields for _, fields in suite.checks)  # "auto", the request's default
 
@@ -56,6 +57,7 @@ def test_suite_is_attention_checks_on_the_best_backend_in_plan_order():
         ({"ulysses": 2}, False, "cpdoctor check --ulysses 2"),
         ({"ring": 2, "ulysses": 2}, True, "cpdoctor check --ring 2 --ulysses 2 --patch"),
         ({"ring": 2, "mask_pad": 3}, True, "cpdoctor check --ring 2 --mask-pad 3 --patch"),
+        ({"ring": 2, "checkpointing": True}, True, "cpdoctor check --ring 2 --checkpointing --patch"),
     ],
 )
 def test_command_for_each_check(fields, patch, expected):
@@ -69,13 +71,16 @@ def test_every_planned_command_parses_as_the_same_request():
     for check in doctor.plan(8):
         words = doctor.command_for(check, patch=True).split()
         assert words[:2] == ["cpdoctor", "check"] and words[-1] == "--patch"
-        opts = dict(zip(words[2:-1:2], words[3:-1:2], strict=True))
-        fields = {k[2:].replace("-", "_"): int(v) for k, v in opts.items()}
+        fields: dict = {}
+        for i, word in enumerate(words[2:-1], 2):  # an option and its value, or a switch (--checkpointing)
+            if word.startswith("--"):
+                value = words[i + 1]
+                fields[word[2:].replace("-", "_")] = True if value.startswith("--") else int(value)
         assert build_request(**fields) == build_request(**dict(check.fields))
 
 
 def test_under_torchrun_only_the_checks_of_its_world_size():
-    assert _plan(8, torchrun_world=2) == [BASE[0], BASE[2], BASE[4]]
+    assert _plan(8, torchrun_world=2) == [BASE[0], BASE[2], BASE[4], BASE[5]]
     assert _plan(8, torchrun_world=3) == [BASE[1]]
     assert _plan(0, torchrun_world=4) == [("ring 4", {"ring": 4}), BASE[3]]
     assert _plan(8, torchrun_world=8) == [("ring 8", {"ring": 8})]
@@ -86,7 +91,7 @@ def test_under_torchrun_only_the_checks_of_its_world_size():
 def test_installed_peers_add_their_rows_after_diffusers_checks():
     peer = doctor.PlannedCheck("torch ring 2", {"impl": "torch", "ring": 2, "causal": True}, "where most jobs start", kind="peer")
     checks = doctor.plan(0, peers=(peer,))
-    assert checks[-1] is peer and [c.kind for c in checks[:-1]] == ["attention"] * 5
+    assert checks[-1] is peer and [c.kind for c in checks[:-1]] == ["attention"] * 6
     assert doctor.command_for(peer, patch=True) == "cpdoctor check --impl torch --ring 2 --causal"  # the fix is diffusers'
     assert doctor.suite_for(checks).checks[-1] == ("peer", {"impl": "torch", "ring": 2, "causal": True})
 

@@ -222,18 +222,16 @@ def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The package's own modules a module imports when it is imported: its top-level statements (inside `try`
-    and `if` too, `if TYPE_CHECKING:` aside), not function bodies. `from pkg import mod` names the module."""
+def _imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The package's own modules a module imports, at module level and inside functions alike (a function-level
+    import is the same dependency, paid later), `if TYPE_CHECKING:` blocks aside. `from pkg import mod` names the
+    module."""
     found: set[str] = set()
-    body = list(tree.body)
+    body: list[ast.AST] = list(tree.body)
     while body:
         node = body.pop(0)
-        if isinstance(node, ast.If):
-            if "TYPE_CHECKING" not in ast.unparse(node.test):
-                body += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            body += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            body += node.orelse
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -242,16 +240,23 @@ def _module_level_imports(tree: ast.Module, name: str, is_package: bool, modules
                 anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join([*anchor, *([base] if base else [])])
             found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        else:
+            body += list(ast.iter_child_nodes(node))
     return {m for m in found if m in modules}
 
 
-def import_cycles(root: pathlib.Path = PACKAGE) -> list[list[str]]:
-    """Circles of module-level imports among the package's modules, each as the modules around it."""
+def _package_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in it)."""
     paths = {_module_name(p, root): p for p in root.rglob("*.py") if "flash_attn_standin" not in p.parts}
-    graph = {
-        name: _module_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name}
-        for name, path in paths.items()
+    return {
+        name: _imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name} for name, path in paths.items()
     }
+
+
+def import_cycles(root: pathlib.Path = PACKAGE) -> list[list[str]]:
+    """Circles of imports among the package's modules (module level and inside functions), each as the modules
+    around it."""
+    graph = _package_graph(root)
     cycles: list[list[str]] = []
     done: set[str] = set()
 
@@ -275,7 +280,9 @@ def import_cycles(root: pathlib.Path = PACKAGE) -> list[list[str]]:
 
 def test_no_import_cycles():
     cycles = import_cycles()
-    assert not cycles, "modules that import each other at module level:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, "modules that import each other (at module level or inside a function):\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
 
 
 def test_the_cycle_rule_catches_a_planted_cycle(tmp_path):
@@ -288,7 +295,89 @@ def test_the_cycle_rule_catches_a_planted_cycle(tmp_path):
     (pkg / "model_zoo" / "names.py").write_text("import cpdoctor.model_zoo.catalog\n")
     (pkg / "model_zoo" / "lazy.py").write_text("def f():\n    from cpdoctor.model_zoo import lazy2\n")
     (pkg / "model_zoo" / "lazy2.py").write_text("from cpdoctor.model_zoo import lazy\n")
-    assert import_cycles(pkg) == [["cpdoctor.model_zoo.catalog", "cpdoctor.model_zoo.inputs", "cpdoctor.model_zoo.names"]]
+    (pkg / "model_zoo" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cpdoctor.model_zoo import typed2\n"
+    )
+    (pkg / "model_zoo" / "typed2.py").write_text("from cpdoctor.model_zoo import typed\n")
+    assert import_cycles(pkg) == [
+        ["cpdoctor.model_zoo.catalog", "cpdoctor.model_zoo.inputs", "cpdoctor.model_zoo.names"],
+        ["cpdoctor.model_zoo.lazy", "cpdoctor.model_zoo.lazy2"],
+    ]
+
+
+def sibling_imports(root: pathlib.Path = PACKAGE) -> list[str]:
+    """`file:line imports examinations.<kind>` for every import (module level or inside a function) from one
+    examination package (examinations/<kind>/) into a sibling kind's. What two kinds share lives in modules at
+    examinations/ level (commands, backend_choice, request, judging, ...) or in the rooms docs/ARCHITECTURE.md
+    names; one kind runs another only through the registry, by its `Kind`."""
+    home = root / "examinations"
+    kinds = {p.name for p in home.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    offences = []
+    for path in sorted(home.rglob("*.py")):
+        rel = path.relative_to(root)
+        if len(rel.parts) < 3:  # an examinations-level module
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                prefix = "cpdoctor.examinations"
+                modules = [f"{prefix}.{a.name}" for a in node.names] if node.module == prefix else [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[:2] == ["cpdoctor", "examinations"] and len(parts) > 2 and parts[2] in kinds - {rel.parts[1]}:
+                    offences.append(f"{rel.as_posix()}:{node.lineno} imports examinations.{parts[2]}")
+    return offences
+
+
+def test_examination_packages_do_not_import_their_siblings():
+    offences = sibling_imports()
+    assert not offences, "an examination package importing another kind's (move what they share up):\n" + "\n".join(offences)
+
+
+def test_the_sibling_rule_catches_an_offender(tmp_path):
+    home = tmp_path / "examinations"
+    for kind in ("attention", "model", "step"):
+        (home / kind).mkdir(parents=True)
+        (home / kind / "__init__.py").write_text("")
+    (home / "registry.py").write_text("from cpdoctor.examinations.attention import judge\n")  # examinations level: allowed
+    (home / "model" / "probe.py").write_text(
+        "from cpdoctor.examinations import registry\nfrom cpdoctor.examinations.model import build\n"
+        "def f():\n    from cpdoctor.examinations.attention import probe\n"
+    )
+    (home / "step" / "judge.py").write_text(
+        "import cpdoctor.examinations.model.judge\nfrom cpdoctor.examinations import attention, commands\n"
+    )
+    assert sibling_imports(tmp_path) == [
+        "examinations/model/probe.py:4 imports examinations.attention",
+        "examinations/step/judge.py:1 imports examinations.model",
+        "examinations/step/judge.py:2 imports examinations.attention",
+    ]
+
+
+def classes_sharing_a_name(root: pathlib.Path = PACKAGE) -> dict[str, list[str]]:
+    """Class names defined more than once in the package, with the files defining them: one class per name, so
+    that a name read anywhere (`Variant`, `Step`) means one thing (the vocabulary's enum, the examination)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if "flash_attn_standin" in path.parts:  # a stand-in of another package, with that package's names
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(path.relative_to(root).as_posix())
+    return {name: files for name, files in seen.items() if len(files) > 1}
+
+
+def test_one_class_per_name():
+    assert classes_sharing_a_name() == {}
+
+
+def test_the_one_class_per_name_rule_catches_an_offender(tmp_path):
+    (tmp_path / "vocabulary.py").write_text("import enum\nclass Variant(enum.Enum):\n    BASIC = 'basic'\n")
+    (tmp_path / "peer_impls").mkdir()
+    (tmp_path / "peer_impls" / "base.py").write_text("def f():\n    class Variant:\n        pass\nclass VariantSpec:\n    pass\n")
+    assert classes_sharing_a_name(tmp_path) == {"Variant": ["peer_impls/base.py", "vocabulary.py"]}
 
 
 def test_help_imports_neither_torch_nor_diffusers():
@@ -386,7 +475,7 @@ MUTATORS = {
 CACHE_DECORATORS = {"cache", "lru_cache"}
 
 STATE_OWNERS = {
-    "fix/patch.py": "STATE",
+    "fix/put_aside.py": "STATE",
     "launch/torchrun.py": "HELD",
     "launch/progress.py": "ACTIVE",
     "launch/warm.py": "WARM",

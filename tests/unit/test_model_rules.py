@@ -3,6 +3,8 @@ cross-check at the same layout (no process, no diffusers)."""
 
 from __future__ import annotations
 
+import pytest
+
 from cpdoctor.examinations.attention.judge import RoutingFacts
 from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.measurement import Measurement
@@ -59,3 +61,23 @@ def test_noise_does_not_hide_a_wrong_attention_op():
 def test_model_path_defect_when_the_op_passes():
     f = model_finding(ModelRequest(ring=2, height=64, width=64, text_len=8), measured(1e-2, 1e-2, 1.6e-7, op(2)))
     assert f.verdict == Verdict.FAIL and "the defect lies in the model's CP path" in f.diagnosis
+
+
+def test_a_class_without_gradient_checkpointing_is_bad_input_for_checkpointing():
+    """`cpdoctor model ... --checkpointing` goes through the class's own enable_gradient_checkpointing(), which
+    ModelMixin refuses unless the class says it supports it: refused before any process starts."""
+    from types import SimpleNamespace
+
+    from cpdoctor.errors import BadInput
+    from cpdoctor.examinations.model.prepare import check_model_takes
+    from cpdoctor.examinations.model.request import ModelRequest
+
+    class NoCheckpointing:
+        _supports_gradient_checkpointing = False
+
+        def enable_gradient_checkpointing(self) -> None: ...
+
+    spec = SimpleNamespace(short_name="x", class_name="NoCheckpointing", cls=NoCheckpointing)
+    with pytest.raises(BadInput, match="does not support gradient checkpointing"):
+        check_model_takes(ModelRequest(model="x", ring=2, checkpointing=True), spec, 8, 2)
+    check_model_takes(ModelRequest(model="x", ring=2), spec, 8, 2)  # without --checkpointing nothing is asked

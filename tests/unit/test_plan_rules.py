@@ -234,7 +234,7 @@ def test_no_problem_is_one_pass_finding():
 
 def test_recorder_and_spy_on_a_tiny_module_on_the_meta_device():
     torch = pytest.importorskip("torch")
-    from cpdoctor.model_zoo.splits.measure import Recorder, attention_spy
+    from cpdoctor.model_zoo.splits.measure import SplitRecorder, attention_spy
 
     split = SimpleNamespace(split_dim=1, expected_dims=3, split_output=False)
     rope = SimpleNamespace(split_dim=0, expected_dims=2, split_output=True)
@@ -255,7 +255,7 @@ def test_recorder_and_spy_on_a_tiny_module_on_the_meta_device():
             return self.proj(out.transpose(1, 2).reshape(1, -1, 8))
 
     model = Tiny().to("meta")
-    recorder = Recorder(model, model._cp_plan)
+    recorder = SplitRecorder(model, model._cp_plan)
     with torch.no_grad(), attention_spy() as heads:
         model(torch.empty(1, 6, 8, device="meta"))
     recorder.remove()

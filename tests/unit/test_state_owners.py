@@ -298,3 +298,46 @@ def test_the_yunchang_groups_made_once_per_world():
         a = groups.get(world, 2, 1, make(2, 1))
         assert groups.get(world, 2, 1, make(2, 1)) is a and groups.get(world, 1, 2, make(1, 2)) is not a
         assert made == [(2, 1), (1, 2)] and groups.world is world and len(groups.made) == 2
+
+
+def test_the_flight_recorder_armed_and_disarmed_twice(tmp_path):
+    """Each case arms the collectives' wrappers and disarms them: every original is back, the record empty, the
+    injected stall gone; a wrapper put over ours meanwhile (the step watcher's) stays, and ours passes through."""
+    pytest.importorskip("torch")
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from cpdoctor.launch import progress
+    from cpdoctor.launch.flight import FLIGHT, recording, stall_at_first_collective
+
+    originals = (dist.all_gather, dist.barrier, dist.batch_isend_irecv, dist.Work.wait, funcol.all_gather_tensor, funcol.wait_tensor)
+    log = progress.StepLog(str(tmp_path / "rank0.step"), flight_path=str(tmp_path / "rank0.flight"))
+    log.mark(0, "examining")
+    progress.activate(log)
+    try:
+        for _ in range(2):
+            assert not FLIGHT.armed and FLIGHT.entered == 0 and not FLIGHT.pending and not FLIGHT.stall_first
+            stall_at_first_collective()
+            with recording():
+                assert FLIGHT.armed and dist.barrier is not originals[1] and funcol.wait_tensor is not originals[5]
+                with recording():  # a nested block arms nothing more
+                    assert FLIGHT.armed
+                FLIGHT.entered = 3
+                mine = dist.all_reduce
+                over = functools.partial(mine)  # someone wraps ours and does not restore it
+                dist.all_reduce = over
+            assert (
+                dist.all_gather,
+                dist.barrier,
+                dist.batch_isend_irecv,
+                dist.Work.wait,
+                funcol.all_gather_tensor,
+                funcol.wait_tensor,
+            ) == originals
+            assert dist.all_reduce is over and not FLIGHT.armed and FLIGHT.entered == 0 and not FLIGHT.stall_first
+            assert progress.read_step(log.path, log.flight_path).flight == progress.Collectives()
+            dist.all_reduce = mine.__wrapped__  # the test's own restoring
+    finally:
+        progress.activate(None)

@@ -338,3 +338,22 @@ def test_a_model_without_cp_is_bad_input():
         model_degrees(tiny)
     with pytest.raises(BadInput, match="Linear cannot be examined in one run.*cpdoctor step path/to/train.py:step --ring 2"):
         model_degrees(torch.nn.Linear(2, 2))
+
+
+def test_a_crash_of_the_cp_attention_in_a_step_is_the_attentions_defect_with_its_check():
+    """A watched step that raised torch's CheckpointError from diffusers' ring backward: named as the attention's
+    defect (not the user's crash), with the `cpdoctor check` that raises it alone at the job's degrees."""
+    from test_failures import RING_BACKWARD_TB
+
+    from cpdoctor.examinations.step.agree import crash
+    from cpdoctor.examinations.step.group import StepGroup
+
+    group = StepGroup(rank=0, world=4, ranks=(0, 1), ring=2, ulysses=1, seq=1, index=0, timeout_s=5.0)
+    f = crash(group, {r: RING_BACKWARD_TB for r in range(4)}, "the step raised")
+    assert f.verdict == "CRASH" and f.command == "cpdoctor check --ring 2 --checkpointing"
+    assert "inside diffusers' CP attention on rank 0, 1, 2, 3, the attention's defect and not the step's own error" in f.diagnosis
+    assert "(rank 0, 1, 2, 3: torch.utils.checkpoint.CheckpointError" in f.diagnosis  # one line said once
+    assert "`cpdoctor check --ring 2 --checkpointing` shows it alone" in f.diagnosis and f.remedy.startswith("cpdoctor.patch()")
+    assert f.failure.signature == "ring backward under checkpointing"
+    own = crash(group, {1: "Traceback ...\nValueError: the user's step failed"}, "the step raised")
+    assert own.command is None and own.diagnosis == "the step raised on rank 1 (rank 1: ValueError: the user's step failed)"

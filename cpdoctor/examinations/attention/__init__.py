@@ -3,6 +3,7 @@ and backward, against the full sequence."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from cpdoctor.examinations.attention import judge
@@ -39,8 +40,7 @@ class AttentionExamination(Examination):
     def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
         found = judge.JUDGE.failure_findings(self.describe(case.request), failures, timeout_s)
         if getattr(case.request, "emulate", False):
-            for f in found:
-                f.emulated = judge.emulation_note(case.request.backend)
+            return [replace(f, emulated=judge.emulation_note(case.request.backend)) for f in found]
         return found
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cpdoctor.examinations.commands import check_command
 from cpdoctor.examinations.judging import (
     CP_BACKEND_REMEDY,
     CRASH_SIGNATURES,
@@ -175,6 +176,7 @@ def describe(req: Any, backend: str | None = None) -> str:
         f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}"
         + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
         + (" emulated" if getattr(req, "emulate", False) else "")
+        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
     )
 
 
@@ -183,29 +185,6 @@ RNG_NOTE = (
     "gives its kernel a dropout > 0, e.g. flash-attn ops forcing dropout_p=1e-30 to get an LSE): runs are not "
     "bitwise reproducible and any later dropout in the model draws other masks"
 )
-
-
-def check_command(req: Any, patch: bool = False) -> str:
-    """The exact `cpdoctor check` command that examines this layout."""
-    from cpdoctor.examinations.attention.request import default_seq
-
-    parts = ["cpdoctor check"]
-    if req.ring != 1 or req.ulysses == 1:
-        parts.append(f"--ring {req.ring}")
-    if req.ulysses != 1:
-        parts.append(f"--ulysses {req.ulysses}")
-    for name, default in (("dtype", "fp32"), ("backend", "auto")):
-        if getattr(req, name) != default:
-            parts.append(f"--{name} {getattr(req, name)}")
-    if getattr(req, "seq", None) not in (None, default_seq(req.world_size)):
-        parts.append(f"--seq {req.seq}")
-    if req.mask_pad:
-        parts.append(f"--mask-pad {req.mask_pad}")
-    if getattr(req, "emulate", False):
-        parts.append("--emulate")
-    if patch:
-        parts.append("--patch")
-    return " ".join(parts)
 
 
 @dataclass

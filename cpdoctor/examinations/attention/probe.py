@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind, first_line
+from cpdoctor.attempt import Attempt
 from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.examinations.backend_choice import NotRunnable, no_backend_here, prepare_emulation, select_backend
 from cpdoctor.examinations.judging import emulation_note
 from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, sharded_row, torch_dtype
 from cpdoctor.launch.jobs import Case, RankResult
@@ -37,15 +38,6 @@ class AttentionShard(RankResult):
     rng_advanced: bool = False
 
 
-@dataclass
-class NotRunnable(RankResult):
-    """This rank found that the backend cannot run the examination here, and why."""
-
-    backend: str
-    facts: Any
-    unsupported: Unsupported
-
-
 def make_inputs(req: AttentionRequest) -> dict[str, Any]:
     """Full-sequence q, k, v, upstream gradient (model layout B, S, H, D, already rounded to the probe dtype)
     and the key-padding mask (B, 1, 1, S; True = attend), identical on every rank for a given seed."""
@@ -61,59 +53,6 @@ def make_inputs(req: AttentionRequest) -> dict[str, Any]:
         mask[..., req.seq - req.mask_pad :] = False
     tensors["mask"] = mask
     return tensors
-
-
-def prepare_emulation(req: AttentionRequest) -> None:
-    """With `emulate`, the CUDA kernels' CPU stand-ins are put in place before diffusers is imported (the
-    flash-attn stand-in must be on sys.path when diffusers checks for flash-attn at import time); without it,
-    stand-ins a previous case of this process installed are removed, so nothing changes."""
-    from cpdoctor.cpu_kernels import standins
-
-    if req.emulate:
-        standins.activate()
-    elif standins.installed():
-        standins.uninstall()
-
-
-def select_backend(req: AttentionRequest, device: Any) -> tuple[str, Any]:
-    """The backend name to examine and its facts; BadInput for a name this diffusers does not know."""
-    import difflib
-
-    from cpdoctor.compat import backends
-    from cpdoctor.compat import diffusers as compat
-    from cpdoctor.cpu_kernels import cpu_backend
-
-    cpu_backend.register()
-    dtype = torch_dtype(req.dtype)
-    heads = req.heads // req.ulysses
-    if req.backend == backends.AUTO:
-        name, seen = backends.resolve_auto(device, dtype, heads, req.head_dim, req.ring, emulated=req.emulate)
-        if name is None:
-            reasons = "; ".join(f"{f.name}: {_why(f.unsupported(req.ring))}" for f in seen)
-            facts = backends.BackendFacts(
-                "auto", registered=True, runs_here=False, run_error=f"no CP-capable backend runs here ({reasons})"
-            )
-            return "auto", facts
-        return name, seen[-1]
-    if compat.backend_member(req.backend) is None:
-        names = compat.registered_backend_names()
-        close = difflib.get_close_matches(req.backend, names, n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else f" (known: {', '.join(sorted(names))})"
-        raise BadInput(f"unknown attention backend {req.backend!r}{hint}")
-    facts = backends.examine_backend(req.backend, device, dtype, heads, req.head_dim)
-    facts.emulated = req.emulate
-    return req.backend, facts
-
-
-def _why(unsupported: Unsupported | None) -> str:
-    return "not CP-capable" if unsupported is None else unsupported.message
-
-
-def no_backend_here(facts: Any, ring: int) -> Unsupported | None:
-    """Why the chosen backend cannot run the examination: its own reason, or none of auto's candidates runs."""
-    if facts.name == "auto":
-        return Unsupported(UnsupportedKind.NOT_CP_CAPABLE, facts.run_error)
-    return facts.unsupported(ring)
 
 
 def run_rank(case: Case, ctx: Any) -> RankResult:
@@ -142,11 +81,24 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
     q, k, v = (shard(inputs[n]).requires_grad_(True) for n in ("q", "k", "v"))
     mask = None if inputs["mask"] is None else inputs["mask"].chunk(req.world_size, dim=-1)[flat].to(ctx.device)
     rng_before = device_rng_state(ctx.device)
-    out = dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=name, parallel_config=config)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=name, parallel_config=config)
+
+    out = checkpointed(attend, q, k, v) if req.checkpointing else attend(q, k, v)
     out.backward(shard(inputs["grad_out"]))
     advanced = not torch.equal(rng_before, device_rng_state(ctx.device))
     cpu = [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
     return AttentionShard(flat, name, facts, *cpu, rng_advanced=advanced)
+
+
+def checkpointed(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` under torch's non-reentrant activation checkpointing, as diffusers' own
+    `enable_gradient_checkpointing()` runs a block (its default `_gradient_checkpointing_func`): the forward keeps no
+    activations, the backward recomputes them and unpacks each saved tensor once."""
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def device_rng_state(device: Any) -> Any:
@@ -194,11 +146,11 @@ def evaluate(case: Case, results: list[RankResult], ctx: Any) -> Measurement:
     inputs = make_inputs(req)
     ref = reference(inputs)
     baseline: dict[str, float | None] = dict.fromkeys(TENSORS)
-    try:
-        base = single_process(inputs, first.backend, ctx.device)
-        baseline = {n: compare(base[n], ref[n]).rel_err for n in TENSORS}
-    except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
-        result.baseline_error = first_line(exc)
+    # a backend without a local path still gets a dtype-only tolerance
+    tried = Attempt.of(lambda: single_process(inputs, first.backend, ctx.device))
+    if tried.ok:
+        baseline = {n: compare(tried.value[n], ref[n]).rel_err for n in TENSORS}
+    result.baseline_error = tried.why()
     order = sorted(range(len(shards)), key=lambda r: shards[r].flat_rank)
     for n in TENSORS:
         ref_shards = ref[n].chunk(len(shards), dim=1)

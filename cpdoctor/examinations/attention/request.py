@@ -5,17 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import LayoutRequest, require_ints, validate_timeout
+from cpdoctor.examinations.request import DEFAULT_SEQ, LayoutRequest, default_seq, require_ints, validate_timeout
 from cpdoctor.vocabulary import Kind
 
 __all__ = ["AttentionRequest", "DEFAULT_SEQ", "build_request", "default_seq", "validate_timeout"]
-
-DEFAULT_SEQ = 512
-
-
-def default_seq(world_size: int) -> int:
-    """512 rounded up to a multiple of the CP world size, so `--ring 3` works without choosing a length."""
-    return -(-DEFAULT_SEQ // world_size) * world_size
 
 
 @dataclass(frozen=True)
@@ -32,6 +25,11 @@ class AttentionRequest(LayoutRequest):
     head_dim: int = 64
     emulate: bool = False
     """Run the CUDA backends' CP code on a CPU through cpdoctor's kernel stand-ins (cpdoctor/cpu_kernels/standins.py)."""
+    checkpointing: bool = False
+    """Run the CP forward+backward of diffusers' real dispatch_attention_fn inside torch's non-reentrant activation
+    checkpointing (`torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)`), as diffusers' own
+    `enable_gradient_checkpointing()` does, because that is how every memory-bound trainer runs it and the ring
+    backward's contract with it is per release; the full-sequence reference is unchanged."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +53,8 @@ class AttentionRequest(LayoutRequest):
             raise BadInput(f"--heads {self.heads} does not divide by --ulysses {self.ulysses}: Ulysses splits the heads")
         if not isinstance(self.emulate, bool):
             raise BadInput(f"emulate must be true or false, got {self.emulate!r}")
+        if not isinstance(self.checkpointing, bool):
+            raise BadInput(f"checkpointing must be true or false, got {self.checkpointing!r}")
         if not 0 <= self.mask_pad < self.seq:
             raise BadInput(f"--mask-pad must be between 0 and seq-1 = {self.seq - 1}, got {self.mask_pad}")
         return self

@@ -1,7 +1,7 @@
 """One row per attention backend of the installed diffusers, found by trying each one on tiny tensors.
 
-`backends.examine_backend` asks the registry and tries the backend; for the backends that route into diffusers'
-CP templates, `probe_ops` then calls the discovered forward and backward ops the way the Ulysses template does
+`backends.probe_backend` asks the registry and tries the backend once; for the backends that route into diffusers'
+CP templates, `probe_ops` then calls the forward and backward ops it discovered the way the Ulysses template does
 during training (forward with `return_lse=False, _save_ctx=True` on a stand-in ctx, under no_grad, with a
 parallel config of world size 2; then `backward_op(ctx, grad_out)`), and looks at what the forward saved (an LSE
 or not), at the arguments the kernels received (`compute_log_sumexp`, `dropout_p`), at whether the generator of
@@ -19,11 +19,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from cpdoctor.compat.backends import BackendFacts
-from cpdoctor.errors import first_line
+from cpdoctor.attempt import Attempt
+from cpdoctor.compat.backends import BackendFacts, BackendProbe, OpCtx
 from cpdoctor.examinations.env.common import SHAPE, torch_dtype
 from cpdoctor.examinations.judging import tolerance
 from cpdoctor.report.serialize import to_jsonable
+
+META = "meta"
+"""torch's meta device, as `str(torch.device("meta"))` spells it: where an op without a kernel here is run for its
+shapes and kernel arguments."""
 
 
 @dataclass
@@ -54,6 +58,11 @@ class OpProbe:
     fix_calls_kernel: bool | None = None
     """cpdoctor's fix has a fused block kernel for this backend, so its ring and Ulysses call the kernel
     directly and never these ops (False: its Ulysses steps aside to diffusers' own; None: not known here)."""
+
+    @property
+    def on_meta(self) -> bool:
+        """The ops ran on the meta device (shapes and kernel arguments only, no numbers): no kernel here."""
+        return self.measured_on == META
 
     @property
     def backward_ok(self) -> bool | None:
@@ -106,13 +115,6 @@ class BackendRow:
         data.update(installed=self.installed, cp_capable=self.cp_capable, runs_here=self.runs_here, returns_lse=self.returns_lse)
         data["has_backward"] = self.facts.has_backward
         return data
-
-
-class _OpCtx:
-    """Stands in for the autograd ctx the templates hand to a forward op."""
-
-    def save_for_backward(self, *tensors: Any) -> None:
-        self.saved_tensors = tensors
 
 
 _RECORDED_ARGS = ("compute_log_sumexp", "dropout_p")
@@ -195,26 +197,28 @@ def _probe_inputs(device: Any, dtype: Any) -> tuple[Any, Any, Any, Any]:
     """q, k, v and grad_out of SHAPE: seeded random numbers, or empty tensors on the meta device."""
     import torch
 
-    if device.type == "meta":
+    if device.type == META:
         return tuple(torch.empty(SHAPE, device=device, dtype=dtype) for _ in range(4))  # type: ignore[return-value]
     gen = torch.Generator().manual_seed(0)
     return tuple(torch.randn(SHAPE, generator=gen).to(device, dtype) for _ in range(4))  # type: ignore[return-value]
 
 
-def _forward(forward_op: Callable, qkv: tuple, config: Any, probe: OpProbe, calls: dict) -> tuple[Any, _OpCtx]:
+def _forward(forward_op: Callable, qkv: tuple, config: Any, probe: OpProbe, calls: dict) -> tuple[Any, OpCtx]:
     """The forward as Ulysses calls it in training; again without the parallel config when the op wants more of
     it than the stand-in has (the refusal is kept in `probe.config_error`)."""
     import torch
 
-    ctx = _OpCtx()
-    with torch.no_grad():
-        try:
-            return forward_op(ctx, *qkv, None, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=config), ctx
-        except Exception as exc:  # noqa: BLE001 - an op that wants more of the config than a stand-in has
-            probe.config_error = first_line(exc, limit=200)
-            calls.clear()
-            ctx = _OpCtx()
-            return forward_op(ctx, *qkv, None, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=None), ctx
+    def call(parallel_config: Any) -> tuple[Any, OpCtx]:
+        ctx = OpCtx()
+        with torch.no_grad():
+            return forward_op(ctx, *qkv, None, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=parallel_config), ctx
+
+    with_config = Attempt.of(lambda: call(config))
+    if with_config.value is not None:
+        return with_config.value
+    probe.config_error = with_config.why(limit=200)  # an op that wants more of the config than a stand-in has
+    calls.clear()
+    return call(None)
 
 
 def kernel_flags(fwd_calls: dict[str, list[dict]], calls: dict[str, list[dict]]) -> tuple[bool | None, float | None]:
@@ -242,33 +246,28 @@ def _fix_calls_kernel(forward_op: Callable, parallel_config: Any) -> bool | None
     """Does cpdoctor's fix run this backend through a fused block kernel of its own (fix/block_kernels.py)?"""
     from cpdoctor.fix import block_kernels
 
-    try:
-        return block_kernels.select(forward_op, parallel_config).fused
-    except Exception:  # noqa: BLE001 - e.g. flash-attn's functions not importable: not known
-        return None
+    return Attempt.of(lambda: block_kernels.select(forward_op, parallel_config).fused).value  # None: e.g. flash-attn not importable
 
 
 def probe_ops(forward_op: Callable, backward_op: Callable, device: Any, dtype_name: str, parallel_config: Any) -> OpProbe:
     """Call a backend's CP ops as the Ulysses template calls them in training, on `device` (or meta)."""
     import torch
 
-    meta = device.type == "meta"
+    meta = device.type == META
     probe = OpProbe(measured_on=str(device), fix_calls_kernel=_fix_calls_kernel(forward_op, parallel_config))
     qkvg = _probe_inputs(device, torch_dtype(dtype_name))
     rng_before = None if meta else _rng_state(device)
     grads = None
     with record_kernel_args() as calls:
-        try:
-            out, ctx = _forward(forward_op, qkvg[:3], parallel_config, probe, calls)
-        except Exception as exc:  # noqa: BLE001 - what the backend's forward op raises is the fact recorded
-            probe.error, probe.kernel_args = f"forward: {first_line(exc, limit=200)}", calls
+        forward = Attempt.of(lambda: _forward(forward_op, qkvg[:3], parallel_config, probe, calls))
+        if forward.value is None:
+            probe.error, probe.kernel_args = f"forward: {forward.why(limit=200)}", calls
             return probe
+        out, ctx = forward.value
         fwd_calls = {name: list(seen) for name, seen in calls.items()}
-        try:
-            with torch.no_grad():
-                grads = backward_op(ctx, qkvg[3])
-        except Exception as exc:  # noqa: BLE001 - what the backend's backward op raises is the fact recorded
-            probe.backward_error = first_line(exc, limit=200)
+        with torch.no_grad():
+            backward = Attempt.of(lambda: backward_op(ctx, qkvg[3]))
+        grads, probe.backward_error = backward.value, backward.why(limit=200)
     if not meta:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -347,20 +346,18 @@ def judge_cells(facts: BackendFacts, accepts_config: bool, op: OpProbe | None) -
     return ring, Cell(True), training
 
 
-def _probe_row_ops(name: str, facts: Any, device: Any, dtype_name: str, config: Any) -> OpProbe | None:
+def _probe_row_ops(probed: BackendProbe, device: Any, dtype_name: str, config: Any) -> OpProbe | None:
     """The op probe of a backend that routes into the CP templates: here, or on meta when it has no kernel here."""
     import torch
 
-    from cpdoctor.compat import backends
-
+    facts, fwd, bwd = probed.facts, probed.forward_op, probed.backward_op
     if not facts.routes_cp or facts.requirement_error:
         return None
-    _, fwd, bwd, _ = backends.discover_ops(name, device, torch_dtype(dtype_name), SHAPE[2], SHAPE[3])
     if fwd is None or bwd is None:
         return None
     if facts.runs_here:
         return probe_ops(fwd, bwd, device, dtype_name, config)
-    op = probe_ops(fwd, bwd, torch.device("meta"), dtype_name, config)
+    op = probe_ops(fwd, bwd, torch.device(META), dtype_name, config)
     return None if op.error else op  # no meta kernel either: nothing measured
 
 
@@ -368,8 +365,9 @@ def examine_row(name: str, device: Any, dtype_name: str, config: Any) -> Backend
     from cpdoctor.compat import backends
     from cpdoctor.compat import diffusers as compat
 
-    facts = backends.examine_backend(name, device, torch_dtype(dtype_name), heads=SHAPE[2], head_dim=SHAPE[3])
+    probed = backends.probe_backend(name, device, torch_dtype(dtype_name), heads=SHAPE[2], head_dim=SHAPE[3])
+    facts = probed.facts
     accepts = "_parallel_config" in compat.accepted_kwargs(name)
-    op = _probe_row_ops(name, facts, device, dtype_name, config)
+    op = _probe_row_ops(probed, device, dtype_name, config)
     ring, ulysses, training = judge_cells(facts, accepts, op)
     return BackendRow(name, facts, accepts, op, ring, ulysses, training)

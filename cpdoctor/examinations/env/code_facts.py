@@ -11,8 +11,8 @@ import contextlib
 import os
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.diffusers import quiet
-from cpdoctor.errors import first_line
 from cpdoctor.examinations.env.backend_table import BackendRow
 from cpdoctor.examinations.env.common import SHAPE, torch_dtype
 from cpdoctor.examinations.env.findings import CodeFacts, DispatchTrial, RingSource
@@ -56,11 +56,11 @@ def _local_backward_runs(name: str, device: Any, dtype_name: str) -> bool:
     from cpdoctor.compat import diffusers as compat
 
     q = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2)).to(device, torch_dtype(dtype_name)).requires_grad_(True)
-    try:
-        with quiet(), torch.enable_grad():
-            out = compat.backend_function(name)(query=q, key=q, value=q)
-    except Exception:  # noqa: BLE001 - a backend whose local call fails in any way has no local backward here
+    with quiet(), torch.enable_grad():
+        local = Attempt.of(lambda: compat.backend_function(name)(query=q, key=q, value=q))
+    if not local.ok:  # a backend whose local call fails in any way has no local backward here
         return False
+    out = local.value
     return bool((out[0] if isinstance(out, tuple) else out).requires_grad)
 
 
@@ -82,11 +82,13 @@ def dispatch_trial(rows: list[BackendRow], device: Any, dtype_name: str, config:
         return trial
     trial.tried = next((n for n in ordered if _local_backward_runs(n, device, dtype_name)), ordered[0])
     q = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)).to(device, torch_dtype(dtype_name))
-    try:
-        with quiet():
-            compat.dispatch_module().dispatch_attention_fn(q, q, q, backend=compat.backend_member(trial.tried), parallel_config=config)
-    except Exception as exc:  # noqa: BLE001 - what diffusers' dispatch raises is the fact recorded
-        trial.error = first_line(exc, limit=200)
+    with quiet():
+        dispatched = Attempt.of(
+            lambda: compat.dispatch_module().dispatch_attention_fn(
+                q, q, q, backend=compat.backend_member(trial.tried), parallel_config=config
+            )
+        )
+    trial.error = dispatched.why(limit=200)  # what diffusers' dispatch raises is the fact recorded
     return trial
 
 

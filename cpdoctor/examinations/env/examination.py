@@ -68,7 +68,7 @@ def run(request: EnvRequest) -> Report:
         rows = [examine_row(name, dev, dtype_name, config) for name in compat.registered_backend_names()]
         code = gather(rows, dev, dtype_name, config)
     findings = rules.judge(code, rows, dtype_name)
-    from cpdoctor.examinations.peer.catalog import installed_peers
+    from cpdoctor.peer_impls.installed import installed_peers
 
     extra = {"backends": rows, "peers": installed_peers()}
     return Report.of(findings, environment, request, wall_s=time.perf_counter() - t0, extra=extra)

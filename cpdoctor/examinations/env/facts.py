@@ -12,6 +12,7 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.packages import installed_version
 from cpdoctor.examinations.env.common import NOT_COLLECTED
 from cpdoctor.report.environment import Environment
@@ -34,10 +35,7 @@ SETTING_VARIABLES = ("CUDA_VISIBLE_DEVICES", "DIFFUSERS_ATTN_BACKEND", "DIFFUSER
 
 def collect(fn: Callable[[], Any]) -> Any:
     """fn(), or "could not collect" when it raises."""
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001 - a report must not crash on one missing fact
-        return NOT_COLLECTED
+    return Attempt.of(fn).or_else(NOT_COLLECTED)  # a report must not crash on one missing fact
 
 
 def python_version() -> str:

@@ -280,7 +280,7 @@ def shape_mismatch(shapes: list | None) -> str:
 
 def op_words(row: BackendRow, dtype_name: str) -> dict[str, str]:
     op = row.op
-    meta = op.measured_on == "meta"
+    meta = op.on_meta
     return {
         "name": row.name,
         "on": (
@@ -371,12 +371,7 @@ def _clean(rows: list[BackendRow]) -> list[str]:
     return [
         r.name
         for r in rows
-        if r.op is not None
-        and not r.op.error
-        and r.op.measured_on != "meta"
-        and r.training.ok
-        and not r.op.rng_advanced
-        and not r.op.forced_dropout
+        if r.op is not None and not r.op.error and not r.op.on_meta and r.training.ok and not r.op.rng_advanced and not r.op.forced_dropout
     ]
 
 

@@ -36,7 +36,7 @@ class StepShard(RankResult):
 
 
 @dataclass
-class StepNumbers(CaseNumbers):
+class TrainingNumbers(CaseNumbers):
     """The CP step against the same step in one process (relative L2 errors; the worst parameter named)."""
 
     out_rel_err: float
@@ -207,7 +207,7 @@ def _rel(x: Any, ref: Any) -> float:
     return (x.double() - ref).norm().item() / (ref.norm().item() or 1.0)
 
 
-def evaluate(case: Any, payloads: list[StepShard], ctx: Any) -> StepNumbers:
+def evaluate(case: Any, payloads: list[StepShard], ctx: Any) -> TrainingNumbers:
     """Rank 0: the CP step against the single-process step (relative L2 errors, worst parameter named)."""
     import torch
 
@@ -228,7 +228,7 @@ def evaluate(case: Any, payloads: list[StepShard], ctx: Any) -> StepNumbers:
     param_errs = {n: _rel(grads[n], p.grad.cpu()) for n, p in model.named_parameters()}
     worst = max(param_errs, key=lambda n: param_errs[n])
     others = [p.forward_vs_other for p in payloads if p.forward_vs_other is not None]
-    return StepNumbers(
+    return TrainingNumbers(
         out_rel_err=_rel(cp_out, out.cpu()),
         x_grad_rel_err=_rel(cp_x_grad, x_grad.cpu()),
         param_rel_err=param_errs,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cpdoctor.examinations.attention.judge import attention_finding, check_command
+from cpdoctor.examinations.commands import OpLayout, check_command
 from cpdoctor.examinations.judging import (
     GRADS_FAR_WORSE,
     Aspect,
@@ -25,7 +25,8 @@ from cpdoctor.examinations.judging import (
     tolerance,
     unsupported_finding,
 )
-from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement
+from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement, op_level
+from cpdoctor.launch.jobs import Case
 from cpdoctor.report import TENSOR_LABELS, BlockRow, Finding, JudgedRow, ParamRow, TensorRow, Verdict
 
 WORST_PARAM_SLACK = 10.0
@@ -49,15 +50,15 @@ def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None
         f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
         + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
         + (" emulated" if getattr(req, "emulate", False) else "")
+        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
     )
 
 
 def op_check_command(req: Any, mask: bool = False) -> str:
     """The `cpdoctor check` command of the op-level cross-check at this model's layout."""
-    from cpdoctor.examinations.attention.request import AttentionRequest
-
-    op = AttentionRequest(ring=req.ring, ulysses=req.ulysses, dtype=req.dtype, backend=req.backend, mask_pad=req.mask_pad if mask else 0)
-    return check_command(op)
+    return check_command(
+        OpLayout(ring=req.ring, ulysses=req.ulysses, dtype=req.dtype, backend=req.backend, mask_pad=req.mask_pad if mask else 0)
+    )
 
 
 def worst_param(params: dict[str, ParamRow], dtype: str) -> JudgedRow | None:
@@ -140,7 +141,7 @@ def fmt_or_dash(x: float | None) -> str:
 
 def op_checks(evaluated: ModelMeasurement) -> list[OpCheck]:
     return [
-        OpCheck(op.request, attention_finding(op.request, op.evaluated), None)
+        OpCheck(op.request, op_level().finding(Case(op.request), op.evaluated), None)
         if op.evaluated is not None
         else OpCheck(op.request, None, op.error or "not run")
         for op in evaluated.op_level

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cpdoctor.compat import diffusers as compat
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import ModelSpec, is_sliced, model_survey, request_spec, sliced_config, text_mask_param
 from cpdoctor.model_zoo.memory import available_memory
 from cpdoctor.model_zoo.throughput import time_plan
+from cpdoctor.vocabulary import Device
 
 DEFAULT_TEXT_LEN = 8
 RESOLUTION_STEPS = 8
@@ -67,12 +69,18 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
 
 
 def check_model_takes(req: ModelRequest, spec: ModelSpec, text_len: int, heads: Any) -> None:
-    """A text mask when --mask-pad asks for one (shorter than the text), heads that divide by --ulysses."""
+    """A text mask when --mask-pad asks for one (shorter than the text), gradient checkpointing when
+    --checkpointing asks for it, heads that divide by --ulysses."""
     if req.mask_pad:
         if text_mask_param(spec) is None:
             raise BadInput(f"{spec.short_name} ({spec.class_name}) takes no text mask in its forward; --mask-pad does not apply")
         if req.mask_pad >= text_len:
             raise BadInput(f"--mask-pad must be between 0 and text-len - 1 = {text_len - 1}, got {req.mask_pad}")
+    if req.checkpointing and not compat.supports_gradient_checkpointing(spec.cls):
+        raise BadInput(
+            f"{spec.short_name} ({spec.class_name}) does not support gradient checkpointing (enable_gradient_checkpointing() "
+            "refuses it): --checkpointing does not apply"
+        )
     if isinstance(heads, int) and heads % req.ulysses:
         raise BadInput(
             f"{spec.short_name} has {heads} attention heads, which do not divide by --ulysses {req.ulysses}: Ulysses splits the heads"
@@ -80,9 +88,9 @@ def check_model_takes(req: ModelRequest, spec: ModelSpec, text_len: int, heads: 
 
 
 def _plan_device(req: ModelRequest) -> str:
-    if req.device == "cuda":
+    if req.device is Device.CUDA:
         return "cuda"
-    if req.device == "auto":
+    if req.device is Device.AUTO:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

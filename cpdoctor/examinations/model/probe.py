@@ -18,10 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat import diffusers as compat
-from cpdoctor.errors import BadInput, Unsupported, first_line
-from cpdoctor.examinations.attention import probe as attention
-from cpdoctor.examinations.attention.request import AttentionRequest, build_request
+from cpdoctor.errors import BadInput, Unsupported
+from cpdoctor.examinations import registry
+from cpdoctor.examinations.backend_choice import BackendAsk, NotRunnable, no_backend_here, prepare_emulation
+from cpdoctor.examinations.backend_choice import select_backend as choose_backend
+from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.judging import emulation_note
 from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, torch_dtype
 from cpdoctor.examinations.model.blocks import BlockRecord, BlockRecorder, block_errors
@@ -30,19 +33,30 @@ from cpdoctor.examinations.model.grads import ParamLayout, grad_errors
 from cpdoctor.examinations.model.prepare import indivisible
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import REFERENCE_BACKEND, ModelSpec, model_survey, request_spec
+from cpdoctor.examinations.request import LayoutRequest
 from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.launch.progress import tick, ticking
 from cpdoctor.report import BlockRow, ParamRow, TensorRow
 from cpdoctor.report.environment import Environment
+from cpdoctor.vocabulary import DType, Kind
 
 
-def op_level_requests(req: ModelRequest) -> tuple[AttentionRequest, ...]:
+def op_level() -> Examination:
+    """The op-level examination (`cpdoctor check`), which the model examination runs as its cross-check: reached
+    through the registry by its kind, as the runner reaches every examination, never by importing its package."""
+    return registry.get(Kind.ATTENTION)
+
+
+def op_level_requests(req: ModelRequest) -> tuple[LayoutRequest, ...]:
     """The op-level cross-checks run at the same layout: exactly what `cpdoctor check --ring R --ulysses U
     [--dtype D] [--backend B]` runs, and again with `--mask-pad N` when the model's text is padded."""
-    common = dict(ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate)
-    ops = [build_request(**common)]
+    common = dict(
+        ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, device=req.device, emulate=req.emulate,
+        checkpointing=req.checkpointing,
+    )  # fmt: skip
+    ops = [op_level().build_request(**common)]
     if req.mask_pad:
-        ops.append(build_request(**common, mask_pad=req.mask_pad))
+        ops.append(op_level().build_request(**common, mask_pad=req.mask_pad))
     return tuple(ops)
 
 
@@ -91,7 +105,7 @@ class ModelInfo:
     frames: int | None = None
     text_len: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
-    reference_dtype: str | None = None
+    reference_dtype: DType | None = None
     read: Any = None
     stacks: dict[str, StackExamined] = field(default_factory=dict)
 
@@ -100,7 +114,7 @@ class ModelInfo:
 class OpLevel:
     """One op-level cross-check as rank 0 measured it, or why it did not run."""
 
-    request: AttentionRequest
+    request: LayoutRequest  # the op-level examination's request (an AttentionRequest)
     evaluated: Measurement | None = None
     error: str | None = None
 
@@ -121,10 +135,8 @@ def select_backend(req: ModelRequest, spec: ModelSpec, device: Any) -> tuple[str
     full = spec.full_config()
     heads = int(full.get("num_attention_heads") or 2)
     head_dim = int(full.get("attention_head_dim") or 64)
-    probe_req = AttentionRequest(
-        ring=req.ring, ulysses=req.ulysses, backend=req.backend, dtype=req.dtype, heads=heads, head_dim=head_dim, emulate=req.emulate
-    )
-    return attention.select_backend(probe_req, device)
+    ask = BackendAsk(req.backend, req.dtype, req.ring, req.ulysses, heads, head_dim, req.emulate)
+    return choose_backend(ask, device)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -138,7 +150,7 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
     from cpdoctor.fix import patch as fix_patch
 
     req: ModelRequest = case.request.validate()
-    attention.prepare_emulation(req)  # the kernel stand-ins, before diffusers is imported (with --emulate)
+    prepare_emulation(req)  # the kernel stand-ins, before diffusers is imported (with --emulate)
     fix_patch.set_patched(case.patched)
     cpu_backend.register()
     with compat.quiet(FutureWarning), compat.preserved_active_backend():
@@ -146,7 +158,7 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
         name, facts = select_backend(req, spec, ctx.device)
         unsupported = _not_runnable(facts, req)
         if unsupported is not None:
-            return attention.NotRunnable(name, facts, unsupported)
+            return NotRunnable(name, facts, unsupported)
         shard = _cp_step(case, spec, name, facts, ctx)
         shard.op = [_op_shard(op, case, ctx) for op in op_level_requests(req)]
     return shard
@@ -154,12 +166,13 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
 
 def _not_runnable(facts: Any, req: ModelRequest) -> Unsupported | None:
     if facts.name == "auto":
-        return attention.no_backend_here(facts, req.ring)
+        return no_backend_here(facts, req.ring)
     return facts.unsupported(req.ring, model_level=True)
 
 
 def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) -> ModelShard:
-    """The model under CP, forward and backward; the parameter gradients summed over the CP group."""
+    """The model under CP (with --checkpointing through its own `enable_gradient_checkpointing()`), forward and
+    backward; the parameter gradients summed over the CP group."""
     from cpdoctor.model_zoo.slicing import ReadStats
 
     req: ModelRequest = case.request
@@ -169,6 +182,8 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
     recorder = BlockRecorder(model)
     kwargs = make_inputs(spec, req, spec.full_config())
     model.set_attention_backend(backend)
+    if req.checkpointing:
+        model.enable_gradient_checkpointing()
     with compat.accelerator_count_at_least_one():
         model.enable_parallelism(config=compat.context_parallel_config(req.ring, req.ulysses, mesh=ctx.cp_mesh(req.ring, req.ulysses)))
     try:
@@ -188,11 +203,10 @@ def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) ->
     return ModelShard(backend, facts, out, ctx.keep(summed) if rank0 else None, layout if rank0 else None, [], blocks, stats)
 
 
-def _op_shard(op_request: AttentionRequest, case: Case, ctx: Any) -> OpShard:
-    try:
-        return OpShard(attention.run_rank(Case(op_request, case.patched), ctx))
-    except Exception as exc:  # noqa: BLE001 - the op-level cross-check is evidence, not the examination
-        return OpShard(error=first_line(exc))
+def _op_shard(op_request: LayoutRequest, case: Case, ctx: Any) -> OpShard:
+    # the op-level cross-check is evidence, not the examination: its failure is kept, not raised
+    shard = Attempt.of(lambda: op_level().run_rank(Case(op_request, case.patched), ctx))
+    return OpShard(shard.value) if shard.ok else OpShard(error=shard.why())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -202,7 +216,7 @@ def _op_shard(op_request: AttentionRequest, case: Case, ctx: Any) -> OpShard:
 
 def reference_dtype(req: ModelRequest) -> Any:
     """fp64 unless the memory plan `prepare` made chose fp32 (req.reference) for the reference."""
-    return torch_dtype("fp32" if req.reference == "fp32" else "fp64")
+    return torch_dtype(DType.FP32 if req.reference is DType.FP32 else DType.FP64)
 
 
 @dataclass
@@ -237,14 +251,14 @@ def evaluate(case: Case, results: list[RankResult], ctx: Any) -> ModelMeasuremen
     """On rank 0: the CP output and summed gradients against the fp64 single-process reference, the no-CP
     error in the probe dtype (the baseline), per parameter and per block too, and the op-level cross-checks."""
     req: ModelRequest = case.request
-    attention.prepare_emulation(req)
+    prepare_emulation(req)
     first = results[0]
     emulated = emulation_note(first.backend) if req.emulate else None
     result = ModelMeasurement(first.backend, first.facts, _environment(ctx, first.backend, req, emulated))
     with compat.quiet(FutureWarning), compat.preserved_active_backend():
         spec = request_spec(req, local_only=True)
         result.model = ModelInfo(spec.short_name, spec.class_name, spec.source)
-        refused = next((r for r in results if isinstance(r, attention.NotRunnable)), None)
+        refused = next((r for r in results if isinstance(r, NotRunnable)), None)
         if refused is not None:
             result.unsupported = refused.unsupported
             return result
@@ -258,12 +272,11 @@ def _measure_against_reference(result: ModelMeasurement, spec: ModelSpec, req: M
     """Fill the rows: baseline and reference single-process runs, then output, gradients, parameters, blocks."""
     dtype = torch_dtype(req.dtype)
     kwargs = make_inputs(spec, req, spec.full_config())
-    base = SingleProcess()
-    try:
-        base = _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype, f"no-CP baseline ({req.dtype})")
-    except Exception as exc:  # noqa: BLE001 - a backend without a local path still gets a dtype-only tolerance
-        result.baseline_error = first_line(exc)
-    ref_name = "fp32" if req.reference == "fp32" else "fp64"
+    # a backend without a local path still gets a dtype-only tolerance
+    baseline = Attempt.of(lambda: _single_process(spec, req, kwargs, shards[0].backend, ctx.device, dtype, f"no-CP baseline ({req.dtype})"))
+    base = baseline.or_else(SingleProcess())
+    result.baseline_error = baseline.why()
+    ref_name = DType.FP32 if req.reference is DType.FP32 else DType.FP64
     ref = _single_process(spec, req, kwargs, REFERENCE_BACKEND, ctx.device, reference_dtype(req), f"reference ({ref_name})")
     assert ref.layout is not None and ref.blocks is not None
     result.model = _model_info(spec, req, kwargs, ref.layout, shards[0].read)
@@ -281,15 +294,14 @@ def _measure_against_reference(result: ModelMeasurement, spec: ModelSpec, req: M
     result.params = errors.params
 
 
-def _op_level(op_request: AttentionRequest, i: int, case: Case, shards: list[ModelShard], ctx: Any) -> OpLevel:
+def _op_level(op_request: LayoutRequest, i: int, case: Case, shards: list[ModelShard], ctx: Any) -> OpLevel:
     ops = [s.op[i] if i < len(s.op) else OpShard(error="not run") for s in shards]
     error = next((o.error for o in ops if o.error is not None), None)
     if error is not None:
         return OpLevel(op_request, error=error)
-    try:
-        return OpLevel(op_request, attention.evaluate(Case(op_request, case.patched), [o.result for o in ops], ctx))  # type: ignore[misc]
-    except Exception as exc:  # noqa: BLE001 - the op-level cross-check is evidence: its failure is told, not raised
-        return OpLevel(op_request, error=first_line(exc))
+    # the op-level cross-check is evidence: its failure is told, not raised
+    judged = Attempt.of(lambda: op_level().evaluate(Case(op_request, case.patched), [o.result for o in ops], ctx))  # type: ignore[misc]
+    return OpLevel(op_request, judged.value) if judged.ok else OpLevel(op_request, error=judged.why())
 
 
 def _environment(ctx: Any, backend: str, req: ModelRequest, emulated: str | None) -> Environment:
@@ -309,7 +321,7 @@ def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layo
         frames=req.frames,
         text_len=req.text_len,
         tokens=tokens,
-        reference_dtype="fp32" if req.reference == "fp32" else "fp64",
+        reference_dtype=DType.FP32 if req.reference is DType.FP32 else DType.FP64,
         read=read,
         stacks={s.name: StackExamined(min(req.blocks or s.depth, s.depth), s.depth) for s in model_survey(spec).stacks},
     )

@@ -33,6 +33,9 @@ class ModelRequest(LayoutRequest):
     frames: int | None = None
     batch: int = 1
     emulate: bool = False  # the CUDA backends' CP code on CPU through cpdoctor's kernel stand-ins
+    checkpointing: bool = False
+    """The CP run through the model's own `enable_gradient_checkpointing()` (diffusers' default: torch's
+    non-reentrant checkpoint around every block), as trainers run it; the one-process reference without."""
     # where a checkpoint's weights come from (cpdoctor.model_zoo.checkpoints): the hub revision (branch, tag or
     # commit; `prepare` pins it to the commit found), the file variant (fp16, bf16), whether to fetch a hub
     # checkpoint missing from the local cache, whether pickle weights (.bin) may be loaded
@@ -43,8 +46,8 @@ class ModelRequest(LayoutRequest):
     # examine the input embedders, the first `blocks` blocks of each block stack and the output layers (None:
     # `prepare` picks the most that fit in memory and records the number here)
     blocks: int | None = None
-    # the reference's dtype, "fp64" or "fp32" where fp64 does not fit (set by `prepare` from the memory plan)
-    reference: str | None = None
+    # the reference's dtype, fp64 or fp32 where fp64 does not fit (set by `prepare` from the memory plan)
+    reference: DType | None = None
     memory: Any = field(default=None, compare=False, repr=False)
     """The memory plan `prepare` made (cpdoctor.model_zoo.memory.MemoryPlan): printed before launch, kept in the
     finding; not part of what the user asked for (`to_dict` leaves it out)."""
@@ -52,15 +55,22 @@ class ModelRequest(LayoutRequest):
     """The time plan `prepare` made (cpdoctor.model_zoo.throughput.TimePlan) for a half dtype on the CPU, None
     otherwise: printed before launch with its slow-dtype warning; `to_dict` leaves it out too."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.reference, str) and self.reference in DType.names():  # any other word: `validate` refuses it
+            object.__setattr__(self, "reference", DType(self.reference))
+
     def validate(self) -> ModelRequest:
         if not isinstance(self.model, str) or not self.model.strip():
             raise BadInput("give a MODEL: a short name (see `cpdoctor plan --list`), a class name or a checkpoint directory")
         self.validate_common()
         require_ints(self, ("batch", "height", "width", "text_len", "frames", "blocks"))
         if self.reference is not None and self.reference not in DType.references():
-            raise BadInput(f"reference must be fp64 or fp32, got {self.reference!r}")
+            raise BadInput(f"reference must be fp64 or fp32, got {str(self.reference)!r}")
         if self.blocks is not None and self.blocks < 1:
             raise BadInput(f"--blocks must be at least 1, got {self.blocks}")
+        if not isinstance(self.checkpointing, bool):
+            raise BadInput(f"checkpointing must be true or false, got {self.checkpointing!r}")
         if self.batch < 1:
             raise BadInput(f"--batch must be at least 1, got {self.batch}")
         for name in ("height", "width", "text_len", "frames"):

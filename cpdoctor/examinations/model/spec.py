@@ -41,6 +41,7 @@ class ModelSpec:
         return full_config(self.cls, self.config)
 
 
+# the checkpoint options of `cpdoctor model` (--revision, --variant, --download, --allow-pickle, --partial)
 def resolve_spec(
     model: str,
     *,

@@ -8,6 +8,7 @@ the probe (run_rank / evaluate) and the judge."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
@@ -17,7 +18,7 @@ from cpdoctor.examinations.peer.request import PeerRequest, build_request
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.report import Finding
-from cpdoctor.vocabulary import Kind
+from cpdoctor.vocabulary import Device, Kind
 
 
 class PeerExamination(Examination):
@@ -88,10 +89,10 @@ class PeerExamination(Examination):
         frame = next((f for f in frames if f is not None), None)
         raised_in = f" — raised in {req.impl}'s code at {frame.location}: {frame.text}" if frame is not None else ""
         found = judge.JUDGE.failure_findings(self.describe(req), failures, timeout_s, raised_in=raised_in)
-        for finding in found:
-            finding.command = judge.check_command(req)
-            if req.device != "cuda":
-                finding.emulated = f"ran on CPU ranks through cpdoctor's stand-ins ({req.the_kernel.standin}) where no GPU was used"
+        found = [replace(f, command=judge.check_command(req)) for f in found]
+        if req.device is not Device.CUDA:
+            emulated = f"ran on CPU ranks through cpdoctor's stand-ins ({req.the_kernel.standin}) where no GPU was used"
+            found = [replace(f, emulated=emulated) for f in found]
         return found
 
 

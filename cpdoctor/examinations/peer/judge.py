@@ -14,6 +14,7 @@ from cpdoctor.examinations.op_judge import OpJudge, OpSignature
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.peer_impls.source import Located, SourceLine
 from cpdoctor.report import TENSOR_LABELS, Finding, JudgedRow, Verdict
+from cpdoctor.vocabulary import DType
 
 BF16_DQ = r"(return dq\.to\(torch\.bfloat16\)[^\n]*)"
 """A backward that returns dQ cast to bf16 whatever the input dtype (found in the variant's installed source)."""
@@ -25,7 +26,7 @@ class PeerSignature(OpSignature):
 
     impl: str
     variant: str
-    dtype: str
+    dtype: DType
     causal: bool
     tolerances: dict[str, float]
     forward_at: Located | None = None  # the variant's forward function in the installed source
@@ -84,7 +85,7 @@ RULES: tuple[Rule[PeerSignature], ...] = (
     Rule(
         Aspect.BACKWARD,
         "dQ cast to bf16",
-        lambda s: s.grads_bad == ["dq"] and s.dq_cast is not None and s.dtype != "bf16",
+        lambda s: s.grads_bad == ["dq"] and s.dq_cast is not None and s.dtype is not DType.BF16,
         _dq_cast,
         remedy_of=_dq_cast_remedy,
     ),

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.packages import installed_version
-from cpdoctor.errors import CannotExamine, first_line
+from cpdoctor.errors import CannotExamine
 from cpdoctor.examinations.measurement import Measurement, compare, torch_dtype
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.launch.jobs import Case, RankResult
@@ -178,11 +179,14 @@ def evaluate(case: Case, results: list[PeerRankResult], ctx: Any) -> Measurement
     )
     result = Measurement(req.impl, facts, environment(ctx, req, facts))
     baseline: dict[str, float | None] = dict.fromkeys(TENSORS)
-    try:
-        base = req.adapter.single_process(run_shape(req, 0), inputs.q, inputs.k, inputs.v, inputs.dout, extra=inputs.cu_seqlens).cpu()
+    # without a baseline the tolerance is the dtype's alone
+    tried = Attempt.of(
+        lambda: req.adapter.single_process(run_shape(req, 0), inputs.q, inputs.k, inputs.v, inputs.dout, extra=inputs.cu_seqlens).cpu()
+    )
+    if tried.ok:
+        base = tried.value
         baseline = {n: None if base.tensor(n) is None else compare(base.tensor(n), ref[n]).rel_err for n in TENSORS}
-    except Exception as exc:  # noqa: BLE001 - without a baseline the tolerance is the dtype's alone
-        result.baseline_error = first_line(exc)
+    result.baseline_error = tried.why()
     idx = [torch.tensor(indices(req, r.rank)) for r in results]
     names = [n for n in TENSORS if n != "lse" or exposes]
     for name in names:

@@ -11,7 +11,7 @@ from typing import Any
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.request import default_degrees, require_ints, typed_words, validate_layout
 from cpdoctor.peer_impls import Adapter, adapter
-from cpdoctor.peer_impls.base import Kernel, Variant, parse_impl
+from cpdoctor.peer_impls.base import KernelSpec, VariantSpec, parse_impl
 from cpdoctor.peer_impls.layouts import Layout
 from cpdoctor.vocabulary import Device, DType, Impl, Kind
 from cpdoctor.vocabulary import Kernel as KernelName
@@ -65,11 +65,11 @@ class PeerRequest:
         return adapter(self.impl)
 
     @property
-    def the_variant(self) -> Variant:
+    def the_variant(self) -> VariantSpec:
         return self.adapter.spec.variant(self.variant)
 
     @property
-    def the_kernel(self) -> Kernel:
+    def the_kernel(self) -> KernelSpec:
         return self.adapter.spec.kernel(self.kernel)
 
     @property

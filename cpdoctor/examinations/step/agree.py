@@ -9,26 +9,49 @@ from __future__ import annotations
 import traceback
 
 from cpdoctor.examinations.step.group import StepGroup
+from cpdoctor.examinations.step.judge import attention_crash, crash_command
 from cpdoctor.examinations.step.messages import Arrival, Decision, ReferenceOutcome
 from cpdoctor.launch import watcher_comm
 from cpdoctor.report import FailureEvidence, Finding, Verdict
 
 
 def crash(group: StepGroup, tracebacks: dict[int, str], what: str) -> Finding:
-    """A CRASH finding naming the ranks that raised, with the last line of each traceback."""
-    lines = "; ".join(f"rank {r}: {_last_line(t)}" for r, t in sorted(tracebacks.items()))
+    """A CRASH finding naming the ranks that raised, with the last line of each traceback; a known crash of
+    diffusers' CP attention is named as the attention's defect, with the `cpdoctor check` that shows it alone."""
+    lines = _last_lines(tracebacks)
+    ranks = ", ".join(map(str, sorted(tracebacks)))
+    known = attention_crash(tracebacks)
+    if known is None:
+        return Finding(
+            group.subject(),
+            Verdict.CRASH,
+            f"{what} on rank {ranks} ({lines})",
+            "read the traceback of that rank (in the JSON details)",
+            failure=FailureEvidence(tracebacks=dict(tracebacks)),
+        )
+    command = crash_command(known, group.ring, group.ulysses)
     return Finding(
         group.subject(),
         Verdict.CRASH,
-        f"{what} on rank {', '.join(map(str, sorted(tracebacks)))} ({lines})",
-        "read the traceback of that rank (in the JSON details)",
-        failure=FailureEvidence(tracebacks=dict(tracebacks)),
+        f"{what} inside diffusers' CP attention on rank {ranks}, the attention's defect and not the step's own error "
+        f"({lines}) — {known.signature.name}: {known.signature.diagnosis}; `{command}` shows it alone",
+        known.signature.remedy,
+        failure=FailureEvidence(tracebacks=dict(tracebacks), signature=known.signature.name),
+        command=command,
     )
 
 
 def own_crash(group: StepGroup, what: str) -> Finding:
     """cpdoctor's own exception on this rank, as a finding (called inside the `except`)."""
     return crash(group, {group.rank: traceback.format_exc()}, what)
+
+
+def _last_lines(tracebacks: dict[int, str]) -> str:
+    """Each distinct last line of the tracebacks once, after the ranks that raised it ("rank 0, 1: ...")."""
+    said: dict[str, list[int]] = {}
+    for rank, text in sorted(tracebacks.items()):
+        said.setdefault(_last_line(text), []).append(rank)
+    return "; ".join(f"rank {', '.join(map(str, ranks))}: {line}" for line, ranks in said.items())
 
 
 def _last_line(text: str) -> str:

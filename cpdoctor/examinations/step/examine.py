@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cpdoctor.compat import parallel_config as compat
@@ -153,8 +153,11 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         per_shard_loss=shard,
     )
     finding = step_finding(numbers, seen)
-    finding.subject = f"training step {group.index}, {finding.subject.removeprefix('training step, ')}"
-    finding.evidence = evidence(numbers, seen, c.baseline.name, getattr(c.baseline, "plan", None))
+    finding = replace(
+        finding,
+        subject=f"training step {group.index}, {finding.subject.removeprefix('training step, ')}",
+        evidence=evidence(numbers, seen, c.baseline.name, getattr(c.baseline, "plan", None)),
+    )
     if c.baseline.unmatched() and not numbers.inputs_differ:
         return unmatched(finding)
     return finding

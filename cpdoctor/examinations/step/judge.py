@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from itertools import product
 
-from cpdoctor.examinations.judging import Aspect, Rule, diagnosis_of, spoken_rules
+from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING, Aspect, CrashSignature, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.factors import Expectation, Power, degree_powers, power_of
 from cpdoctor.examinations.step.input_layouts import Placement
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
@@ -402,11 +402,36 @@ def _unseen_text(s: StepSignature) -> str:
 
 def attention_command(s: StepSignature) -> str:
     """The op-level `cpdoctor check` command at this job's CP degrees."""
-    from cpdoctor.examinations.attention.judge import check_command
-    from cpdoctor.examinations.attention.request import AttentionRequest, default_seq
+    from cpdoctor.examinations.commands import OpLayout, check_command
 
     dtype = s.n.dtype if s.n.dtype in DType.examined() else DType.FP32
-    return check_command(AttentionRequest(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype, seq=default_seq(s.n.cp)))
+    return check_command(OpLayout(ring=s.n.ring, ulysses=s.n.ulysses, dtype=dtype))  # the default seq: no --seq
+
+
+@dataclass(frozen=True)
+class AttentionCrash:
+    """A crash of diffusers' CP attention that a watched step raises: the attention's defect, not the step's, and
+    the `cpdoctor check` switches that show it alone at the job's degrees."""
+
+    signature: CrashSignature
+    checkpointing: bool = False
+
+
+ATTENTION_CRASHES: tuple[AttentionCrash, ...] = (AttentionCrash(RING_UNDER_CHECKPOINTING, checkpointing=True),)
+"""The known crashes of diffusers' CP attention a user's training step meets (docs/FACTS.md)."""
+
+
+def attention_crash(tracebacks: dict[int, str]) -> AttentionCrash | None:
+    """The first known crash of diffusers' CP attention the ranks' tracebacks show (None: the step's own error)."""
+    text = "\n".join(tracebacks.values())
+    return next((c for c in ATTENTION_CRASHES if c.signature.matches(text)), None)
+
+
+def crash_command(crash: AttentionCrash, ring: int, ulysses: int) -> str:
+    """The op-level `cpdoctor check` command that raises the same crash alone, at the job's CP degrees."""
+    from cpdoctor.examinations.commands import OpLayout, check_command
+
+    return check_command(OpLayout(ring=ring, ulysses=ulysses, checkpointing=crash.checkpointing))  # the default seq: no --seq
 
 
 def _attention_text(s: StepSignature) -> str:

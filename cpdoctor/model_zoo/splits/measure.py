@@ -112,7 +112,7 @@ def display_modules(plan: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-class Recorder:
+class SplitRecorder:
     """Forward (pre-)hooks at the places diffusers' ContextParallelSplitHook / GatherHook sit."""
 
     def __init__(self, model: Any, plan: Mapping[str, Any]):
@@ -274,7 +274,7 @@ class Measurer:
         import torch
 
         inputs = build_inputs(self.cls, self.full_config, height, width, text_len, frames, device="meta", text_mask=text_mask)
-        recorder = Recorder(self.model, self.plan)
+        recorder = SplitRecorder(self.model, self.plan)
         self.runs += 1
         try:
             with torch.no_grad(), attention_spy() as heads:

@@ -15,8 +15,9 @@ import dataclasses
 from functools import cached_property
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.diffusers import forward_params
-from cpdoctor.errors import CannotExamine, first_line
+from cpdoctor.errors import CannotExamine
 from cpdoctor.model_zoo.inputs import InputBuilder
 from cpdoctor.model_zoo.splits.measure import Key, MeasuredSplits, Measurer, try_measure
 from cpdoctor.model_zoo.splits.result import HeadsCheck, Problem, Remedy, RemedyKind
@@ -188,12 +189,10 @@ def cp_config_refuses(ring: int, ulysses: int, **flags: Any) -> str | None:
     """None when this diffusers' ContextParallelConfig accepts these degrees and flags, else its error."""
     from cpdoctor.compat import diffusers as diffusers_compat
 
-    try:
-        cp_cls, _ = diffusers_compat.parallel_config_classes()
-        cp_cls(ring_degree=ring, ulysses_degree=ulysses, **flags)
-    except Exception as exc:  # noqa: BLE001 - its __post_init__ raises ValueError with the reason
-        return first_line(exc, with_type=False)
-    return None
+    # its __post_init__ raises ValueError with the reason
+    return Attempt.of(lambda: diffusers_compat.parallel_config_classes()[0](ring_degree=ring, ulysses_degree=ulysses, **flags)).why(
+        with_type=False
+    )
 
 
 def anything_remedy(mode: str, ring: int, ulysses: int, fallback: tuple[int, int]) -> Remedy | None:

@@ -27,6 +27,11 @@ class SplitRow:
     calls: int  # how many module calls saw this length (wildcard entries hook every block)
     depends_on: list[str] | None = None  # of "resolution", "text", "frames"; None when not measured
 
+    @property
+    def gathered(self) -> bool:
+        """diffusers gathers this tensor (a ContextParallelOutput) rather than splitting it."""
+        return self.kind is SplitKind.GATHER
+
 
 @dataclasses.dataclass
 class SkippedRow:
