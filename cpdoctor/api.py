@@ -254,7 +254,17 @@ def _first_not_pass(report: Report) -> Finding:
 
 
 def watch_step(
-    model: Any, *, step: int | None = None, reference: str = "fp64", loss_scale: float | None = None, timeout_s: float = 600.0
+    model: Any,
+    *,
+    step: int | None = None,
+    reference: str = "fp64",
+    loss_scale: float | None = None,
+    timeout_s: float = 600.0,
+    cp_group: Any = None,
+    mesh: Any = None,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    dp: int | None = None,
 ) -> Any:
     """Watch one CP training step of `model` (a diffusers transformer with enable_parallelism, bare, in DDP, prepared
     by accelerate, compiled, or under FSDP2's fully_shard) against one process:
@@ -266,11 +276,26 @@ def watch_step(
     `step` names the step (every rank must watch the same one; default: this process's count of watched steps);
     `reference` is the precision of the one-process recomputation (fp64 or fp32); `loss_scale` is the factor this
     CP step multiplies its loss by that one process would not (e.g. cp_size, as NeMo Automodel and SimpleTuner do;
-    read from the autograd graph when not given); `timeout_s` bounds every wait for a peer. The watcher itself is
+    read from the autograd graph when not given); `timeout_s` bounds every wait for a peer. A model whose CP is not
+    diffusers' says nothing of the job's layout: pass its CP process group (`cp_group=`), its device mesh (`mesh=`:
+    the `cp` dimension, as torchtitan's `parallel_dims.get_mesh("cp")`, or `ring` and `ulysses`), or the degrees
+    (`ring=`, `ulysses=`, `dp=`: CP groups of consecutive ranks); one run cannot examine such a model (its reference
+    rebuilds a diffusers class) and says which two-run `cpdoctor step` command does. The watcher itself is
     examinations/step/watch.py's `StepWatch`."""
     from cpdoctor.examinations.step.watch import StepWatch
 
-    return StepWatch(model, step=step, reference=reference, loss_scale=loss_scale, timeout_s=timeout_s)
+    return StepWatch(
+        model,
+        step=step,
+        reference=reference,
+        loss_scale=loss_scale,
+        timeout_s=timeout_s,
+        cp_group=cp_group,
+        mesh=mesh,
+        ring=ring,
+        ulysses=ulysses,
+        dp=dp,
+    )
 
 
 # the public API's keywords (README); step_request, which the CLI also calls, takes the same

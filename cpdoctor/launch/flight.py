@@ -88,11 +88,18 @@ class _Pending:
 
 def _key(target: Any) -> tuple[str, int]:
     """What a wait is matched by: a Work itself; a tensor by its storage (a functional collective's result is
-    often waited through a view of it, `chunk` or `view`, which is another tensor on the same storage)."""
+    often waited through a view of it, `chunk` or `view`, which is another tensor on the same storage). funcol's
+    `AsyncCollectiveTensor` (torchtitan's `dist_sum_tensor` waits on one) holds no storage of its own: its `elem`
+    does; any other wrapper subclass without storage is matched by identity (an unmatched wait just runs)."""
     import torch
 
     if isinstance(target, torch.Tensor):
-        return "storage", target.untyped_storage().data_ptr()
+        inner = getattr(target, "elem", None)
+        target = inner if isinstance(inner, torch.Tensor) else target
+        try:
+            return "storage", target.untyped_storage().data_ptr()
+        except RuntimeError:  # "invalid python storage": a wrapper subclass; never raise into the step
+            return "tensor", id(target)
     return "work", id(target)
 
 

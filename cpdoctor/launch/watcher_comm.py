@@ -36,6 +36,18 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+def cp_subgroup(mine: tuple[int, ...]) -> Any:
+    """This rank's CP group as a torch process group, when nothing on the model holds one (a model whose CP is not
+    diffusers': its ranks come from the job's degrees, a mesh or the world, examinations/step/degrees.py). Every rank
+    of the default group calls it at the same point: each says its CP group's ranks (an object all-gather), then every
+    distinct group is created in one order on every rank (`new_group` is a collective over the world)."""
+    import torch.distributed as dist
+
+    groups = list(dict.fromkeys(tuple(int(r) for r in g) for g in all_gather(tuple(mine))))
+    made = {g: dist.new_group(list(g)) for g in groups}
+    return made[tuple(mine)]
+
+
 def gather_to_first(obj: Any, group: Any) -> list[Any] | None:
     """Every rank's `obj` on the group's first rank, in group order; None on the others."""
     import torch.distributed as dist

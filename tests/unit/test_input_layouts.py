@@ -132,3 +132,67 @@ def test_a_tensor_computed_through_the_model_is_judged_within_a_tolerance(img):
     assert classify("out_grad", rounded, img, 2, 0, rtol=1e-5).placement is Placement.REPLICATED
     assert classify("out_grad", img * 1.5, img, 2, 0, rtol=1e-5).mismatch is Mismatch.VALUES
     assert classify_all({"o": rounded}, {"o": img}, 2, 0, rtol=1e-5)[0].right
+
+
+# -- a CP group against the run without CP (examinations/step/inputs.py: which replica, which inputs are wrong) ----
+
+
+def _peer(rank: int, cp_place: int, mine: dict, replicas: list[dict], cp: int = 2):
+    """A CP rank's record as the examination gathers it: its inputs' fingerprints and, for every rank of the run
+    without CP, what its inputs are against that rank's (each rank classifies its own)."""
+    from cpdoctor.examinations.step.messages import InputPrint, PeerRecord, ReplicaLayouts
+    from cpdoctor.examinations.step.record import digest
+
+    layouts = tuple(ReplicaLayouts(r, classify_all(mine, full, cp, cp_place), ()) for r, full in enumerate(replicas))
+    prints = tuple(InputPrint(n, digest(v), None) for n, v in mine.items())
+    return PeerRecord(rank, 1, 1, prints, "", "", (), None, (), (), layouts)
+
+
+def _sample(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"img": torch.randn(1, 8, 4, generator=gen), "timesteps": torch.rand(1, generator=gen), "guidance": 3.5}
+
+
+def _shards(full: dict, cp: int = 2) -> list[dict]:
+    return [{**full, "img": full["img"].chunk(cp, 1)[r]} for r in range(cp)]
+
+
+def test_a_cp_group_is_judged_against_the_replica_it_fed_whole():
+    from cpdoctor.examinations.step.inputs import judge_against_run
+
+    replicas = [_sample(0), _sample(1)]  # the run without CP on 2 data-parallel ranks
+    group = [_peer(2 + r, r, mine, replicas) for r, mine in enumerate(_shards(replicas[1]))]  # the second CP group
+    judged = judge_against_run(group, same_weights={0, 1}, fallback=1)
+    assert judged.replica == 1 and not judged.diffs and judged.by_layout
+    assert {g.name: g.placement for g in judged.inputs} == {
+        "img": Placement.SHARD,
+        "timesteps": Placement.REPLICATED,
+        "guidance": Placement.REPLICATED,
+    }
+    assert judge_against_run(group, same_weights={0}, fallback=1).replica is None  # other weights: not that replica
+
+
+def test_an_input_one_cp_rank_drew_apart_is_named_with_its_rank():
+    from cpdoctor.examinations.step.inputs import judge_against_run
+
+    full = _sample(0)
+    drawn = _sample(7)  # rank 1 drew its own noise and timestep
+    mine = [_shards(full)[0], {**_shards(drawn)[1], "guidance": 3.5}]
+    judged = judge_against_run([_peer(r, r, m, [full]) for r, m in enumerate(mine)], same_weights={0}, fallback=0)
+    assert judged.replica is None and judged.by_layout and judged.against == 0
+    assert {d.name: d.different for d in judged.diffs} == {"img": (1,), "timesteps": (1,)}
+    assert "no CP rank's shard" in next(d.detail for d in judged.diffs if d.name == "img")
+    assert [g.name for g in judged.right()] == ["guidance"]
+
+
+def test_data_that_depend_on_the_layout_are_not_blamed_on_cp():
+    """No CP rank fed what any rank of the run without CP did (data seeded by the world size): nothing is named
+    unless the peers' whole inputs differ between them; a shard has nothing to be compared with."""
+    from cpdoctor.examinations.step.inputs import judge_against_run
+
+    full, other = _sample(0), _sample(5)
+    agree = [_peer(r, r, m, [full]) for r, m in enumerate(_shards(other))]
+    judged = judge_against_run(agree, same_weights={0}, fallback=0)
+    assert judged.replica is None and not judged.diffs and not judged.by_layout
+    apart = [_peer(r, r, m, [full]) for r, m in enumerate([_shards(other)[0], _shards(_sample(6))[1]])]
+    assert {d.name: d.different for d in judge_against_run(apart, same_weights={0}, fallback=0).diffs} == {"timesteps": (1,)}

@@ -139,6 +139,27 @@ def test_a_collective_is_in_the_flight_file_while_it_blocks_and_while_its_work_i
     assert flight() == (0, "", 0)  # disarmed: the record is empty again
 
 
+def test_a_wait_on_a_tensor_without_storage_of_its_own_is_matched_not_raised(log):
+    """funcol's AsyncCollectiveTensor (what torchtitan's `dist_sum_tensor` waits on) has no storage: its wait is
+    matched through the tensor it wraps, and a wrapper that holds none is waited for without a record."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from cpdoctor.launch.flight import FLIGHT
+
+    result = AsyncCollectiveTensor(torch.ones(4))
+    issue = FLIGHT._functional(lambda: result, "all_reduce")
+    waited = []
+    wait = FLIGHT._waiting(lambda target: waited.append(FLIGHT.entered))
+    with _armed():
+        issue()
+        assert FLIGHT.pending
+        wait(result)
+        assert not FLIGHT.pending  # matched through the tensor it wraps
+        wait(AsyncCollectiveTensor(torch.zeros(2)))  # never issued: just waited
+    assert waited == [1, 1]
+
+
 def test_nested_collectives_count_once_under_the_outer_name(log):
     from cpdoctor.launch.flight import FLIGHT
 

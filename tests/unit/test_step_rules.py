@@ -68,6 +68,26 @@ def test_inputs_differ_names_the_input_the_ranks_and_the_seed():
     assert "consumed" not in f.diagnosis  # the states differed before the step: not an uneven consumption
 
 
+def test_two_runs_judge_inputs_against_the_run_without_cp_and_say_what_each_is():
+    """A trainer that shards the tokens itself (torchtitan): its shards are right; a timestep drawn on one CP rank
+    is named with what it is instead, against the run without CP; a correct step says which inputs were shards."""
+    from cpdoctor.examinations.step.input_layouts import GroupInput, Placement
+    from cpdoctor.examinations.step.inputs import InputsJudged
+    from cpdoctor.peer_impls.layouts import Layout
+
+    img = GroupInput("img", Placement.SHARD, dim=1, layout=Layout.CONTIGUOUS)
+    wrong = GroupInput("timesteps", Placement.WRONG, wrong=((1, "differs from the run without CP's (max |Δ| 0.3)"),))
+    diff = InputDiff("timesteps", (0,), (1,), wrong.describe())
+    judged = InputsJudged(None, 0, (img, wrong), (diff,), True, False)
+    f = step_finding(numbers(inputs_differ=(diff,), inputs_judged=judged, grads=grads((0.3, 0.9, 0.2), (0.3, 0.9, 0.2))))
+    assert f.verdict is Verdict.FAIL and "not what the run without CP fed it" in f.diagnosis
+    assert "timesteps: rank 1: differs from the run without CP's" in f.diagnosis
+    assert "img: each rank's contiguous shard along dim 1" in f.diagnosis and "which must all feed the same" not in f.diagnosis
+    right = InputsJudged(0, 0, (img, GroupInput("timesteps", Placement.REPLICATED)), (), True, True)
+    f = step_finding(numbers(inputs_judged=right, recomputed=False, reference="the same step run without CP"))
+    assert f.verdict is Verdict.PASS and "img as each rank's shard, the rest replicated" in f.diagnosis
+
+
 @pytest.mark.parametrize(
     ("cp", "dp", "factor", "text", "cause"),
     [
@@ -148,6 +168,16 @@ def test_mean_over_cp_without_the_factor_is_a_bug_named_from_its_reduction():
     f = step_finding(numbers(grads=HALF), e)
     assert f.verdict is Verdict.FAIL and "factor 1/cp" in f.diagnosis and "DDP averages over its 2 ranks" in f.diagnosis
     assert "these events make it" in f.diagnosis
+
+
+def test_two_runs_name_the_reduction_that_makes_the_factor():
+    """torchtitan's FSDP with its default division (a mean over dp_shard × cp), against the same step without CP:
+    the reduction the watcher saw makes the factor, which the diagnosis says (not an unseen scaling)."""
+    e = Expectation(reductions=(Reduction("FSDP2 sums over its 2 ranks (the CP group) and divides by 2", 0.5),))
+    f = step_finding(numbers(grads=HALF, recomputed=False, reference="the same step run without CP"), e)
+    assert f.verdict is Verdict.FAIL and "factor 1/cp" in f.diagnosis and "these events make it" in f.diagnosis
+    unseen = step_finding(numbers(grads=HALF, recomputed=False, reference="the same step run without CP"), Expectation())
+    assert unseen.verdict is Verdict.FAIL and "the watcher did not see makes part of it" in unseen.diagnosis
 
 
 def test_loss_times_cp_summed_over_cp_is_a_bug_not_two_readings():
@@ -294,10 +324,19 @@ def _rec(rank: int, out_grad, inputs=()) -> PeerRecord:
 
 
 def test_a_model_without_cp_is_bad_input():
+    """preflight(model=) examines one run: a diffusers class without CP is told to enable it; a model whose CP is
+    not diffusers' is told why one run cannot examine it and which two-run command does."""
     from cpdoctor.errors import BadInput
     from cpdoctor.examinations.step import model_degrees
 
+    diffusers = pytest.importorskip("diffusers")
+    tiny = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    )  # fmt: skip
     with pytest.raises(BadInput, match="no context parallelism enabled"):
+        model_degrees(tiny)
+    with pytest.raises(BadInput, match="Linear cannot be examined in one run.*cpdoctor step path/to/train.py:step --ring 2"):
         model_degrees(torch.nn.Linear(2, 2))
 
 

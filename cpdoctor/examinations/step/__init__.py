@@ -30,13 +30,17 @@ __all__ = [
 
 def model_degrees(model: Any) -> tuple[int, int]:
     """(ring, ulysses) of a diffusers transformer with enable_parallelism (bare, in DDP or under FSDP2); BadInput
-    when CP is not enabled on it (what `preflight(model=...)` reads the job's degrees from)."""
+    when CP is not enabled on it (what `preflight(model=...)` reads the job's degrees from), or, for a model that is
+    not diffusers' (examined in one run, which it cannot be), the reason and the two-run command."""
     from cpdoctor.compat import parallel_config as compat
     from cpdoctor.errors import BadInput
+    from cpdoctor.examinations.step.degrees import one_run_refusal, rebuildable
     from cpdoctor.examinations.step.record import unwrap
 
     inner = unwrap(model)
     config = compat.parallel_config_of(inner)
+    if config is None and not rebuildable(inner):
+        raise BadInput(one_run_refusal(inner))
     if config is None:
         raise BadInput(f"{type(inner).__name__} has no context parallelism enabled: call model.enable_parallelism(config=...) first")
     return compat.cp_degrees(config)

@@ -6,8 +6,10 @@ step. Two sources, one interface (`Baseline`):
   groups' results are averaged over the data-parallel groups. The output gradient already carries whatever the
   user's code scaled the loss by; the judge reads those factors from the autograd graph (loss_graph.py).
 - `RecordedRun` (`cpdoctor step` with a function that takes its degrees): the same user code ran before without
-  CP (one process, or dp processes) and left its final gradients on disk (`SavedRun`); nothing is recomputed
-  or guessed, so loss scaling, clipping, accumulation, adapters and wrappers are the user's own in both.
+  CP (one process, or dp processes) and left its final gradients and what it fed the model on disk (`SavedStep`,
+  `SavedInputs`); nothing is recomputed or guessed, so loss scaling, clipping, accumulation, adapters and wrappers
+  are the user's own in both. Each CP rank judges its inputs against that run's (inputs.py: equal, or its shard), and
+  the CP group is compared with the rank of that run it fed the same data from the same weights.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cpdoctor.examinations.step.group import StepGroup
+from cpdoctor.examinations.step.inputs import InputsJudged, judge_against_run
 from cpdoctor.examinations.step.measure import reference_out_grads
-from cpdoctor.examinations.step.messages import PeerRecord
+from cpdoctor.examinations.step.messages import PeerRecord, ReplicaLayouts
 from cpdoctor.examinations.step.record import Recorded
 from cpdoctor.model_zoo import memory
 from cpdoctor.vocabulary import DType
@@ -31,7 +34,14 @@ class Baseline(Protocol):
     """Whether the CP group's first rank must keep the model's inputs and weights (to recompute the step)."""
     needs_weights_digest: bool
     """Whether the watch fingerprints the weights it starts from (two runs: the same weights in both?)."""
+    judges_inputs: bool
+    """Whether every rank keeps its own inputs and judges them against the run without CP (two runs)."""
     ref_output: Any
+    judged: InputsJudged | None
+    """After `expected`: the CP group's inputs against the run without CP (None: compared between peers, one run)."""
+
+    def input_layouts(self, group: StepGroup, recorded: Recorded) -> tuple[ReplicaLayouts, ...]:
+        """On every rank: its inputs and output gradients against each rank of the run without CP (empty: one run)."""
 
     def expected(self, group: StepGroup, recorded: Recorded, records: list[PeerRecord], names: list[str]) -> Any:
         """On a CP group's first rank: this group's flat expected gradient (float32, in `names` order)."""
@@ -51,6 +61,8 @@ class OneProcessReference:
 
     needs_inputs = True
     needs_weights_digest = False
+    judges_inputs = False
+    judged = None
 
     def __init__(self, precision: str = "fp64") -> None:
         self.precision = precision
@@ -84,6 +96,9 @@ class OneProcessReference:
         self.ref_output = result.outputs[0] if result.outputs else None
         self.native = result.native
         return result.grads
+
+    def input_layouts(self, group: StepGroup, recorded: Recorded) -> tuple[ReplicaLayouts, ...]:
+        return ()
 
     def combine(self, own: Any, n_groups: int) -> Any:
         from cpdoctor.launch import watcher_comm
@@ -123,15 +138,51 @@ class SavedStep:
     def meta(self) -> str:
         return os.path.join(self.directory, f"step{self.index}-rank{self.rank}.json")
 
+    @property
+    def inputs(self) -> str:
+        return os.path.join(self.directory, f"step{self.index}-rank{self.rank}.inputs.pt")
+
+
+@dataclass(frozen=True)
+class SavedInputs:
+    """What the model was fed in one watched step of the run without CP, and the gradient that flowed into its
+    output: what each CP rank's are judged against (inputs.judge_against_run)."""
+
+    inputs: dict[str, Any]
+    """Every forward's inputs by name (record.Hooks.inputs: tensors and plain values, other values fingerprinted)."""
+    out_grads: dict[str, Any]
+    """Every forward's output gradient by name (record.Hooks.out_grads)."""
+
+    def save(self, path: str) -> None:
+        import torch
+
+        torch.save({"inputs": self.inputs, "out_grads": self.out_grads}, path)
+
+    @classmethod
+    def load(cls, path: str) -> SavedInputs:
+        import torch
+
+        data = torch.load(path, weights_only=True)  # tensors and plain values only
+        return cls(data["inputs"], data["out_grads"])
+
 
 def save_step(
-    directory: str, rank: int, index: int, grads: dict[str, Any], prints: list[tuple[str, str]], dtype: str, weights: str
+    directory: str,
+    rank: int,
+    index: int,
+    grads: dict[str, Any],
+    prints: list[tuple[str, str]],
+    dtype: str,
+    weights: str,
+    inputs: SavedInputs | None = None,
 ) -> None:
-    """Write one rank's final gradients of one watched step of the run without CP."""
+    """Write one rank's final gradients of one watched step of the run without CP (and what it fed the model)."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     where = SavedStep(directory, rank, index)
+    if inputs is not None:
+        inputs.save(where.inputs)
     save_file({n: g.detach().float().cpu().contiguous() for n, g in grads.items()}, where.tensors)
     with open(where.meta, "w", encoding="utf-8") as fh:
         json.dump({"prints": prints, "dtype": dtype, "names": list(grads), "weights": weights}, fh)
@@ -142,6 +193,7 @@ class RecordedRun:
 
     needs_inputs = False
     needs_weights_digest = True
+    judges_inputs = True
     ref_output = None
     name = "the same step run without CP"
 
@@ -149,31 +201,56 @@ class RecordedRun:
         self.directory = directory
         self.matched: int | None = None
         """The rank of the run without CP whose inputs this CP group fed (None: matched by group order)."""
+        self.judged: InputsJudged | None = None
+
+    def _saved(self, seq: int) -> list[int]:
+        """The ranks of the run without CP that left watched step `seq`."""
+        return sorted(
+            int(f.split("rank")[1].split(".")[0]) for f in os.listdir(self.directory) if f.startswith(f"step{seq}-") and f.endswith(".json")
+        )
+
+    def input_layouts(self, group: StepGroup, recorded: Recorded) -> tuple[ReplicaLayouts, ...]:
+        """This rank's inputs and output gradients against every rank of the run without CP that saved them: equal,
+        or this rank's shard (its place in the CP group); output gradients within the step's tolerance."""
+        from cpdoctor.examinations.step.input_layouts import classify_all
+
+        hooks, cp, place = recorded.hooks, len(group.ranks), group.ranks.index(group.rank)
+        mine, out_grads = hooks.inputs(), hooks.out_grads()
+        rtol = DType(recorded.dtype).grad_tolerance
+        found = []
+        for rank in self._saved(group.seq):
+            where = SavedStep(self.directory, rank, group.seq).inputs
+            if os.path.exists(where):
+                saved = SavedInputs.load(where)
+                found.append(
+                    ReplicaLayouts(
+                        rank, classify_all(mine, saved.inputs, cp, place), classify_all(out_grads, saved.out_grads, cp, place, rtol)
+                    )
+                )
+        return tuple(found)
 
     def expected(self, group: StepGroup, recorded: Recorded, records: list[PeerRecord], names: list[str]) -> Any:
         import torch
         from safetensors import safe_open
 
-        mine = [(p.name, p.digest) for p in records[0].inputs]
-        saved = sorted(
-            (
-                int(f.split("rank")[1].split(".")[0])
-                for f in os.listdir(self.directory)
-                if f.startswith(f"step{group.seq}-") and f.endswith(".json")
-            ),
-        )
+        saved = self._saved(group.seq)
         if not saved:
             raise RuntimeError(f"the run without CP left no gradients for watched step {group.seq} in {self.directory}")
-        choice = None
+        metas = {}
         for rank in saved:
             with open(SavedStep(self.directory, rank, group.seq).meta, encoding="utf-8") as fh:
-                meta = json.load(fh)
-            if [tuple(p) for p in meta["prints"]] == mine and meta.get("weights") == recorded.weights_digest:
-                choice = rank
-                break
+                metas[rank] = json.load(fh)
+        same_weights = {r for r, m in metas.items() if m.get("weights") == recorded.weights_digest}
+        fallback = saved[group.group_number % len(saved)]
+        if all(r.layouts for r in records):  # judged by what each input should be
+            self.judged = judge_against_run(records, same_weights, fallback)
+            choice = self.judged.replica
+        else:  # the run without CP saved no inputs: matched by the fingerprints of the first rank's
+            mine = [(p.name, p.digest) for p in records[0].inputs]
+            choice = next((r for r in saved if [tuple(p) for p in metas[r]["prints"]] == mine and r in same_weights), None)
         self.matched = choice
         if choice is None:
-            choice = saved[group.group_number % len(saved)]
+            choice = fallback
         parts = []
         with safe_open(SavedStep(self.directory, choice, group.seq).tensors, "pt") as fh:
             keys = set(fh.keys())

@@ -72,6 +72,18 @@ class Declared:
         return (self.ring or 1) * (self.ulysses or 1)
 
 
+@dataclass(frozen=True)
+class Given:
+    """What the caller says about the job's layout besides the model: the degrees (`cpdoctor step`'s function
+    arguments, watch_step's `ring=` / `ulysses=` / `dp=`), a CP process group or a device mesh it passes, and the
+    `cpdoctor step` target a refusal names in its two-run command."""
+
+    declared: Declared = Declared()
+    cp_group: Any = None
+    mesh: Any = None
+    target: str | None = None
+
+
 def consecutive_group(rank: int, cp: int) -> tuple[int, ...]:
     """The CP group of `rank` when CP groups are blocks of `cp` consecutive ranks."""
     first = rank // cp * cp

@@ -1,7 +1,8 @@
 """What every rank does at the end of a watched block, in order: agree through the store that all are here and well
 (agree.py); take the gradients as the comparison needs them, before any clip (grads.py; a norm clip's recorded
-coefficient divided out, or the gradients captured at the clip's entry); send what it saw (inputs, output
-gradients, gradients, events) to its CP group's first rank; there the baseline gives the expected gradients
+coefficient divided out, or the gradients captured at the clip's entry); with two runs, judge its own inputs and
+output gradients against the run without CP's (baseline.input_layouts); send what it saw (inputs, output
+gradients, gradients, events, those layouts) to its CP group's first rank; there the baseline gives the expected gradients
 (baseline.py), the events what the step must show (factors.py), the numbers are measured (measure.py) and judged
 (judge.py); every CP group's finding is shared with every rank. The collectives are launch/watcher_comm.py's."""
 
@@ -63,6 +64,10 @@ def close(c: Closing) -> Report:
     rng_after = rng_digest()
     grads = c.recorder.as_compared()
     out_grads = tuple(f.out_grad for f in hooks.calls)
+    try:
+        layouts = c.baseline.input_layouts(c.group, c.recorded)
+    except Exception:  # noqa: BLE001 - unreadable saved inputs: this rank sends none and its group is matched by fingerprints
+        layouts = ()
     mine = PeerRecord(
         c.group.rank,
         hooks.forwards,
@@ -74,6 +79,7 @@ def close(c: Closing) -> Report:
         None,
         grads.missing,
         tuple(c.recorder.log.events),
+        layouts,
     )
     records = watcher_comm.gather_to_first(mine, c.group.process_group)
     all_grads = watcher_comm.gather_tensor_to_first(grads.flat, c.group.process_group)  # a tensor collective: no pickling
@@ -134,6 +140,7 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         recomputed=c.baseline.needs_inputs,
         out_numel=hooks.calls[0].out_numel,
         native=getattr(c.baseline, "native", None),
+        judged=c.baseline.judged,
     )
     shard = any(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads)))
     seen = expectation(

@@ -11,26 +11,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.reference import canonical
-from cpdoctor.launch import watcher_comm
+from cpdoctor.examinations.step.grads import gather_grads, trainable
 
 
 def full_gradients(module: Any) -> dict[str, Any]:
     """Every trainable parameter's gradient, whole, float32 on the CPU, keyed by the bare model's name; a trainable
     parameter without a gradient is zeros (as a sum over ranks reads it). Every rank of the parameters' meshes
-    must call it (each DTensor is gathered)."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        bare = canonical(name)
-        if p.grad is None:
-            out[bare] = torch.zeros(tuple(p.shape), dtype=torch.float32)
-        else:
-            out[bare] = watcher_comm.full_tensor(p.grad.detach()).float().cpu()
-    return out
+    must call it (each DTensor is gathered): the examination's own gathering (grads.gather_grads), shaped."""
+    shapes = {name: tuple(p.shape) for name, p in trainable(module)}
+    return {name: g.reshape(shapes[name]) for name, g in gather_grads(module).by_name().items()}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The watched model's parameter gradients as the examination compares them: every trainable parameter (by the
-bare model's names), flat in one float32 vector, a DTensor's gathered whole (FSDP2; a collective on every rank).
-One function, so a layout whose gradients need another gathering (torchtitan's DTensor shards) extends it here."""
+bare model's names, the segments wrappers insert dropped), flat in one float32 vector, a DTensor's gathered whole
+(FSDP2's shards, torchtitan's FSDP over dp_shard × cp: `full_tensor()`, a collective on every rank). One function,
+so a layout whose gradients need another gathering extends it here (full_grads.py shapes it by name)."""
 
 from __future__ import annotations
 

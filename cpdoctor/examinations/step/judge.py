@@ -24,6 +24,7 @@ from itertools import product
 
 from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING, Aspect, CrashSignature, Rule, diagnosis_of, spoken_rules
 from cpdoctor.examinations.step.factors import Expectation, Power, degree_powers, power_of
+from cpdoctor.examinations.step.input_layouts import Placement
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
 from cpdoctor.vocabulary import DType
@@ -208,10 +209,14 @@ class StepSignature:
 
     @property
     def explained(self) -> bool:
-        """The seen reductions and unscaling give the measured factor: nothing the watcher missed acted."""
+        """The seen reductions and unscaling give the measured factor: nothing the watcher missed acted. With two runs
+        the factor is against the same code at cp 1, so the reductions alone, or with the loss's factors of the
+        degrees read (a mean over the shard), may make it: the loss is read against this rank's output, which is
+        a shard where the trainer shards it (torchtitan's global token count reads as 1/cp of it), so either counts."""
         c = self.worst.factor
         ev = self.e.events_factor
-        return self.n.recomputed and ev > 0 and abs(c - ev) <= self.factor_tol * ev
+        made = (ev,) if self.n.recomputed else (ev, ev * self.e.loss_power)
+        return any(x > 0 and abs(c - x) <= self.factor_tol * x for x in made)
 
     @property
     def loss_unread(self) -> tuple[str, ...]:
@@ -280,8 +285,22 @@ def _skip_text(s: StepSignature) -> str:
 
 
 def _inputs_text(s: StepSignature) -> str:
-    parts = [f"{d.name} on rank {_ranks(d.different)} (rank {_ranks(d.same_as_first)} had another)" for d in s.n.inputs_differ]
-    text = "the model's inputs differ between CP peers, which must all feed the same full inputs: " + "; ".join(parts)
+    judged = s.n.inputs_judged
+    if judged is not None and judged.by_layout:
+        wrong = "; ".join(d.detail or f"{d.name}: rank {_ranks(d.different)}" for d in s.n.inputs_differ)
+        right = ", ".join(g.describe() for g in judged.right())
+        text = (
+            f"the model's inputs are not what the run without CP fed it (its rank {judged.against}; each CP rank's input "
+            f"must equal that run's, or be this rank's shard of it along a sequence dimension): {wrong}"
+        ) + (f"; right: {right}" if right else "")
+    else:
+        parts = [f"{d.name} on rank {_ranks(d.different)} (rank {_ranks(d.same_as_first)} had another)" for d in s.n.inputs_differ]
+        text = "the model's inputs differ between CP peers, which must all feed the same full inputs: " + "; ".join(parts)
+        if judged is not None:  # two runs, and no peer fed what a rank of the run without CP did: the peers compared
+            text = (
+                "no CP rank fed the model what a rank of the run without CP did (its data depend on the layout), and the "
+                "inputs every peer feeds whole differ between the CP peers: " + "; ".join(parts)
+            )
     if len(s.n.rng_before_groups) > 1:
         text += (
             "; their RNG states differed already before the step (ranks "
@@ -574,8 +593,13 @@ def _pass_text(s: StepSignature) -> str:
         notes.append(f"not read: {'; '.join(s.e.hidden)}")
     said = f" ({'; '.join(notes)})" if notes else ""
     out = f"; out {s.n.out_rel_err:.2g}" if math.isfinite(s.n.out_rel_err) else ""
+    inputs = "same inputs and loss on every CP peer"
+    judged = s.n.inputs_judged
+    if judged is not None and judged.by_layout and any(g.placement is Placement.SHARD for g in judged.inputs):
+        shards = ", ".join(g.name for g in judged.inputs if g.placement is Placement.SHARD)
+        inputs = f"inputs the run without CP's ({shards} as each rank's shard, the rest replicated), the loss the same"
     return (
-        f"the step matches {s.n.reference}: same inputs and loss on every CP peer, gradients reduced right{said} "
+        f"the step matches {s.n.reference}: {inputs}, gradients reduced right{said} "
         f"(worst rank rel err {s.rank_error(worst):.2g}, tolerance {s.tol:.2g} for {s.n.dtype}{out}), RNG states in step"
     )
 

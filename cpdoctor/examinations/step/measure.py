@@ -1,8 +1,10 @@
 """Numbers only: the relations between CP peers and between the watched step and its one-process reference,
 from which the rules (judge.py) read the cause. Nothing here names a fault; it measures:
 
-- which inputs differ between peers (bitwise), and on which ranks (inputs.py);
-- whether the output gradients differ between peers, and whether each peer's is confined to its own shard;
+- which inputs differ between peers (bitwise), or with two runs which are not what the run without CP fed the model
+  (equal, or this rank's shard of it), and on which ranks (inputs.py);
+- whether the output gradients differ between peers, and whether each peer's is confined to its own shard (with two
+  runs, none differs where each peer's is the run without CP's or its shard of it);
 - the RNG states before and after the step, grouped;
 - each rank's parameter gradients against the expected ones (relative error, the best constant factor and what
   is left after it), the spread between peers, and whether summing the peers gives the expected gradient;
@@ -15,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.inputs import InputDiff, input_diffs
+from cpdoctor.examinations.step.inputs import InputDiff, InputsJudged, input_diffs
 from cpdoctor.examinations.step.messages import PeerRecord
 
 
@@ -89,6 +91,8 @@ class StepNumbers:
     a correct CP step may show on top (None for fp32 steps: the fixed tolerance holds there)."""
     param_baselines: tuple[float, ...] = ()
     """That baseline per parameter, in `params` order."""
+    inputs_judged: InputsJudged | None = None
+    """Two runs: the inputs against the run without CP (what each is; `inputs_differ` are its wrong ones)."""
 
     @property
     def cp(self) -> int:
@@ -242,13 +246,16 @@ def measure(
     recomputed: bool = True,
     out_numel: int = 0,
     native: Any = None,
+    judged: InputsJudged | None = None,
 ) -> StepNumbers:
     """The numbers of one CP group: `records` in group order (the first rank's first), `out`/`ref_out` the first
     rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with (the mean
-    of every CP group's reference), `own` this group's reference alone."""
+    of every CP group's reference), `own` this group's reference alone; `judged` the inputs and output gradients
+    against the run without CP (two runs: where every peer's output gradient is that run's or its shard of it, the
+    peers' are not compared with each other)."""
 
     ranks = tuple(r.rank for r in records)
-    spread, differ = output_grad_spread(records)
+    spread, differ = (0.0, []) if judged is not None and judged.out_grads_right else output_grad_spread(records)
     gradients = gradient_relations(records, expected, param_names, param_numels)
     first = records[0].grads
     baselines = param_errors(native, own, param_names, param_numels) if native is not None and own is not None else []
@@ -260,7 +267,8 @@ def measure(
         dtype=dtype,
         forwards=tuple(r.forwards for r in records),
         backwards=tuple(r.backwards for r in records),
-        inputs_differ=input_diffs(records),
+        inputs_differ=judged.diffs if judged is not None else input_diffs(records),
+        inputs_judged=judged,
         rng_before_groups=groups_of([r.rng_before for r in records], ranks),
         rng_after_groups=groups_of([r.rng_after for r in records], ranks),
         out_grad_spread=spread,

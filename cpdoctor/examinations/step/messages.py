@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.step.events import Event
+from cpdoctor.examinations.step.input_layouts import InputLayout
 from cpdoctor.report import Finding
 
 
@@ -52,6 +53,23 @@ class InputPrint:
     norm: float | None
 
 
+@dataclass(frozen=True)
+class ReplicaLayouts:
+    """What one CP rank's inputs and output gradients are against one rank of the run without CP (two runs; each
+    rank classifies its own, input_layouts.classify_all): replicated, its shard, or wrong."""
+
+    replica: int
+    """The rank of the run without CP compared with."""
+    inputs: tuple[InputLayout, ...]
+    out_grads: tuple[InputLayout, ...]
+    """The gradient that flowed into each forward's output, equal within the step's tolerance (torchtitan's output
+    stays sharded: each CP rank's is its shard of the run without CP's)."""
+
+    @property
+    def inputs_right(self) -> bool:
+        return all(x.right for x in self.inputs)
+
+
 @dataclass
 class PeerRecord:
     """What one rank sends to its CP group's first rank (small, apart from the output and parameter gradients)."""
@@ -69,6 +87,8 @@ class PeerRecord:
     missing_grads: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     """What this rank saw happen to its gradients (observe.py)."""
+    layouts: tuple[ReplicaLayouts, ...] = ()
+    """Two runs: this rank's inputs and output gradients against each rank of the run without CP (empty: one run)."""
 
     @property
     def out_grad(self) -> Any:

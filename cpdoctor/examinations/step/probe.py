@@ -54,6 +54,9 @@ def watcher_for(req: Any, result: StepRankResult) -> Any:
 
     def watch(model: Any, **options: Any) -> StepWatch:
         options.setdefault("reference", req.reference)
+        options.setdefault("target", req.target)  # a refusal of one run names the two-run command for it
+        for name in ("ring", "ulysses", "dp"):  # the degrees the function was handed (a model whose CP is not diffusers')
+            options.setdefault(name, getattr(req, name))
         baseline = RecordedRun(req.workdir) if role is Role.WITH_CP else OneProcessReference(options["reference"])
         return StepWatch(model, baseline=baseline, on_report=result.reports.append, **options)
 

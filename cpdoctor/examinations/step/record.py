@@ -141,6 +141,20 @@ class Hooks:
             InputPrint(p.name if k == 0 else f"{p.name}@{k + 1}", p.digest, p.norm) for k, f in enumerate(self.calls) for p in f.prints
         )
 
+    def inputs(self) -> dict[str, Any]:
+        """Every forward's inputs as compared with the run without CP (kept where `keep_full`): named as `prints`
+        names them; tensors and plain values as they are, anything else by its fingerprint (equal only when equal)."""
+        out: dict[str, Any] = {}
+        for k, call in enumerate(self.calls):
+            named = [(f"arg{i}", a) for i, a in enumerate(call.args)] + list(call.kwargs.items())
+            for name, value in named:
+                out[name if k == 0 else f"{name}@{k + 1}"] = value if _plain(value) else digest(value)
+        return out
+
+    def out_grads(self) -> dict[str, Any]:
+        """The gradient that flowed into each forward's output (None: no backward), named `out_grad`, `out_grad@2`, ..."""
+        return {"out_grad" if k == 0 else f"out_grad@{k + 1}": call.out_grad for k, call in enumerate(self.calls)}
+
     def install(self) -> Hooks:
         import torch
 
@@ -192,15 +206,25 @@ class Hooks:
             out.register_hook(grad)
 
 
+def _plain(value: Any) -> bool:
+    import torch
+
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
+
+
 def unwrap(model: Any) -> Any:
-    """The diffusers transformer inside DDP (and accelerate's prepare, which wraps in DDP) or torch.compile's
+    """The model inside DDP (and accelerate's prepare, which wraps in DDP) or torch.compile's
     OptimizedModule (FSDP2 shards the module in place); inside a trainer's own wrapper module, the first submodule
     with context parallelism enabled."""
+    import torch
+
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)  # whatever model they hold
     for _ in range(8):
         inner = getattr(model, "_orig_mod", None)
         if inner is None:
             inner = getattr(model, "module", None)
-            if inner is None or not hasattr(inner, "config") or hasattr(model, "config"):
+            data_parallel = isinstance(model, wrappers)
+            if inner is None or not (data_parallel or (hasattr(inner, "config") and not hasattr(model, "config"))):
                 break
         model = inner
     if compat.parallel_config_of(model) is None and callable(getattr(model, "modules", None)):

@@ -69,10 +69,10 @@ def call_arguments(params: tuple[str, ...], job: StepJob) -> tuple[tuple, dict]:
 
 
 class RecordingWatch:
-    """The watcher of the run without CP: records the model's first inputs' fingerprints and the gradients as the
-    step's first clip found them (its final ones when it does not clip; FSDP2's gathered whole), written for the run
-    with CP to read, which takes its own the same way. It examines nothing and never raises out of the block for its
-    own sake."""
+    """The watcher of the run without CP: records what the model was fed (every forward's inputs, whole, and the
+    gradient that flowed into its output) and the gradients as the step's first clip found them (its final ones when
+    it does not clip; FSDP2's gathered whole), written for the run with CP to read, which takes its own the same way
+    and judges its inputs against these. It examines nothing and never raises out of the block for its own sake."""
 
     def __init__(self, model: Any, directory: str, **_: Any) -> None:
         from cpdoctor.examinations.step.record import unwrap
@@ -91,12 +91,12 @@ class RecordingWatch:
         self.seq = WATCHED.next()
         self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
         self._recorder = Recorder(self.module, Capture.EVERY_CLIP)
-        self._hooks = Hooks(self.module, keep_full=False, snapshot_weights=dict, recorder=self._recorder).install()
+        self._hooks = Hooks(self.module, keep_full=True, snapshot_weights=dict, recorder=self._recorder).install()
         OBSERVING.enter(self._recorder)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        from cpdoctor.examinations.step.baseline import save_step
+        from cpdoctor.examinations.step.baseline import SavedInputs, save_step
         from cpdoctor.examinations.step.observe import OBSERVING
         from cpdoctor.examinations.step.record import compute_dtype
         from cpdoctor.launch import watcher_comm
@@ -110,5 +110,7 @@ class RecordingWatch:
         grads = self._recorder.as_compared()  # a trainable parameter without a gradient reads as zeros
         rank = watcher_comm.world()[0]
         dtype = compute_dtype(self.module, [c.out_dtype for c in self._hooks.calls])
-        save_step(self.directory, rank, self.seq, grads.by_name(), [(p.name, p.digest) for p in self._hooks.prints], dtype, self.weights)
+        prints = [(p.name, p.digest) for p in self._hooks.prints]
+        inputs = SavedInputs(self._hooks.inputs(), self._hooks.out_grads())
+        save_step(self.directory, rank, self.seq, grads.by_name(), prints, dtype, self.weights, inputs)
         return False

@@ -7,8 +7,9 @@
     optimizer.step()                     # after the block: the watcher reads the gradients at its exit
     print(step.report.verdict)           # the same Report on every rank
 
-On entry every rank hooks the diffusers transformer (unwrapped from DDP, accelerate and torch.compile; FSDP2's
-fully_shard keeps it in place: record.py) and starts observing what the step does to its gradients (observe.py:
+On entry every rank finds its CP group (a diffusers transformer's parallel config; for a model whose CP is not
+diffusers', what the caller says: degrees.py), hooks the model (unwrapped from DDP, accelerate and torch.compile;
+FSDP2's fully_shard keeps it in place: record.py) and starts observing what the step does to its gradients (observe.py:
 the backward roots, GradScaler, clipping, reductions). At exit it stops observing (always, whatever happened)
 and closes the examination (examine.py): the ranks agree through the store that they are all here and well, the
 CP group's first rank compares the gradients before any clip with the baseline and judges them with the events.
@@ -25,6 +26,7 @@ from cpdoctor.compat import parallel_config as compat
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.step import agree
 from cpdoctor.examinations.step.baseline import Baseline, OneProcessReference
+from cpdoctor.examinations.step.degrees import Declared, Given, job_degrees, one_run_refusal, rebuildable
 from cpdoctor.examinations.step.examine import Closing, close, report_of
 from cpdoctor.examinations.step.group import StepGroup
 from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder
@@ -80,26 +82,39 @@ def advise_slow_half(dtype: str, device: Any) -> None:
             progress.advise(f"the watched step computes in {dtype}: {warning}")
 
 
-def step_group(module: Any, step: int | None, timeout_s: float) -> StepGroup:
-    """This rank's CP group of the watched model, as the model's parallel config sets it up; BadInput when the
-    job has no process group or the model no CP."""
+def step_group(module: Any, step: int | None, timeout_s: float, given: Given = Given(), one_run: bool = True) -> StepGroup:
+    """This rank's CP group of the watched model and the job's degrees (degrees.job_degrees): a diffusers model's
+    parallel config, checked against a CP group or mesh the caller passed; for a model whose CP is not diffusers',
+    what the caller says (the function's degrees, a `cp_group`, a `mesh`, the world and a declared degree). BadInput
+    when the job has no process group, nothing says the layout, or one run is asked of a model it cannot rebuild
+    (the refusal names the two-run command), all before the step runs."""
     rank, world = watcher_comm.world()
     if world < 2:
         raise BadInput("watch_step needs the job's process group (torch.distributed initialised, more than one rank)")
+    passed = watcher_comm.group_ranks(given.cp_group) if given.cp_group is not None else None
     config = compat.parallel_config_of(module)
-    if config is None:
-        raise BadInput(
-            f"{type(module).__name__} has no context parallelism enabled: call model.enable_parallelism(config=...) "
-            "before watching a CP step"
-        )
-    pg = compat.cp_group(config)
-    if pg is None:
-        raise BadInput("the model's CP mesh is not set up: call enable_parallelism with this job's process group first")
-    ring, ulysses = compat.cp_degrees(config)
+    if config is not None:
+        pg = compat.cp_group(config)
+        if pg is None:
+            raise BadInput("the model's CP mesh is not set up: call enable_parallelism with this job's process group first")
+        ring, ulysses = compat.cp_degrees(config)
+        ranks = watcher_comm.group_ranks(pg)
+        # the model's own config decides (ring and Ulysses apart); what the caller passed must agree with it
+        job_degrees(rank=rank, world=world, group_ranks=passed, mesh=given.mesh, diffusers=(ring, ulysses), diffusers_ranks=ranks)
+    else:
+        if one_run and not rebuildable(module):
+            raise BadInput(one_run_refusal(module, given.target, given.declared if given.declared.says_cp else None))
+        if rebuildable(module) and given.cp_group is None and given.mesh is None:  # a diffusers class: its CP is diffusers'
+            raise BadInput(
+                f"{type(module).__name__} has no context parallelism enabled: call model.enable_parallelism(config=...) "
+                "before watching a CP step (or pass the job's cp_group= or mesh= when its CP is not diffusers')"
+            )
+        d = job_degrees(rank=rank, world=world, declared=given.declared, group_ranks=passed, mesh=given.mesh)
+        ring, ulysses = d.ring, d.ulysses
+        pg = given.cp_group if given.cp_group is not None else watcher_comm.cp_subgroup(d.cp_ranks)
+        ranks = watcher_comm.group_ranks(pg)
     seq = WATCHED.next()
-    return StepGroup(
-        rank, world, watcher_comm.group_ranks(pg), ring, ulysses, seq, step if step is not None else seq, timeout_s, process_group=pg
-    )
+    return StepGroup(rank, world, ranks, ring, ulysses, seq, step if step is not None else seq, timeout_s, process_group=pg)
 
 
 class StepWatch:
@@ -116,6 +131,12 @@ class StepWatch:
         baseline: Baseline | None = None,
         on_report: Any = None,
         capture: Capture = Capture.VALUE_CLIPS,
+        cp_group: Any = None,
+        mesh: Any = None,
+        ring: int | None = None,
+        ulysses: int | None = None,
+        dp: int | None = None,
+        target: str | None = None,
     ) -> None:
         try:
             self.reference = parse(DType, reference, "reference")
@@ -131,6 +152,8 @@ class StepWatch:
         self.timeout_s = float(timeout_s)
         self.baseline: Baseline = baseline or OneProcessReference(self.reference.value)
         self.capture = Capture.EVERY_CLIP if self.baseline.needs_weights_digest else capture
+        self.given = Given(Declared(ring, ulysses, dp), cp_group, mesh, target)
+        """What the caller said about the job's layout: how a model whose CP is not diffusers' is examined."""
         self.on_report = on_report
         """Called with the report at the block's exit (what `cpdoctor step` keeps of every watched step)."""
         self.on_skip: Any = None
@@ -141,13 +164,13 @@ class StepWatch:
 
     # -- entry ----------------------------------------------------------------------------------------------
     def __enter__(self) -> StepWatch:
-        self.group = step_group(self.module, self.step, self.timeout_s)
+        self.group = step_group(self.module, self.step, self.timeout_s, self.given, one_run=self.baseline.needs_inputs)
         self._t0 = time.perf_counter()
         self.rng_before = rng_digest()
         self.weights = None
         if self.baseline.needs_weights_digest:  # two runs: did both start from the same weights?
             self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
-        keep = self.group.leader and self.baseline.needs_inputs
+        keep = (self.group.leader and self.baseline.needs_inputs) or self.baseline.judges_inputs
         self._recorder = Recorder(self.module, self.capture, on_skip=self._skipped)
         self._hooks = Hooks(self.module, keep_full=keep, snapshot_weights=self._weights, recorder=self._recorder)
         OBSERVING.enter(self._recorder)
