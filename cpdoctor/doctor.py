@@ -20,6 +20,7 @@ from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.report import Report, Verdict
+from cpdoctor.report.sections import DoctorRow, DoctorSummary
 from cpdoctor.suite import Suite
 from cpdoctor.vocabulary import Kind
 
@@ -134,34 +135,6 @@ def _backend_of(finding: Any) -> str | None:
     return name if name and name != "auto" else None
 
 
-@dataclass
-class DoctorRow:
-    """One check of the doctor's table: label, the `attention` fields, why it is there, its verdicts and the
-    command that looks closer."""
-
-    label: str
-    fields: dict[str, Any]
-    why: str
-    verdict: Verdict
-    command: str | None
-    before: Verdict | None = None
-
-
-@dataclass
-class DoctorSummary:
-    """What the doctor adds to its report (JSON key `doctor`): the accelerators, torchrun's world, the backend
-    the ranks chose, the number of launches, the rows, and what did not pass (before the fix, with --patch)."""
-
-    accelerators: int
-    torchrun_world: int | None
-    backend: str
-    """The backend the ranks chose ("auto", as asked for, when no rank got far enough to say)."""
-    launches: int
-    checks: list[DoctorRow]
-    not_passed: list[str]
-    not_passed_before: list[str] | None = None
-
-
 @dataclass(frozen=True)
 class DoctorRequest:
     """The doctor's request: the suite it ran (every check as its full, validated request), marked as the
@@ -180,7 +153,7 @@ def run_doctor(
     *, patch: bool = False, timeout_s: float | None = None, on_tick: Callable[[], None] | None = None, accelerators: int | None = None
 ) -> Report:
     """Run the doctor's checks here and return one Report: findings in plan order, each with its `command`;
-    `extra["doctor"]` summarises the environment, the checks and what did not pass."""
+    its `doctor` section summarises the environment, the checks and what did not pass."""
     from cpdoctor.api import DEFAULT_TIMEOUT_S, run_suite
 
     torchrun_world = _torchrun_world()
@@ -206,15 +179,14 @@ def run_doctor(
     report.environment = report.environment.replace(accelerators=n, backend=", ".join(backends) if backends else "auto")
     # run_suite's request (every check as its full, validated request), marked as the doctor's.
     report.request = DoctorRequest(report.request, n, torchrun_world)
-    summary = DoctorSummary(
+    report.doctor = DoctorSummary(
         n,
         torchrun_world,
         report.environment.backend,
         len({c.world_size for c in checks}),  # one launch per world size, diffusers' checks and the peers' together
-        rows,
-        [r.label for r in rows if r.verdict != Verdict.PASS],
+        tuple(rows),
+        tuple(r.label for r in rows if r.verdict != Verdict.PASS),
+        None if report.before is None else tuple(r.label for r in rows if r.before != Verdict.PASS),
     )
-    if report.before is not None:
-        summary.not_passed_before = [r.label for r in rows if r.before != Verdict.PASS]
-    report.extra = {"doctor": summary}
+    report.suite, report.warnings = None, None  # the doctor's report says its summary only (its request names the suite)
     return report
