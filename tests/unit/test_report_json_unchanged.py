@@ -1,8 +1,11 @@
 """A report's JSON is a contract (README): the doctor's and a check's reports, built from fed findings and numbers
-(no process), and a report of each typed section (report/sections.py), serialise to exactly the JSON that cpdoctor wrote before `Finding` was frozen (the files under
+(no process), serialise to exactly the JSON that cpdoctor wrote before `Finding` was frozen (the files under
 tests/unit/golden/ were written by this module's `reports()` at that commit, 2fe9154, and are compared whole;
 rewritten once since, when issue 30 added what it documents, and diffed key by key: the request's `checkpointing`
-key and the doctor's sixth check, ring 2 under checkpointing, nothing else).
+key and the doctor's sixth check, ring 2 under checkpointing, nothing else). A report of each typed section
+(report/sections.py: a check's warnings, advice and upstream fix, a suite's name, env's backends and peers, a
+plan) serialises to the text main (954b298) wrote for the same ingredients through `Report.extra`
+(golden/sections_*.json).
 
 Every place that used to change a finding after building it is on the way: the doctor's `command`, a failure
 finding's `emulated` (attention) and `command` (peer), the runner's per-case `environment`, and `Report.of`'s."""
