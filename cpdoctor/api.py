@@ -329,8 +329,9 @@ def list_models() -> list[Any]:
 
 
 def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
-    """For an op-level FAIL: DIR/repro.py (torch + diffusers only) and DIR/ISSUE.md; with `fix_timeout_s`, also
-    DIR/fix.diff for a known defect of diffusers' code, once verified on a patched copy; the paths written."""
+    """For an op-level FAIL (or the ring backward's CRASH under `checkpointing`): DIR/repro.py (torch + diffusers
+    only) and DIR/ISSUE.md; with `fix_timeout_s`, also DIR/fix.diff for a known defect of diffusers' code, once
+    verified on a patched copy; the paths written."""
     from cpdoctor.examinations.attention import repro
 
     return repro.write_repro(report, directory, command, fix_timeout_s)

@@ -76,7 +76,7 @@ def check(
         Optional[str],
         typer.Option(
             "--repro",
-            help="For a FAIL, write DIR/repro.py (torch + diffusers only, run it with torchrun), DIR/ISSUE.md (diffusers' bug-report shape) and, for a defect of diffusers' code cpdoctor knows, DIR/fix.diff once verified on a patched copy.",
+            help="For a FAIL (or the ring backward's CRASH under --checkpointing), write DIR/repro.py (torch + diffusers only, run it with torchrun), DIR/ISSUE.md (diffusers' bug-report shape) and, for a defect of diffusers' code cpdoctor knows, DIR/fix.diff once verified on a patched copy.",
         ),
     ] = None,
 ) -> NoReturn:
@@ -139,4 +139,7 @@ def write_repro_files(report: object, directory: str, timeout_s: float = DEFAULT
         if report.upstream_fix is not None:
             print(f"cpdoctor: --repro: {report.upstream_fix.message}", file=sys.stderr)
     else:
-        print("cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors)", file=sys.stderr)
+        print(
+            "cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors, no CRASH of the ring under --checkpointing)",
+            file=sys.stderr,
+        )

@@ -7,11 +7,13 @@ and signatures change between releases, so each difference is detected here (att
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import enum
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,6 +106,40 @@ def backend_member(name: str) -> Any | None:
 
 def backend_function(name: str) -> Callable:
     return registry()._backends[backend_member(name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendRefusal:
+    """What a backend's registered function refuses of a ring step: `return_lse=True` (no_lse: it runs no ring,
+    which merges its steps by LSE) or an `attn_mask`, with diffusers' own message."""
+
+    no_lse: bool
+    message: str
+
+
+def ring_mask_refusal(name: str) -> BackendRefusal | None:
+    """What the backend refuses of a masked ring step, with diffusers' own message, read from a top-level `if
+    <attn_mask / return_lse test>: raise ...("...")` of its registered function; None when it refuses neither (or
+    has no Python source). Read, not tried: trying a backend whose package diffusers looks for at import would
+    need a fresh interpreter."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(backend_function(name))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for node in fn.body:
+        if not (isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Raise)):
+            continue
+        tested = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+        if tested and tested <= {"attn_mask", "return_lse"}:
+            exc = node.body[0].exc
+            args = exc.args if isinstance(exc, ast.Call) else []
+            said = next((a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)), None)
+            no_lse = "return_lse" in tested
+            return BackendRefusal(no_lse, said or f"refuses {'return_lse=True' if no_lse else 'attn_mask'}")
+    return None
 
 
 def is_cp_registered(name: str) -> bool:

@@ -20,6 +20,11 @@ The fixes:
   backend's backward op recomputes from what its forward saved at step 0; refused with that reason.
 - double transpose (a backend backward op that transposes the saved K/V again although its forward saved them in
   kernel layout): the two transposes are dropped.
+- saved tensors unpacked per ring step (the ring backward calls the backend's backward op once per step, and every
+  op unpacks `ctx.saved_tensors`; torch's non-reentrant activation checkpointing allows one unpack): the ring
+  backward unpacks them once and hands the op, instead of the autograd ctx, a view of it whose `saved_tensors` is
+  that tuple (every other attribute read and written through to the ctx). The forward ops and the backward ops
+  stay as they are, so every backend's op contract is kept.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class UpstreamDefect(enum.Enum):
     MASK_NOT_ROTATED = "mask not rotated"
     STALE_KV = "stale K/V"
     DOUBLE_TRANSPOSE = "double transpose"
+    SAVED_PER_STEP = "saved tensors unpacked per ring step"
 
 
 class FixRefused(Exception):
@@ -212,6 +218,12 @@ def _apply(text: str, edits: list[_Edit]) -> str:
 # -- the fixes ---------------------------------------------------------------------------------------------
 
 _SENDS_TO_NEXT = "list(range(1, {w})) + [0]"
+MASK_MESSAGE = (
+    "Ring attention supports only a key-only attn_mask of shape (batch, 1 or heads, 1, local keys), ",
+    "rotated with its keys; got {tuple(attn_mask.shape)} with {key.shape[1]} local keys.",
+)
+"""What the patched ring says when it refuses a mask it cannot rotate (two string lines in the patched code, the
+second an f-string: the mask's shape and the local key count are filled in there)."""
 
 
 def _direction_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
@@ -278,6 +290,8 @@ def _mask_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
         raise FixRefused(f"{RING_CLASS} already names `attn_masks`: the mask fix would collide with it")
     if any(isinstance(n, ast.Call) and _calls(n, "all_gather_tensor") and "mask" in ast.unparse(n) for n in ast.walk(forward)):
         raise FixRefused(f"{fwhere} already gathers the mask")
+    if "key" not in {a.arg for a in forward.args.args}:
+        raise FixRefused(f"{fwhere} takes no `key`: the mask's shape cannot be checked against the local keys")
     funcol, group = _gather_call(forward, fwhere)
     loop, i, world = _ring_loop(forward, fwhere)
     rank = _assigned_from_attribute(forward, "_ring_local_rank", fwhere)
@@ -289,6 +303,12 @@ def _mask_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
                 "# Each KV chunk has its own key mask: gather the ranks' masks once and rotate them with the keys.",
                 "attn_masks = None",
                 "if attn_mask is not None:",
+                "    if attn_mask.ndim != 4 or attn_mask.shape[-2] != 1 or attn_mask.shape[-1] != key.shape[1]:",
+                "        # Rank r's mask row holds only its own keys; a mask over query positions would need the",
+                "        # rows of the other ranks' queries too, which no rank holds.",
+                "        raise ValueError(",
+                *(f'            {"f" if "{" in part else ""}"{part}"' for part in MASK_MESSAGE),
+                "        )",
                 f"    attn_masks = {funcol}.all_gather_tensor(attn_mask.contiguous(), gather_dim=0, group={group})",
                 f"    attn_masks = attn_masks.chunk({world})",
                 "ctx.ring_attn_masks = attn_masks",
@@ -316,11 +336,16 @@ def _mask_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
     return edits
 
 
+STALE_KV_FIXED_IN = "diffusers 0.40.0"
+"""The release whose ring backward first hands the backend's op the rotated K/V and the global out/lse
+(diffusers #14265 / PR #14274, docs/FACTS.md "Upstream status"): named in the refusal, never compared with."""
+
+
 def _stale_kv_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
     raise FixRefused(
         "the stale K/V has no minimal fix in the ring: every backend's backward op recomputes from what its forward "
-        "saved at step 0 and takes no rotated K/V, out or lse (a later diffusers changed that op contract); upgrade "
-        "diffusers, then re-check ring ≥ 3"
+        f"saved at step 0 and takes no rotated K/V, out or lse; {STALE_KV_FIXED_IN} changed that op contract and "
+        f"fixed it: upgrade to {STALE_KV_FIXED_IN} or later, then re-check ring ≥ 3"
     )
 
 
@@ -351,11 +376,104 @@ def _double_transpose_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
     return edits
 
 
+RING_CTX_CLASS = "_RingBackwardCtx"
+RING_CTX_SOURCE = '''class _RingBackwardCtx:
+    """What the ring backward hands the backend's backward op at each ring step: the autograd ctx, except that
+    `saved_tensors` is what the ring unpacked once. Under torch's non-reentrant activation checkpointing
+    (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which `enable_gradient_checkpointing()` uses)
+    a saved tensor can be unpacked only once, and the ops unpack `ctx.saved_tensors` every time they are called."""
+
+    def __init__(self, ctx, saved_tensors):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "saved_tensors", saved_tensors)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+'''
+"""The class the fix adds before the ring's class (module level, so the ops see an ordinary object)."""
+
+
+def _reads_saved(node: ast.AST, ctx_name: str) -> list[ast.Attribute]:
+    """The `<ctx>.saved_tensors` reads in a statement."""
+    return [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and n.attr == "saved_tensors" and isinstance(n.value, ast.Name) and n.value.id == ctx_name
+    ]
+
+
+def _replace_spans(lines: list[str], spans: list[tuple[int, int, int]], text: str) -> list[_Edit]:
+    """Replace each (line, start col, end col) span (0-based line; one line each) with `text`, one edit per line."""
+    by_line: dict[int, list[tuple[int, int]]] = {}
+    for line, start, end in spans:
+        by_line.setdefault(line, []).append((start, end))
+    edits = []
+    for line, cols in by_line.items():
+        new = lines[line]
+        for start, end in sorted(cols, reverse=True):
+            new = new[:start] + text + new[end:]
+        edits.append(_Edit(line, line + 1, (new,)))
+    return edits
+
+
+def _saved_once_edits(tree: ast.Module, lines: list[str]) -> list[_Edit]:
+    """Unpack ctx.saved_tensors once in the ring backward and hand the backend's op a ctx view that returns them:
+    add the view's class before the ring's class, unpack once before the first read (or before the ring loop),
+    read that tuple where the backward read the ctx's, and pass the view as the op's first argument."""
+    where = f"{RING_CLASS}.backward"
+    if any(isinstance(n, ast.ClassDef) and n.name == RING_CTX_CLASS for n in tree.body):
+        raise FixRefused(f"attention_dispatch.py already has a class {RING_CTX_CLASS}")
+    cls = _class(tree, RING_CLASS)
+    fn = _function(cls.body, "backward", RING_CLASS)
+    if not fn.args.args:
+        raise FixRefused(f"{where} takes no ctx")
+    ctx_name = fn.args.args[0].arg
+    if _mentions(fn, "saved_tensors") or _mentions(fn, "op_ctx"):
+        raise FixRefused(f"{where} already names `saved_tensors` or `op_ctx`: the fix would collide with them")
+    loop, _, _ = _ring_loop(fn, where)
+    call = next(
+        n
+        for n in ast.walk(_statement_calling(loop, "backward_op", where))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward_op"
+    )
+    first = call.args[0] if call.args else None
+    if not (isinstance(first, ast.Name) and first.id == ctx_name):
+        raise FixRefused(f"{where} does not hand its backend's backward op the autograd ctx as its first argument")
+    if _reads_saved(loop, ctx_name):
+        raise FixRefused(f"the ring loop of {where} reads {ctx_name}.saved_tensors itself: unpacking once needs another shape")
+    before = fn.body[: fn.body.index(loop)]
+    readers = [node for node in before if _reads_saved(node, ctx_name)]
+    spans = [(a.lineno - 1, a.col_offset, a.end_col_offset or a.col_offset) for r in readers for a in _reads_saved(r, ctx_name)]
+    if any(a.lineno != a.end_lineno for r in readers for a in _reads_saved(r, ctx_name)):
+        raise FixRefused(f"{where} reads {ctx_name}.saved_tensors across lines")
+    edits = [
+        _insert_before(lines, cls, [*RING_CTX_SOURCE.rstrip("\n").split("\n"), "", ""]),
+        _insert_before(
+            lines,
+            readers[0] if readers else loop,
+            [
+                "# Non-reentrant activation checkpointing allows one unpack of each saved tensor, and the backend's",
+                "# backward op unpacks ctx.saved_tensors at every ring step: unpack them once and hand the op a view.",
+                f"saved_tensors = {ctx_name}.saved_tensors",
+                f"op_ctx = {RING_CTX_CLASS}({ctx_name}, saved_tensors)",
+            ]
+            + ([] if readers else [""]),
+        ),
+    ]
+    edits += _replace_spans(lines, spans, "saved_tensors")
+    edits += _replace_spans(lines, [(first.lineno - 1, first.col_offset, first.end_col_offset or first.col_offset)], "op_ctx")
+    return edits
+
+
 _EDITORS = {
     UpstreamDefect.DKV_DIRECTION: _direction_edits,
     UpstreamDefect.MASK_NOT_ROTATED: _mask_edits,
     UpstreamDefect.STALE_KV: _stale_kv_edits,
     UpstreamDefect.DOUBLE_TRANSPOSE: _double_transpose_edits,
+    UpstreamDefect.SAVED_PER_STEP: _saved_once_edits,
 }
 
 

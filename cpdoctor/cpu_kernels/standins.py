@@ -37,7 +37,10 @@ import torch
 
 from cpdoctor.vocabulary import ALL, HALF, DType
 
-__all__ = ["install", "uninstall", "installed", "flash_attn_path", "activate", "ATEN_OPS", "FLASH_ATTN_VERSION"]
+__all__ = ["install", "uninstall", "installed", "flash_attn_path", "activate", "ATEN_OPS", "EMULATED_BACKENDS", "FLASH_ATTN_VERSION"]
+
+EMULATED_BACKENDS = ("_native_flash", "_native_cudnn", "flash")
+"""The diffusers backends whose CUDA kernels these stand-ins take the place of (aten flash, aten cuDNN, flash-attn 2)."""
 
 FLASH_ATTN_VERSION = "2.6.3+cpdoctor.standin"
 """What `importlib.metadata.version("flash_attn")` says with the stand-in on sys.path (diffusers requires >= 2.6.3)."""

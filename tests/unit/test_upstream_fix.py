@@ -21,7 +21,7 @@ from cpdoctor.compat.upstream_fix import (
     repo_path,
 )
 from cpdoctor.examinations.attention.request import AttentionRequest
-from cpdoctor.examinations.attention.upstream import CaseCheck, Verification, defects_of, issue_section, with_section
+from cpdoctor.examinations.attention.upstream import CaseCheck, FixBackends, Verification, defects_of, issue_section, with_section
 from cpdoctor.examinations.judging import judge_row
 from cpdoctor.report import Finding, TensorRow, Verdict
 
@@ -155,8 +155,66 @@ def test_stale_kv_is_seen_and_refused_with_why():
     stale = RING.replace("ctx.backward_op(ctx, grad_out, query=query, key=key, value=value)", "ctx.backward_op(ctx, grad_out)")
     assert stale != RING
     assert present(planted(stale), UpstreamDefect.STALE_KV) and not present(planted(), UpstreamDefect.STALE_KV)
-    with pytest.raises(FixRefused, match="no minimal fix in the ring"):
+    with pytest.raises(FixRefused, match="no minimal fix in the ring") as refused:
         make_fix(planted(stale), (UpstreamDefect.STALE_KV,))
+    assert "upgrade to diffusers 0.40.0 or later" in str(refused.value)  # the release that fixed it (docs/FACTS.md)
+
+
+def _patched_ring(text: str) -> type:
+    """The patched source's TemplatedRingAttention class, executed alone (it needs torch and funcol at call
+    time), with the K/V all-gather answered locally (no process group)."""
+    import types
+
+    import torch
+
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "TemplatedRingAttention")
+    namespace = {
+        "torch": torch,
+        "funcol": types.SimpleNamespace(all_gather_tensor=lambda t, gather_dim, group: torch.cat([t, t], dim=gather_dim)),
+    }
+    code = "from __future__ import annotations\n" + ast.get_source_segment(text, cls)
+    exec(compile(code, "attention_dispatch.py", "exec"), namespace)  # noqa: S102 - the patched class under test
+    return namespace["TemplatedRingAttention"]
+
+
+def test_the_mask_fix_refuses_a_mask_it_cannot_rotate_with_a_message():
+    """The patched ring takes a key-only mask (B, 1, 1, S_local) and refuses one over query positions, in its
+    own words, before its ring loop runs an op."""
+    pytest.importorskip("diffusers")
+    import types
+
+    import torch
+
+    from cpdoctor.compat.upstream_fix import MASK_MESSAGE
+
+    source = dispatch_source()
+    if not present(source, M):
+        pytest.skip("the installed ring has no unrotated mask to fix")
+    ring = _patched_ring(make_fix(source, (M,)).patched)
+    cp = types.SimpleNamespace(_ring_mesh=types.SimpleNamespace(get_group=lambda: None), _ring_local_rank=0, ring_degree=2)
+    config = types.SimpleNamespace(context_parallel_config=cp)
+    b, s_local, h, d = 2, 8, 2, 4
+    q = k = v = torch.zeros(b, s_local, h, d)
+
+    class OpReached(Exception):
+        pass
+
+    def forward_op(*args, **kwargs):
+        raise OpReached
+
+    def run(mask):
+        ctx = types.SimpleNamespace()
+        ring.forward(ctx, q, k, v, mask, 0.0, False, None, False, False, forward_op, None, config)
+
+    with pytest.raises(OpReached):
+        run(torch.ones(b, 1, 1, s_local, dtype=torch.bool))  # the shape it supports reaches the op
+    with pytest.raises(OpReached):
+        run(torch.ones(b, h, 1, s_local, dtype=torch.bool))
+    for shape in ((b, 1, s_local, s_local), (b, 1, 2 * s_local, 2 * s_local), (b, s_local), (b, 1, 1, 2 * s_local)):
+        with pytest.raises(ValueError) as refused:
+            run(torch.ones(*shape, dtype=torch.bool))
+        said = str(refused.value)
+        assert said.startswith(MASK_MESSAGE[0]) and f"got {shape} with {s_local} local keys" in said, said
 
 
 def test_double_transpose_drops_the_second_transpose_of_saved_k_v():
@@ -250,6 +308,62 @@ def test_the_cases_a_fix_is_verified_on():
     masked = AttentionRequest(ring=3, seq=513, mask_pad=40).to_dict()
     layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(masked, (M,))]
     assert layouts == [(3, 1, 40), (2, 1, 0), (1, 2, 0)]
+    # the mask fix: the FAIL's own case again on every other backend it is verified on (stand-ins in bf16)
+    backends = FixBackends((("cpdoctor_cpu", False), ("_native_cudnn", True)), (("flash", "its CP path takes no mask"),))
+    extra = [(c["backend"], c["emulate"], c["dtype"], c["mask_pad"]) for c in _cases(masked, (M,), backends)][3:]
+    assert extra == [("_native_cudnn", True, "bf16", 40)]
+
+
+def test_the_backends_the_mask_fix_is_verified_on(monkeypatch):
+    """On a CPU: the FAIL's own, the CPU backend and each stand-in backend whose CP path takes a mask (read in
+    diffusers' own code); every other CP backend is listed with diffusers' reason; on a GPU the FAIL's own only."""
+    pytest.importorskip("diffusers")
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.examinations.attention.upstream import _backend_lines, fix_backends
+
+    on_cpu = fix_backends("cpdoctor_cpu", False, on_cpu=True)
+    assert on_cpu.verified[0] == ("cpdoctor_cpu", False)
+    for name in ("_native_flash", "_native_cudnn", "flash"):
+        refusal = compat.ring_mask_refusal(name)
+        assert ((name, True) in on_cpu.verified) is (refusal is None)
+        assert any(n == name and refusal.message.rstrip(".") in why for n, why in on_cpu.not_verified) is (refusal is not None)
+    named = {n for n, _ in on_cpu.verified} | {n for n, _ in on_cpu.not_verified}
+    cp = {n for n in compat.registered_backend_names() if compat.is_cp_registered(n)}
+    assert cp <= named and len(named) == len(on_cpu.verified) + len(on_cpu.not_verified)
+    on_gpu = fix_backends("_native_cudnn", False, on_cpu=False)
+    assert on_gpu.verified == (("_native_cudnn", False),)
+    lines = "\n".join(_backend_lines(on_cpu))
+    assert "The mask part was verified on: `cpdoctor_cpu`" in lines and "Not verified on:" in lines
+    # without a mask (the checkpointing fix) a backend that refuses masks is verified too; one without an LSE never
+    unmasked = fix_backends("cpdoctor_cpu", False, on_cpu=True, masked=False)
+    for name in ("_native_flash", "_native_cudnn", "flash"):
+        refusal = compat.ring_mask_refusal(name)
+        assert ((name, True) in unmasked.verified) is (refusal is None or not refusal.no_lse)
+    assert "The fix was verified on: `cpdoctor_cpu`" in "\n".join(_backend_lines(unmasked))
+
+
+def test_a_backend_that_refuses_a_mask_says_so_in_its_own_code(monkeypatch):
+    from cpdoctor.compat import diffusers as compat
+
+    def refusing(query, key, value, attn_mask=None, return_lse=False, _parallel_config=None):
+        if attn_mask is not None:
+            raise ValueError("`attn_mask` is not supported for this kernel.")
+        return query
+
+    def no_lse(query, key, value, attn_mask=None, return_lse=False, _parallel_config=None):
+        if return_lse:
+            raise ValueError("no LSE here")
+        if attn_mask is not None and query is None:
+            raise ValueError("not a refusal of the mask alone")
+        return query
+
+    expected_refusals = (
+        (refusing, compat.BackendRefusal(False, "`attn_mask` is not supported for this kernel.")),
+        (no_lse, compat.BackendRefusal(True, "no LSE here")),
+    )
+    for fn, expected in expected_refusals:
+        monkeypatch.setattr(compat, "backend_function", lambda name, fn=fn: fn)
+        assert compat.ring_mask_refusal("x") == expected
 
 
 @pytest.mark.parametrize(
@@ -271,3 +385,102 @@ def test_the_repro_on_the_patched_copy_decides(monkeypatch, returncode, stdout, 
     assert (reason in result.reason) if reason else result.reason == ""
     if not reason:
         assert result.repro_after == {"out": 4.1e-07, "dk": 4.2e-07}
+
+
+S = UpstreamDefect.SAVED_PER_STEP
+UNPACKED_TWICE = (
+    'Traceback (most recent call last):\n  File "/site/diffusers/models/attention_dispatch.py", line 2506, in backward\n'
+    "    grad_query_op, grad_key_op, grad_value_op, *_ = ctx.backward_op(\n"
+    "torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Unpack is being triggered for a tensor that was "
+    "already unpacked once. If you are calling ctx.saved_tensors in backward, make sure to do so only once."
+)
+
+
+def test_saved_once_fix_unpacks_once_and_hands_the_op_a_view_of_the_ctx():
+    fix = make_fix(planted(), (S,))
+    tree = ast.parse(fix.patched)
+    names = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert names == ["_RingBackwardCtx", "TemplatedRingAttention"]  # the view's class just before the ring's
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TemplatedRingAttention")
+    backward = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "backward")
+    text = ast.unparse(backward)
+    assert text.count("ctx.saved_tensors") == 1 and "op_ctx = _RingBackwardCtx(ctx, saved_tensors)" in text
+    assert "ctx.backward_op(op_ctx, grad_out, query=query, key=key, value=value)" in text
+    loop = next(n for n in backward.body if isinstance(n, ast.For))
+    assert "saved_tensors" not in ast.unparse(loop).replace("op_ctx", "")  # unpacked before the ring loop
+    # the forward and every backend op are untouched: only the ring's backward and the new class change
+    removed = [ln[1:].strip() for ln in fix.diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    assert removed == ["grad_query_op, grad_key_op, grad_value_op, *_ = ctx.backward_op(ctx, grad_out, query=query, key=key, value=value)"]
+
+
+def test_the_view_reads_and_writes_through_to_the_ctx_but_holds_the_tensors_unpacked_once():
+    from cpdoctor.compat.upstream_fix import RING_CTX_SOURCE
+
+    namespace: dict = {}
+    exec(RING_CTX_SOURCE, namespace)  # noqa: S102 - the class the diff adds
+    ctx = type("Ctx", (), {})()
+    ctx.attn_mask, ctx.scale = "mask", 0.5
+    view = namespace["_RingBackwardCtx"](ctx, ("q", "k", "v"))
+    assert view.saved_tensors == ("q", "k", "v") and view.attn_mask == "mask" and view.scale == 0.5
+    view.max_q = 7  # an op that writes to its ctx writes to the autograd ctx
+    ctx.attn_mask = "the chunk's mask"  # and sees what the ring sets on the ctx at each step
+    assert ctx.max_q == 7 and view.attn_mask == "the chunk's mask" and not hasattr(ctx, "saved_tensors")
+
+
+def test_saved_once_fix_rewrites_the_rings_own_unpack_and_refuses_other_shapes():
+    own_unpack = RING.replace(
+        "        for i in range(world_size):\n            grad_query_op",
+        "        query, key, value, *_ = ctx.saved_tensors\n        for i in range(world_size):\n            grad_query_op",
+    )
+    assert own_unpack != RING
+    fix = make_fix(planted(own_unpack), (S,))
+    backward = ast.unparse(next(n for n in ast.walk(ast.parse(fix.patched)) if isinstance(n, ast.FunctionDef) and n.name == "backward"))
+    assert "query, key, value, *_ = saved_tensors" in backward and backward.count("ctx.saved_tensors") == 1
+    in_loop = RING.replace(
+        "            grad_query_op, grad_key_op", "            q = ctx.saved_tensors[0]\n            grad_query_op, grad_key_op"
+    )
+    with pytest.raises(FixRefused, match="reads ctx.saved_tensors itself"):
+        make_fix(planted(in_loop), (S,))
+    no_ctx = RING.replace("ctx.backward_op(ctx, grad_out,", "ctx.backward_op(other, grad_out,")
+    with pytest.raises(FixRefused, match="autograd ctx as its first argument"):
+        make_fix(planted(no_ctx), (S,))
+    with pytest.raises(FixRefused, match="already has a class _RingBackwardCtx"):
+        make_fix(planted(fix.patched), (S,))
+
+
+def test_the_installed_ring_backward_gets_the_saved_once_fix():
+    pytest.importorskip("diffusers")
+    source = dispatch_source()
+    assert present(source, S)  # every release with ring CP hands its op the autograd ctx once per ring step
+    fix = make_fix(source, (S,))
+    assert apply_diff(source.text, fix.diff) == fix.patched and not present(SourceFile(source.path, REPO, fix.patched), S)
+
+
+def test_the_defects_behind_the_rings_crash_under_checkpointing():
+    from cpdoctor.report.findings import FailureEvidence
+
+    ring2 = AttentionRequest(ring=2, checkpointing=True).to_dict()
+    crash = Finding("x", Verdict.CRASH, "rank 0 raised", failure=FailureEvidence(tracebacks={0: UNPACKED_TWICE, 1: UNPACKED_TWICE}))
+    assert defects_of(ring2, crash) == (S,)
+    # the verification runs ring 3 and 4 with checkpointing: the direction fix joins where the source shows it
+    assert defects_of(ring2, crash, has=lambda d: d is D) == (D, S)
+    assert UpstreamDefect.STALE_KV in defects_of(ring2, crash, has=lambda d: d is UpstreamDefect.STALE_KV)  # refused: no diff
+    other = Finding("x", Verdict.CRASH, "rank 0 raised", failure=FailureEvidence(tracebacks={0: "RuntimeError: something else"}))
+    assert defects_of(ring2, other, has=lambda d: True) == ()
+    assert defects_of(AttentionRequest(ring=2).to_dict(), crash, has=lambda d: True) == ()  # not a checkpointing run
+
+
+def test_the_cases_the_saved_once_fix_is_verified_on():
+    from cpdoctor.examinations.attention.upstream import _cases
+
+    ring2 = AttentionRequest(ring=2, checkpointing=True).to_dict()
+    cases = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (D, S))]
+    assert cases[0] == (2, 1, True)  # the crash's own case first
+    for ring in (2, 3, 4):
+        assert (ring, 1, True) in cases and (ring, 1, False) in cases  # with and without checkpointing
+    assert (1, 2, True) in cases and (1, 2, False) in cases and len(cases) == len(set(cases)) == 8
+    alone = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (S,))]
+    assert alone == [(2, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)]
+    backends = FixBackends((("cpdoctor_cpu", False), ("_native_flash", True)), (), masked=False)
+    extra = [(c["backend"], c["emulate"], c["dtype"], c["checkpointing"]) for c in _cases(ring2, (S,), backends)][4:]
+    assert extra == [("_native_flash", True, "bf16", True)]  # the crash's own case through each other backend

@@ -25,7 +25,7 @@ from cpdoctor.vocabulary import DType
 
 CPU_BACKEND = "cpdoctor_cpu"
 
-SCRIPT = '''"""Reproduction: diffusers context-parallel attention gives wrong results ({title}).
+SCRIPT = '''"""Reproduction: diffusers context-parallel attention {what} ({title}).
 
 Run with {world} processes:  torchrun --nproc-per-node {world} {filename}
 CPU: gloo (no GPU needed). GPU: NCCL, one GPU per process. Needs only torch and diffusers.
@@ -36,6 +36,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 
 from diffusers.models import attention_dispatch
@@ -47,6 +48,8 @@ DTYPE = {dtype}
 B, S, H, D = {batch}, {seq}, {heads}, {head_dim}
 SEED, MASK_PAD = {seed}, {mask_pad}
 TOLERANCE = {tolerance!r}  # per tensor: 2 x the same kernel's error without CP + eps (flash-attn's own rule)
+CHECKPOINTING = {checkpointing!r}  # run the CP attention inside torch's non-reentrant activation checkpointing
+SAME = 8 * torch.finfo(DTYPE).eps  # checkpointing recomputes the same forward: its results may differ by rounding only
 
 {ops}
 
@@ -97,31 +100,51 @@ def main():
     def shard(x):  # what diffusers' model hooks do with the sequence dimension
         return x.chunk(world, dim=1)[flat].to(device)
 
-    q, k, v = (shard(inputs[n]).requires_grad_(True) for n in ("q", "k", "v"))
     mask = None if inputs["mask"] is None else inputs["mask"].chunk(world, dim=-1)[flat].to(device)
-    if BACKEND == {cpu_backend!r}:
-        out = attention_dispatch._templated_context_parallel_attention(
-            q, k, v, mask, 0.0, False, None, False, False, forward_op=forward_op, backward_op=backward_op, _parallel_config=config
-        )
-    else:
-        out = attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=BACKEND, parallel_config=config)
-    out.backward(shard(inputs["grad_out"]))
-    mine = {{"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}}
+
+    def attend(q, k, v):
+        if BACKEND == {cpu_backend!r}:
+            return attention_dispatch._templated_context_parallel_attention(
+                q, k, v, mask, 0.0, False, None, False, False, forward_op=forward_op, backward_op=backward_op, _parallel_config=config
+            )
+        return attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=BACKEND, parallel_config=config)
+
+    def run(checkpointing):
+        q, k, v = (shard(inputs[n]).requires_grad_(True) for n in ("q", "k", "v"))
+        if checkpointing:  # as diffusers' enable_gradient_checkpointing() runs a block
+            out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+        else:
+            out = attend(q, k, v)
+        out.backward(shard(inputs["grad_out"]))
+        return {{"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}}
+
+    try:
+        mine = run(CHECKPOINTING)
+    except Exception as exc:
+        print(f"rank {{rank}}: REPRODUCED: {{type(exc).__name__}}: {{str(exc).splitlines()[0]}}", flush=True)
+        raise
+    plain = run(False) if CHECKPOINTING else None
     everyone = [None] * world
-    dist.all_gather_object(everyone, (flat, mine))
+    dist.all_gather_object(everyone, (flat, mine, plain))
     if rank == 0:
         ref = reference(inputs)
         everyone.sort(key=lambda item: item[0])
-        print(f"diffusers CP attention, ring {{RING}} x ulysses {{ULYSSES}}, backend {{BACKEND}}, {{DTYPE}}, B{{B}} S{{S}} H{{H}} D{{D}}, mask_pad {{MASK_PAD}}")
-        print(f"{{'tensor':>6}} {{'rel L2 err':>12}}  per rank")
+        print(f"diffusers CP attention, ring {{RING}} x ulysses {{ULYSSES}}, backend {{BACKEND}}, {{DTYPE}}, B{{B}} S{{S}} H{{H}} D{{D}}, mask_pad {{MASK_PAD}}" + (", non-reentrant activation checkpointing" if CHECKPOINTING else ""))
+        print(f"{{'tensor':>6}} {{'rel L2 err':>12}}  per rank" + ("  (rel diff from the same run without checkpointing)" if CHECKPOINTING else ""))
         wrong = []
         for name in ("out", "dq", "dk", "dv"):
-            whole = rel_err(torch.cat([t[name] for _, t in everyone], dim=1), ref[name])
+            whole = rel_err(torch.cat([t[name] for _, t, _ in everyone], dim=1), ref[name])
             shards = ref[name].chunk(world, dim=1)
-            per_rank = [rel_err(t[name], shards[f]) for f, t in everyone]
-            print(f"{{name:>6}} {{whole:12.4e}}  " + " ".join(f"{{e:.3e}}" for e in per_rank))
-            if not whole <= TOLERANCE[name]:
+            per_rank = [rel_err(t[name], shards[f]) for f, t, _ in everyone]
+            line = f"{{name:>6}} {{whole:12.4e}}  " + " ".join(f"{{e:.3e}}" for e in per_rank)
+            if name in TOLERANCE and not whole <= TOLERANCE[name]:
                 wrong.append(name)
+            if CHECKPOINTING:
+                apart = rel_err(torch.cat([t[name] for _, t, _ in everyone], dim=1), torch.cat([p[name] for _, _, p in everyone], dim=1).double())
+                line += f"  ({{apart:.1e}})"
+                if not apart <= SAME:
+                    wrong.append(f"{{name}} (differs with checkpointing)")
+            print(line)
         print("REPRODUCED: " + ", ".join(wrong) + " outside tolerance" if wrong else "NOT REPRODUCED: every tensor within tolerance")
     dist.barrier()
     dist.destroy_process_group()
@@ -180,10 +203,17 @@ def _ops_source() -> str:
     return "from typing import Any\n\n\n" + "\n\n".join(parts)
 
 
-def _failing(report: Report) -> Any:
-    finding = next((f for f in report.findings if f.verdict is Verdict.FAIL and f.tensors), None)
+def _reproducible(report: Report) -> Any:
+    """The report's first op-level FAIL with measured tensors, or its CRASH of the ring under checkpointing."""
+
+    from cpdoctor.examinations.attention.upstream import checkpointing_crash
+
+    def first(findings: list[Any]) -> Any:
+        return next((f for f in findings if (f.verdict is Verdict.FAIL and f.tensors) or checkpointing_crash(f)), None)
+
+    finding = first(report.findings)
     if finding is None and report.before is not None:
-        finding = next((f for f in report.before.findings if f.verdict is Verdict.FAIL and f.tensors), None)
+        finding = first(report.before.findings)
     return finding
 
 
@@ -191,14 +221,18 @@ def write_repro(report: Report, directory: str, command: str, fix_timeout_s: flo
     """Write `repro.py` and `ISSUE.md` for the report's (first) op-level FAIL into `directory`; returns the
     paths, or [] when there is no op-level FAIL to reproduce. With `fix_timeout_s`, also the upstream fix
     (`fix.diff`, written only once verified on a patched copy, each launch within that timeout: upstream.py);
-    the outcome goes to `report.upstream_fix`."""
-    finding = _failing(report)
+    the outcome goes to `report.upstream_fix`. A CRASH of the ring backward under `--checkpointing`
+    is reproduced the same way: the script runs the CP attention inside non-reentrant checkpointing."""
+    finding = _reproducible(report)
     req = report.request
     if finding is None or not isinstance(req, AttentionRequest):
         return []
-    backend = report.environment.backend or req.backend
+    backend = _resolved_backend(req, report.environment.backend)
     layout = " × ".join(p for p in (f"ring {req.ring}" if req.ring > 1 else "", f"Ulysses {req.ulysses}" if req.ulysses > 1 else "") if p)
-    title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if t.failed)} wrong under {layout}"
+    if finding.verdict is Verdict.CRASH:
+        title = f"CheckpointError in the backward of {layout} under non-reentrant activation checkpointing"
+    else:
+        title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if t.failed)} wrong under {layout}"
     os.makedirs(directory, exist_ok=True)
     script = os.path.join(directory, "repro.py")
     with open(script, "w") as fh:
@@ -211,7 +245,7 @@ def write_repro(report: Report, directory: str, command: str, fix_timeout_s: flo
     if fix_timeout_s is not None:
         from cpdoctor.examinations.attention import upstream
 
-        outcome = upstream.propose(report, finding, directory, script, fix_timeout_s)
+        outcome = upstream.propose(report, finding, directory, script, fix_timeout_s, backend)
         report.upstream_fix = UpstreamFixOutcome(outcome.diff_path is not None, outcome.message, outcome.diff_path)
         if outcome.section:
             with open(issue_path, "w") as fh:
@@ -221,18 +255,36 @@ def write_repro(report: Report, directory: str, command: str, fix_timeout_s: flo
     return paths
 
 
+def _resolved_backend(req: AttentionRequest, measured: str | None) -> str:
+    """The backend the ranks ran: the one the measurement names or, when none came back to say so (a CRASH),
+    `auto` resolved here as the ranks resolve it (the script must name a real backend)."""
+    if measured and measured != "auto":
+        return measured
+    if req.backend != "auto":
+        return req.backend
+    import torch
+
+    from cpdoctor.examinations.attention.probe import select_backend
+
+    cuda = req.device == "cuda" or (req.device == "auto" and torch.cuda.is_available())
+    name, _ = select_backend(req, torch.device("cuda" if cuda else "cpu"))
+    return name
+
+
 def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:
     """The repro script: the same inputs, diffusers' own CP attention, the same errors printed."""
     ops = _ops_source() if backend == CPU_BACKEND else "forward_op = backward_op = None  # the backend's own ops are used"
     return SCRIPT.format(
         **dict(
             req,
+            what="crashes" if finding.verdict is Verdict.CRASH else "gives wrong results",
             backend=backend,
             dtype=f"torch.{DType(req['dtype']).torch_name}",
             world=req["ring"] * req["ulysses"],
             title=title,
             tolerance={n: t.tolerance for n, t in finding.tensors.items()},
             ops=ops,
+            checkpointing=bool(req.get("checkpointing")),
             cpu_backend=CPU_BACKEND,
             filename="repro.py",
         )
@@ -240,19 +292,17 @@ def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:
 
 
 def _issue(report: Report, finding: Any, backend: str, title: str, layout: str, command: str) -> str:
-    """The bug report in diffusers' shape: what is wrong, how to reproduce it, the figures, the system."""
+    """The bug report in diffusers' shape: what is wrong, how to reproduce it, the figures (or the crash), the
+    system."""
     req, env = report.request, report.environment
     assert isinstance(req, AttentionRequest)  # write_repro's check
+    if finding.verdict is Verdict.CRASH:
+        return _crash_issue(report, finding, backend, title, layout, command)
     rows = "\n".join(
         f"| {TENSOR_LABELS.get(n, n)} | {t.rel_err:.3e} | {t.tolerance:.2e} | {t.verdict.value} |" for n, t in finding.tensors.items()
     )
     baseline = ", ".join(
         f"{TENSOR_LABELS.get(n, n)} {t.baseline_rel_err:.1e}" for n, t in finding.tensors.items() if t.baseline_rel_err is not None
-    )
-    system = "\n".join(
-        f"- {k}: {v}"
-        for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend")
-        if (v := getattr(env, k)) is not None
     )
     return ISSUE.format(
         title=title,
@@ -269,14 +319,98 @@ def _issue(report: Report, finding: Any, backend: str, title: str, layout: str, 
         mask=f", last {req.mask_pad} keys masked" if req.mask_pad else "",
         rows=rows,
         baseline=baseline or "–",
-        system=system,
+        system=_system(env),
         command=finding.command or command,
         remedy=finding.remedy or "–",
-        backend_note=(
-            f"\n`{CPU_BACKEND}` is torch's fused CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) in diffusers' op "
-            "contract; the script carries its ops and calls diffusers' own `_templated_context_parallel_attention` with them, so what "
-            "it shows lives in the CP template, not in the kernel.\n"
-            if backend == CPU_BACKEND
-            else ""
-        ),
+        backend_note=_backend_note(backend),
+    )
+
+
+def _system(env: Any) -> str:
+    """The issue's System Info lines: what the examination ran on."""
+    return "\n".join(
+        f"- {k}: {v}"
+        for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend")
+        if (v := getattr(env, k)) is not None
+    )
+
+
+def _backend_note(backend: str) -> str:
+    """For cpdoctor's CPU backend: why what the repro shows lives in diffusers' template, not in the kernel."""
+    if backend != CPU_BACKEND:
+        return ""
+    return (
+        f"\n`{CPU_BACKEND}` is torch's fused CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) in diffusers' op "
+        "contract; the script carries its ops and calls diffusers' own `_templated_context_parallel_attention` with them, so what "
+        "it shows lives in the CP template, not in the kernel.\n"
+    )
+
+
+CRASH_ISSUE = """### Describe the bug
+
+{title}: with context parallelism ({layout}, backend `{backend}`, {dtype}) inside torch's non-reentrant activation
+checkpointing (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which `enable_gradient_checkpointing()`
+uses for every transformer block, and torch's `checkpoint_wrapper` in FSDP trainers), the backward of diffusers' ring
+attention raises, so no training step with ring CP and gradient checkpointing completes.
+
+Root cause as measured: {diagnosis}
+{backend_note}
+### Reproduction
+
+Save the attached `{filename}` and run it with {world} processes (CPU with gloo is enough; on GPUs it uses NCCL):
+
+```bash
+torchrun --nproc-per-node {world} {filename}
+```
+
+It builds seeded inputs (B{batch} S{seq} H{heads} D{head_dim}{mask}), shards the sequence as the model hooks do and
+runs diffusers' CP attention forward and backward inside `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`;
+where that completes, it compares the result with the same run without checkpointing and with an fp64
+full-sequence reference.
+
+### Logs
+
+```
+{traceback}
+```
+
+Expected: the backward completes, with the same gradients as the same run without checkpointing.
+
+### System Info
+
+{system}
+
+- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
+
+### Who can help?
+
+The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
+"""
+
+
+def _crash_issue(report: Report, finding: Any, backend: str, title: str, layout: str, command: str) -> str:
+    """The bug report of the ring's crash under checkpointing: the traceback's tail instead of a tensor table."""
+    req, env = report.request, report.environment
+    assert isinstance(req, AttentionRequest)
+    tracebacks = finding.failure.tracebacks
+    first = tracebacks[min(tracebacks)] if tracebacks else finding.diagnosis
+    tail = "\n".join(first.strip().splitlines()[-12:])
+    return CRASH_ISSUE.format(
+        title=title,
+        layout=layout,
+        backend=backend,
+        dtype=req.dtype,
+        diagnosis=finding.diagnosis,
+        backend_note=_backend_note(backend),
+        filename="repro.py",
+        world=req.ring * req.ulysses,
+        batch=req.batch,
+        seq=req.seq,
+        heads=req.heads,
+        head_dim=req.head_dim,
+        mask=f", last {req.mask_pad} keys masked" if req.mask_pad else "",
+        traceback=tail,
+        system=_system(env),
+        command=finding.command or command,
+        remedy=finding.remedy or "–",
     )

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpdoctor.compat.diffusers import BackendRefusal
 from cpdoctor.compat.upstream_fix import (
     FixRefused,
     UpstreamDefect,
@@ -30,6 +31,7 @@ from cpdoctor.compat.upstream_fix import (
 )
 from cpdoctor.errors import BadInput
 from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
+from cpdoctor.vocabulary import HALF, DType
 
 TENSORS = ("out", "dq", "dk", "dv")
 GUARD = ((2, 1), (1, 2))
@@ -49,11 +51,35 @@ class CaseCheck:
     after: dict[str, float]
     before: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    backend: str = ""
+    """Set for a case run on another backend than the FAIL's (the mask fix's other backends)."""
+    emulated: bool = False
+    checkpointing: bool = False
+    crashed_before: bool = False
+    """The FAIL's own case, which crashed on the installed code (no errors before)."""
 
     @property
     def label(self) -> str:
         parts = [f"ring {self.ring}" if self.ring > 1 else "", f"Ulysses {self.ulysses}" if self.ulysses > 1 else ""]
-        return " × ".join(p for p in parts if p) + (f", last {self.mask_pad} keys masked" if self.mask_pad else "")
+        label = " × ".join(p for p in parts if p) + (f", last {self.mask_pad} keys masked" if self.mask_pad else "")
+        label += ", checkpointing" if self.checkpointing else ""
+        if self.backend:
+            label += f", `{self.backend}`" + (" (CPU stand-in)" if self.emulated else "")
+        return label
+
+
+@dataclass(frozen=True)
+class FixBackends:
+    """Where a fix whose contract is per backend (the mask's, the checkpointing's) is verified: the backends whose
+    ring runs here and takes what the case hands it (the FAIL's own, the CPU backend, the CUDA backends whose CPU
+    stand-in keeps the kernel's contract), and every other CP-registered backend with why it was not."""
+
+    verified: tuple[tuple[str, bool], ...]
+    """(backend, emulated) pairs, the FAIL's own first."""
+    not_verified: tuple[tuple[str, str], ...]
+    """(backend, why) pairs."""
+    masked: bool = True
+    """Verified for the mask fix (a backend that refuses a mask cannot show it)."""
 
 
 @dataclass
@@ -66,6 +92,9 @@ class Verification:
     repro_after: dict[str, float] = field(default_factory=dict)
     cases: list[CaseCheck] = field(default_factory=list)
     wall_s: float = 0.0
+    backends: FixBackends | None = None
+    crashed_before: str = ""
+    """"CRASH" when the FAIL's own case crashed on the installed code (no errors before it), "" otherwise."""
 
 
 @dataclass
@@ -90,6 +119,8 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     from cpdoctor.examinations.judging import diagnose
 
     r = SimpleNamespace(**req)
+    if finding.verdict is Verdict.CRASH:
+        return _crash_defects(r, finding, has)
     sig = judge.signature(r, getattr(finding.evidence, "facts", None), finding.tensors)
     spoken = diagnose(judge.RULES, sig)[2]
     rule_of = {
@@ -108,8 +139,35 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     return tuple(d for d in UpstreamDefect if d in found)
 
 
-def propose(report: Any, finding: Finding, directory: str, script: str, timeout_s: float) -> UpstreamOutcome:
-    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL; the outcome says what happened."""
+def checkpointing_crash(finding: Any) -> bool:
+    """Is this CRASH the ring backward's under non-reentrant checkpointing (the judge's signature object, matched
+    against the finding's own tracebacks)?"""
+    from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING
+
+    failure = getattr(finding, "failure", None)
+    if finding.verdict is not Verdict.CRASH or failure is None:
+        return False
+    return RING_UNDER_CHECKPOINTING.matches("\n".join(failure.tracebacks.values()))
+
+
+def _crash_defects(r: Any, finding: Finding, has: Any) -> tuple[UpstreamDefect, ...]:
+    """The defects behind a CRASH: the ring backward's under checkpointing, and the known ones the verification
+    runs through where the installed source shows them: a stale-K/V backward (no fix: the refusal says so), the
+    dK/dV direction (the verification checks ring 3 and 4 with checkpointing, so the diffs are combined) and the
+    mask under a masked ring."""
+    if not (getattr(r, "checkpointing", False) and r.ring > 1 and checkpointing_crash(finding)):
+        return ()
+    found = [UpstreamDefect.SAVED_PER_STEP]
+    if has is not None:
+        found += [d for d in (UpstreamDefect.STALE_KV, UpstreamDefect.DKV_DIRECTION) if has(d)]
+        if r.mask_pad and has(UpstreamDefect.MASK_NOT_ROTATED):
+            found.append(UpstreamDefect.MASK_NOT_ROTATED)
+    return tuple(d for d in UpstreamDefect if d in found)
+
+
+def propose(report: Any, finding: Finding, directory: str, script: str, timeout_s: float, backend: str = "") -> UpstreamOutcome:
+    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL (`backend`: the one repro.py runs);
+    the outcome says what happened."""
     from cpdoctor.launch import under_torchrun
 
     req = report.request.to_dict()  # the plain fields defects_of and the launches read
@@ -125,7 +183,8 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
         return UpstreamOutcome(
             None, "no fix.diff: under torchrun cpdoctor cannot launch the patched copy's ranks to verify it; run without torchrun", fix=fix
         )
-    verification = verify(fix, req, finding, script, timeout_s)
+    backend = backend or report.environment.backend or req["backend"]
+    verification = verify(fix, req, finding, script, timeout_s, backend)
     section = issue_section(fix, verification, req)
     if not verification.verified:
         return UpstreamOutcome(None, f"fix not verified, no fix.diff written: {verification.reason}", section, fix, verification)
@@ -136,28 +195,90 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
     return UpstreamOutcome(path, f"fix verified ({names}; {verification.wall_s:.0f} s): wrote {path}", section, fix, verification)
 
 
-def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...]) -> list[dict[str, Any]]:
+def fix_backends(own: str, emulated: bool, on_cpu: bool, masked: bool = True) -> FixBackends:
+    """The backends a fix is verified on, and why each other CP-registered backend is not: on a CPU the FAIL's
+    own, cpdoctor's CPU backend and every CUDA backend with a CPU stand-in whose ring runs (a backend that has no
+    LSE for the ring, or with `masked` refuses `attn_mask`, says so in its own code: compat reads it); on a GPU
+    the FAIL's own only (no stand-ins there)."""
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.cpu_kernels import cpu_backend
+    from cpdoctor.cpu_kernels.standins import EMULATED_BACKENDS
+
+    verified: list[tuple[str, bool]] = [(own, emulated)]
+    not_verified: list[tuple[str, str]] = []
+    for name in (cpu_backend.NAME, *EMULATED_BACKENDS):
+        if name == own or not on_cpu:
+            continue
+        refusal = None if name == cpu_backend.NAME else _refusal(compat.ring_mask_refusal(name), masked)
+        if refusal:
+            not_verified.append((name, _refused(refusal)))
+        else:
+            verified.append((name, name in EMULATED_BACKENDS))
+    seen = {name for name, _ in verified} | {name for name, _ in not_verified}
+    for name in compat.registered_backend_names():
+        if name in seen or not compat.is_cp_registered(name):
+            continue
+        refusal = _refusal(compat.ring_mask_refusal(name), masked)
+        why = _refused(refusal) if refusal else "no kernel or CPU stand-in of it here"
+        not_verified.append((name, why if on_cpu or refusal else "the verification runs on the FAIL's backend only on a GPU"))
+    return FixBackends(tuple(verified), tuple(not_verified), masked)
+
+
+def _refusal(refusal: BackendRefusal | None, masked: bool) -> BackendRefusal | None:
+    """A backend's refusal that matters here: no LSE always, a refused mask only for a masked case."""
+    return refusal if refusal is not None and (masked or refusal.no_lse) else None
+
+
+def _refused(refusal: BackendRefusal) -> str:
+    """Why a backend cannot show the fix, in diffusers' own words."""
+    what = "it runs no ring (the ring needs an LSE)" if refusal.no_lse else "its CP path takes no mask"
+    return f"{what}: diffusers says “{refusal.message.rstrip('.')}”"
+
+
+def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: FixBackends | None = None) -> list[dict[str, Any]]:
     """The layouts to examine on the patched copy: the FAIL's own case first, then ring 2–4 for the direction,
-    then the guard; duplicates dropped."""
+    then the guard, then (mask and checkpointing fixes) the FAIL's own case on each other backend the fix is
+    verified on (the CUDA kernels' stand-ins take half precision only: bf16 there when the FAIL's dtype is not);
+    duplicates dropped."""
     own = dict(req, patch=False)
     layouts = [own]
     if UpstreamDefect.DKV_DIRECTION in defects:
         layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None) for r in DIRECTION_RINGS]
-    layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None) for r, u in GUARD]
+    if UpstreamDefect.SAVED_PER_STEP in defects:  # with and without checkpointing, on every ring the diff fixes
+        rings = DIRECTION_RINGS if UpstreamDefect.DKV_DIRECTION in defects else (own["ring"],)
+        layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None, checkpointing=c) for r in rings for c in (True, False)]
+        layouts += [dict(own, ring=1, ulysses=2, mask_pad=0, seq=None, checkpointing=True)]
+    layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None, checkpointing=False) for r, u in GUARD]
+    if backends is not None:
+        for name, emulated in backends.verified[1:]:
+            dtype = own["dtype"] if not emulated or DType(own["dtype"]) in HALF else DType.BF16.value
+            layouts.append(dict(own, backend=name, emulate=emulated, dtype=dtype))
     seen, unique = set(), []
     for fields in layouts:
-        key = (fields["ring"], fields["ulysses"], fields["mask_pad"])
+        key = _case_key(fields)
         if key not in seen:
             seen.add(key)
             unique.append(fields)
     return unique
 
 
-def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float) -> Verification:
-    """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there."""
+def _case_key(fields: Any) -> tuple[Any, ...]:
+    """What tells two cases apart: the layout, the mask, the backend and whether it is emulated."""
+    get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
+    return (get("ring"), get("ulysses"), get("mask_pad"), get("backend"), bool(get("emulate")), bool(get("checkpointing")))
+
+
+def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float, backend: str = "") -> Verification:
+    """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there
+    (the mask and checkpointing fixes also on the other backends `fix_backends` names)."""
     start = time.monotonic()
     before = {n: t.rel_err for n, t in finding.tensors.items()}
     result = Verification(False, "", before)
+    if finding.verdict is Verdict.CRASH:
+        result.crashed_before = "CRASH"
+    if UpstreamDefect.MASK_NOT_ROTATED in fix.defects or UpstreamDefect.SAVED_PER_STEP in fix.defects:  # per-backend contracts
+        masked = UpstreamDefect.MASK_NOT_ROTATED in fix.defects
+        result.backends = fix_backends(backend or req["backend"], bool(req.get("emulate")), _on_cpu(req), masked)
     with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
         try:
             _patched_copy(fix, root)
@@ -165,7 +286,7 @@ def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str,
             result.reason = f"cannot apply the diff to a copy of the installed diffusers ({exc})"
             return result
         _run_repro(result, script, req["ring"] * req["ulysses"], root, timeout_s)
-        _run_cases(result, req, fix.defects, root, timeout_s)
+        _run_cases(result, req, fix.defects, root, timeout_s, backend)
     result.wall_s = time.monotonic() - start
     failed = [c.label for c in result.cases if c.verdict not in (Verdict.PASS, Verdict.UNSUPPORTED)]
     if not result.reason and failed:
@@ -212,8 +333,19 @@ def _run_repro(result: Verification, script: str, world: int, root: str, timeout
         result.reason = "repro.py on the patched copy still reproduces the FAIL"
 
 
-def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float) -> None:
-    """The examination's cases on the copy, one launch per world size."""
+def _on_cpu(req: dict[str, Any]) -> bool:
+    """Do the verification's ranks run on the CPU (where the CUDA kernels' stand-ins can stand in)?"""
+    import torch
+
+    return req["device"] == "cpu" or (req["device"] != "cuda" and not torch.cuda.is_available())
+
+
+def _run_cases(
+    result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float, backend: str = ""
+) -> None:
+    """The examination's cases on the copy, one launch per world size (a world's emulated cases first: the
+    flash-attn stand-in must be on sys.path before the ranks import diffusers; a plain case after them removes the
+    aten stand-ins again, probe.prepare_emulation)."""
     from cpdoctor import launch
     from cpdoctor.examinations import registry
     from cpdoctor.launch.jobs import Case, Job
@@ -221,14 +353,17 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
 
     entry = registry.get("attention")
     by_world: dict[int, list[Any]] = {}
-    for fields in _cases(req, defects):
+    for fields in sorted(_cases(req, defects, result.backends), key=lambda f: not f.get("emulate")):
+        other = _other_backend(fields, req)
         try:
             request = entry.prepare(entry.build_request(**fields))
         except BadInput as exc:  # e.g. heads that Ulysses 2 cannot split: that guard does not apply
-            result.cases.append(CaseCheck(fields["ring"], fields["ulysses"], fields["mask_pad"], Verdict.UNSUPPORTED, {}, note=str(exc)))
+            result.cases.append(
+                CaseCheck(fields["ring"], fields["ulysses"], fields["mask_pad"], Verdict.UNSUPPORTED, {}, note=str(exc), **other)
+            )
             continue
         by_world.setdefault(request.world_size, []).append(request)
-    own = (req["ring"], req["ulysses"], req["mask_pad"])
+    own = _case_key(req)
     with ranks_import_first(root):
         for world, requests in sorted(by_world.items()):
             cases = tuple(Case(r) for r in requests)
@@ -236,12 +371,15 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
             outcomes = ran.outcomes
             for n, request in enumerate(requests):
                 key = (request.ring, request.ulysses, request.mask_pad)
-                before = result.repro_before if key == own else {}
+                before = result.repro_before if _case_key(request) == own else {}
+                other = _other_backend(request, req)
+                if _case_key(request) == own and result.crashed_before:
+                    other["crashed_before"] = True
                 if n >= len(outcomes):
                     refused = ran.bad_input or ran.cannot_examine
                     verdict = Verdict.CRASH if refused else Verdict.HANG
                     note = f"the ranks refused: {refused}" if refused else "not examined: the launch stopped earlier"
-                    result.cases.append(CaseCheck(*key, verdict, {}, before, note))
+                    result.cases.append(CaseCheck(*key, verdict, {}, before, note, **other))
                     continue
                 outcome = outcomes[n]
                 found = (
@@ -257,8 +395,19 @@ def _run_cases(result: Verification, req: dict[str, Any], defects: tuple[Upstrea
                         {t: row.rel_err for t, row in f.tensors.items()},
                         before,
                         f.diagnosis if f.verdict is not Verdict.PASS else "",
+                        **other,
                     )
                 )
+
+
+def _other_backend(fields: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """CaseCheck's backend fields for a case on another backend than the FAIL's (none for the FAIL's own), and
+    whether it ran under checkpointing."""
+    get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
+    checkpointing = {"checkpointing": bool(get("checkpointing"))}
+    if get("backend") == req["backend"] and bool(get("emulate")) == bool(req.get("emulate")):
+        return checkpointing
+    return {"backend": get("backend"), "emulated": bool(get("emulate")), **checkpointing}
 
 
 def _fmt(value: float | None) -> str:
@@ -284,15 +433,36 @@ def issue_section(fix: UpstreamFix, v: Verification, req: dict[str, Any]) -> str
         "| tensor | before (installed) | after (patched copy) |",
         "|---|---|---|",
     ]
-    lines += [f"| {TENSOR_LABELS.get(n, n)} | {_fmt(v.repro_before.get(n))} | {_fmt(v.repro_after.get(n))} |" for n in TENSORS]
+    lines += [
+        f"| {TENSOR_LABELS.get(n, n)} | {v.crashed_before or _fmt(v.repro_before.get(n))} | {_fmt(v.repro_after.get(n))} |" for n in TENSORS
+    ]
     lines += ["", "| case on the patched copy | verdict | out / dQ / dK / dV after | before |", "|---|---|---|---|"]
     for c in v.cases:
         after = " / ".join(_fmt(c.after.get(n)) for n in TENSORS) if c.after else c.note or "–"
-        before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else "not run"
+        before = " / ".join(_fmt(c.before.get(n)) for n in TENSORS) if c.before else ("CRASH" if c.crashed_before else "not run")
         lines.append(f"| {c.label} | {c.verdict.value} | {after} | {before} |")
+    lines += _backend_lines(v.backends)
     if not v.verified:
         lines += ["", f"Not verified: {v.reason}."]
     return "\n".join(lines) + "\n"
+
+
+def _backend_lines(backends: FixBackends | None) -> list[str]:
+    """Which backends the fix was verified on and which not, and why (the issue's reader asks first)."""
+    if backends is None:
+        return []
+    kept = "mask contract" if backends.masked else "op contract (what its forward saves, what its backward reads)"
+    names = ", ".join(f"`{name}`" for name, _ in backends.verified)
+    emulated = [f"`{name}`" for name, em in backends.verified if em]
+    stand_in = (
+        f" ({', '.join(emulated)}: the CUDA kernel replaced by cpdoctor's CPU stand-in, which keeps the kernel's {kept})"
+        if emulated
+        else ""
+    )
+    lines = ["", f"{'The mask part' if backends.masked else 'The fix'} was verified on: {names}{stand_in}.", ""]
+    if backends.not_verified:
+        lines += ["Not verified on:", ""] + [f"- `{name}`: {why}" for name, why in backends.not_verified]
+    return lines
 
 
 def with_section(issue: str, section: str) -> str:
