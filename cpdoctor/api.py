@@ -140,7 +140,7 @@ def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIM
     ran = runner.run_requests(requests, patch=patch, timeout_s=timeout_s, on_tick=on_tick)
     before = RunResult.of(ran.before) if ran.before is not None else None
     request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
-    return Report.of(ran.findings, ran.environment, request, before=before, wall_s=ran.wall_s, extra={"suite": suite.name, **ran.warnings})
+    return Report.of(ran.findings, ran.environment, request, before=before, wall_s=ran.wall_s, suite=suite.name, warnings=ran.warnings)
 
 
 def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:

@@ -20,6 +20,7 @@ from typing import Any
 
 from cpdoctor.errors import BadInput
 from cpdoctor.report import Report, Verdict
+from cpdoctor.report.sections import DoctorRow, DoctorSummary
 from cpdoctor.suite import Suite
 from cpdoctor.vocabulary import Kind
 
@@ -29,20 +30,30 @@ MASK_PAD = 3
 
 @dataclass(frozen=True)
 class PlannedCheck:
-    """One examination of the doctor: a short label for the table, the fields of its request, why it is there,
-    and its kind (`attention` for diffusers' CP attention, `peer` for an installed peer's)."""
+    """One examination of the doctor: a short label for the table, its request (built once, validated: an
+    `AttentionRequest` for diffusers' CP attention, a `PeerRequest` for an installed peer's), the fields the
+    doctor gave it (the JSON row's `fields`, as the plan wrote them: `{"ring": 3}`, not the request's 14 keys),
+    and why it is there."""
 
     label: str
+    request: Any = field(hash=False)
     fields: dict[str, Any] = field(hash=False)
     why: str = ""
-    kind: Kind = Kind.ATTENTION
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))  # a caller's "peer" becomes the member, once
+    @classmethod
+    def attention(cls, label: str, why: str, **given: Any) -> PlannedCheck:
+        """A check of diffusers' CP attention with the `given` fields (the rest the request's defaults)."""
+        from cpdoctor.examinations.attention.request import AttentionRequest
+
+        return cls(label, AttentionRequest.of(**given), given, why)
+
+    @property
+    def kind(self) -> Kind:
+        return self.request.kind
 
     @property
     def world_size(self) -> int:
-        return int(self.fields.get("ring", 1)) * int(self.fields.get("ulysses", 1))
+        return self.request.world_size
 
 
 def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[PlannedCheck, ...] = ()) -> list[PlannedCheck]:
@@ -52,17 +63,15 @@ def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[Plan
     Under torchrun the world is given: only the checks of that world size can run in it, and the "all the
     accelerators in one ring" check uses the world size instead of the local device count."""
     n = torchrun_world if torchrun_world is not None else accelerators
-    checks = [
-        PlannedCheck("ring 2", {"ring": 2}, "where most jobs start"),
-        PlannedCheck("ring 3", {"ring": 3}, "ring ≥ 3: the dK/dV direction"),
-    ]
+    check = PlannedCheck.attention
+    checks = [check("ring 2", "where most jobs start", ring=2), check("ring 3", "ring ≥ 3: the dK/dV direction", ring=3)]
     if n >= 2 and n not in (2, 3):
-        checks.append(PlannedCheck(f"ring {n}", {"ring": n}, f"all {n} {'ranks' if torchrun_world else 'accelerators'}, one ring"))
+        checks.append(check(f"ring {n}", f"all {n} {'ranks' if torchrun_world else 'accelerators'}, one ring", ring=n))
     checks += [
-        PlannedCheck("Ulysses 2", {"ulysses": 2}, "heads split (all-to-all)"),
-        PlannedCheck("ring 2 × Ulysses 2", {"ring": 2, "ulysses": 2}, "the ring inside unified CP"),
-        PlannedCheck(f"ring 2, mask_pad {MASK_PAD}", {"ring": 2, "mask_pad": MASK_PAD}, "a padded prompt's key mask"),
-        PlannedCheck("ring 2, checkpointing", {"ring": 2, "checkpointing": True}, "gradient checkpointing (non-reentrant)"),
+        check("Ulysses 2", "heads split (all-to-all)", ulysses=2),
+        check("ring 2 × Ulysses 2", "the ring inside unified CP", ring=2, ulysses=2),
+        check(f"ring 2, mask_pad {MASK_PAD}", "a padded prompt's key mask", ring=2, mask_pad=MASK_PAD),
+        check("ring 2, checkpointing", "gradient checkpointing (non-reentrant)", ring=2, checkpointing=True),
         *peers,
     ]
     if torchrun_world is not None:
@@ -84,7 +93,7 @@ def peer_checks(device: str = "auto") -> tuple[PlannedCheck, ...]:
         fields: dict[str, Any] = {"impl": row.request.impl, "ring": row.request.ring}
         if row.request.causal:
             fields["causal"] = True
-        rows.append(PlannedCheck(row.label, fields, row.covers, kind=Kind.PEER))
+        rows.append(PlannedCheck(row.label, row.request, fields, row.covers))
     return tuple(rows)
 
 
@@ -92,26 +101,23 @@ def command_for(check: PlannedCheck, *, patch: bool = False, torchrun_world: int
     """The exact `cpdoctor check` line of one check (with `--patch`: before and after cpdoctor's fix, which
     concerns diffusers' code only), as the examination writes it; under torchrun, the torchrun line of the same
     world."""
-    from cpdoctor.examinations.attention.judge import check_command
-    from cpdoctor.examinations.attention.request import build_request
+    from cpdoctor.examinations.commands import check_command
+    from cpdoctor.examinations.peer.judge import check_command as peer_command
 
     if check.kind is Kind.PEER:
-        flags = " --causal" if check.fields.get("causal") else ""
-        command = f"cpdoctor check --impl {check.fields['impl']} --ring {check.fields['ring']}{flags}"
+        command = peer_command(check.request, brief=True)
     else:
-        command = check_command(build_request(**check.fields), patch=patch)
-    if torchrun_world:
-        command = command.replace("cpdoctor check", f"torchrun --nproc-per-node {torchrun_world} -m cpdoctor check", 1)
-    return command
+        command = check_command(check.request, patch=patch)
+    return f"torchrun --nproc-per-node {torchrun_world} -m {command}" if torchrun_world else command
 
 
 def suite_for(checks: list[PlannedCheck]) -> Suite:
-    """The checks as a suite of `attention` examinations (backend auto, the default shape)."""
+    """The checks as a suite of their built requests (backend auto, the default shape)."""
     return Suite(
         "doctor",
         "the CP examinations that matter on this machine and this diffusers",
         "cpdoctor (doctor)",
-        [(c.kind, dict(c.fields)) for c in checks],
+        [c.request for c in checks],
     )
 
 
@@ -134,34 +140,6 @@ def _backend_of(finding: Any) -> str | None:
     return name if name and name != "auto" else None
 
 
-@dataclass
-class DoctorRow:
-    """One check of the doctor's table: label, the `attention` fields, why it is there, its verdicts and the
-    command that looks closer."""
-
-    label: str
-    fields: dict[str, Any]
-    why: str
-    verdict: Verdict
-    command: str | None
-    before: Verdict | None = None
-
-
-@dataclass
-class DoctorSummary:
-    """What the doctor adds to its report (JSON key `doctor`): the accelerators, torchrun's world, the backend
-    the ranks chose, the number of launches, the rows, and what did not pass (before the fix, with --patch)."""
-
-    accelerators: int
-    torchrun_world: int | None
-    backend: str
-    """The backend the ranks chose ("auto", as asked for, when no rank got far enough to say)."""
-    launches: int
-    checks: list[DoctorRow]
-    not_passed: list[str]
-    not_passed_before: list[str] | None = None
-
-
 @dataclass(frozen=True)
 class DoctorRequest:
     """The doctor's request: the suite it ran (every check as its full, validated request), marked as the
@@ -180,7 +158,7 @@ def run_doctor(
     *, patch: bool = False, timeout_s: float | None = None, on_tick: Callable[[], None] | None = None, accelerators: int | None = None
 ) -> Report:
     """Run the doctor's checks here and return one Report: findings in plan order, each with its `command`;
-    `extra["doctor"]` summarises the environment, the checks and what did not pass."""
+    its `doctor` section summarises the environment, the checks and what did not pass."""
     from cpdoctor.api import DEFAULT_TIMEOUT_S, run_suite
 
     torchrun_world = _torchrun_world()
@@ -206,15 +184,14 @@ def run_doctor(
     report.environment = report.environment.replace(accelerators=n, backend=", ".join(backends) if backends else "auto")
     # run_suite's request (every check as its full, validated request), marked as the doctor's.
     report.request = DoctorRequest(report.request, n, torchrun_world)
-    summary = DoctorSummary(
+    report.doctor = DoctorSummary(
         n,
         torchrun_world,
         report.environment.backend,
         len({c.world_size for c in checks}),  # one launch per world size, diffusers' checks and the peers' together
-        rows,
-        [r.label for r in rows if r.verdict != Verdict.PASS],
+        tuple(rows),
+        tuple(r.label for r in rows if r.verdict != Verdict.PASS),
+        None if report.before is None else tuple(r.label for r in rows if r.before != Verdict.PASS),
     )
-    if report.before is not None:
-        summary.not_passed_before = [r.label for r in rows if r.before != Verdict.PASS]
-    report.extra = {"doctor": summary}
+    report.suite, report.warnings = None, None  # the doctor's report says its summary only (its request names the suite)
     return report

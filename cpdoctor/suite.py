@@ -28,10 +28,13 @@ SUITES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suites")
 
 @dataclass
 class Suite:
+    """A named list of checks: each a YAML check's kind and fields (validated into its request by
+    `build_requests`), or a request built already (the doctor's plan holds its requests)."""
+
     name: str
     description: str
     source: str
-    checks: list[tuple[Kind, dict[str, Any]]] = field(default_factory=list)
+    checks: list[tuple[Kind, dict[str, Any]] | Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,18 @@ def build_requests(suite: Suite, patch: bool) -> list[Any]:
     """Each check as its validated, prepared request, the same object the CLI and the API build (a model check is
     resolved: the parent imports diffusers); each names its kind (`request.kind`)."""
     requests = []
-    for i, (kind, fields) in enumerate(suite.checks, 1):
+    for i, check in enumerate(suite.checks, 1):
+        built = not isinstance(check, tuple)
+        kind, fields = (check.kind, {}) if built else check
         entry = registry.get(kind)
-        if "patch" in {f.name for f in dataclasses.fields(entry.request_type)}:  # the fix concerns diffusers' code only
+        patched = "patch" in {f.name for f in dataclasses.fields(entry.request_type)}  # the fix concerns diffusers' code only
+        if patched and not built:
             fields = dict(fields, patch=bool(fields.get("patch", patch)))
         try:
-            requests.append(entry.prepare(entry.build_request(**fields)))
+            request = check if built else entry.build_request(**fields)
+            if patched and built:
+                request = dataclasses.replace(request, patch=request.patch or patch)
+            requests.append(entry.prepare(request))
         except BadInput as exc:
             raise BadInput(f"suite {suite.source}: check {i} ({kind}): {exc}") from exc
         except TypeError as exc:  # an unknown field name

@@ -136,9 +136,8 @@ def write_repro_files(report: object, directory: str, timeout_s: float = DEFAULT
         raise BadInput(f"cannot write --repro {directory}: {exc.strerror}") from exc
     if paths:
         print(f"cpdoctor: wrote {', '.join(paths)}", file=sys.stderr)
-        fix = getattr(report, "extra", {}).get("upstream_fix")
-        if fix:
-            print(f"cpdoctor: --repro: {fix['message']}", file=sys.stderr)
+        if report.upstream_fix is not None:
+            print(f"cpdoctor: --repro: {report.upstream_fix.message}", file=sys.stderr)
     else:
         print(
             "cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors, no CRASH of the ring under --checkpointing)",

@@ -20,7 +20,7 @@ DOCTOR_HELP = (
 
 def render_doctor(report: Any, out: Any) -> None:
     """A few lines of environment, one row per check, then diagnosis, remedy and command of each that failed."""
-    summary = report.extra["doctor"]
+    summary = report.doctor
     befores = report.before.findings if report.before is not None else None
     _header(report.environment, summary, out)
     out.print(_table(summary, report.findings, befores))

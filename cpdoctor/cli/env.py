@@ -118,7 +118,7 @@ def _render_backends(report: Any, console: Any) -> None:
     for col in COLUMNS[:-1]:
         table.add_column(col, justify="left" if col == "backend" else "center", no_wrap=True)
     notes: dict[str, list[str]] = {}
-    for row in report.extra["backends"]:
+    for row in report.backends or ():
         *values, (_, note) = _cell_values(row)
         cells = []
         for ok, text in values:
@@ -180,7 +180,7 @@ def render(report: Any, console: Any) -> None:
         "every backend: they are among the findings below. * measured on the meta device (no kernel here): shapes "
         "and kernel arguments only.[/]\n"
     )
-    _render_peers(report.extra.get("peers") or [], report.environment, console)
+    _render_peers(report.peers or (), report.environment, console)
     _render_findings(report.findings, console)
     console.print(f"\nverdict [{report.verdict.style}]{report.verdict}[/]  (exit {int(report.exit_code)}, {report.wall_s:.1f} s)")
 
@@ -196,9 +196,9 @@ def markdown(report: Any) -> str:
     out += [f"| {_md(label)} | {_md(value)} |" for label, value in _env_lines(env)]
     out += ["", f"Attention backends on {env.probe_device} ({env.probe_dtype}):", ""]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in report.extra["backends"]:
+    for row in report.backends or ():
         out.append("| " + " | ".join([f"`{row.name}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")
-    out += ["", "Peers' CP attention:", ""] + [f"- {_md(_peer_line(p, env))}" for p in report.extra.get("peers") or []]
+    out += ["", "Peers' CP attention:", ""] + [f"- {_md(_peer_line(p, env))}" for p in report.peers or ()]
     out += ["", "Findings:", ""]
     for f in report.findings:
         line = f"- **{f.verdict}** {_md(f.subject)}: {_md(f.diagnosis).rstrip('.')}."

@@ -86,8 +86,8 @@ def render_plan(report: Any, console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    data = report.extra
-    s, m = data["settings"], data["model"]
+    data = report.plan  # the measured Plan (model_zoo/splits/result.py)
+    s, m = data.settings, data.model
     frames = "" if s.get("frames") is None else f", {s['frames']} frames"
     title = (
         f"{m['short_name']} ({m['class_name']}) {s['height']}x{s['width']}{frames}, text {s['text_len']}, "
@@ -97,23 +97,23 @@ def render_plan(report: Any, console: Any) -> None:
     table = Table()
     for column, justify in (("tensor", "left"), ("split dim", "right"), ("length", "right"), ("per rank", "right"), ("divides", "center")):
         table.add_column(column, justify=justify)
-    for row in [_tensor_line(t) for t in data["tensors"]] + [_heads_line(h) for h in data["heads"]]:
+    for row in [_tensor_line(t) for t in data.tensors] + [_heads_line(h) for h in data.heads]:
         table.add_row(*row)
     console.print(table)
-    for sk in data["skipped"]:
+    for sk in data.skipped:
         console.print(f"[dim]not split: {escape(sk.name)}: {escape(sk.reason)}[/dim]")
-    for i, p in enumerate(data["problems"], 1):
+    for i, p in enumerate(data.problems, 1):
         console.print(f"[bold red]problem {i}:[/bold red] {escape(p.what)}")
         for r in p.remedies:
             tag = "" if r.measured else " [dim](predicted)[/dim]"
             console.print(f"  [cyan]-> {r.kind.value}:[/cyan] {escape(r.text)}{tag}")
-    for note in data["notes"]:
+    for note in data.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
     _verdict_line(data, console)
 
 
-def _verdict_line(data: dict, console: Any) -> None:
-    s, problems, seconds = data["settings"], data["problems"], data["seconds"]
+def _verdict_line(data: Any, console: Any) -> None:
+    s, problems, seconds = data.settings, data.problems, data.seconds
     if problems:
         console.print(
             f"[bold red]FAIL[/bold red]: {len(problems)} problem(s) at {s['world_size']} ranks "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cpdoctor import launch
@@ -21,6 +21,7 @@ from cpdoctor.examinations.request import validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.report import Finding, Report, RunResult, Verdict
 from cpdoctor.report.environment import Environment
+from cpdoctor.report.sections import Warnings
 from cpdoctor.vocabulary import Kind
 
 Tick = Callable[[], None] | None
@@ -122,13 +123,9 @@ def run_findings(kind: Kind | None, cases: list[Case], world_size: int, device: 
     return case_findings(cases, result.outcomes, timeout_s)
 
 
-def warnings_seen(outcomes: list[CaseOutcome]) -> dict[str, Any]:
+def warnings_seen(outcomes: list[CaseOutcome]) -> Warnings | None:
     """The warnings the examination raised on the ranks (kept off the terminal), counted for the JSON."""
-    counts: dict[str, int] = {}
-    for outcome in outcomes:
-        for message, n in outcome.warnings.items():
-            counts[message] = counts.get(message, 0) + n
-    return {"warnings": {"count": sum(counts.values()), "messages": counts}} if counts else {}
+    return Warnings.counted([outcome.warnings for outcome in outcomes])
 
 
 def first_environment(outcomes: list[CaseOutcome], fallback: Callable[[], Environment]) -> Environment:
@@ -163,15 +160,14 @@ def examine(request: Any, *, timeout_s: float, on_tick: Tick = None) -> Report:
     finally:
         entry.finish(req)
     runs = [RunResult.of(outcome_findings_in(o, timeout_s)) for o in result.outcomes]
-    advised: dict[str, object] = {"advice": advice} if advice else {}
     if not runs:
         return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
-                         fallback_environment(world, req), req, wall_s=result.wall_s, extra=advised)  # fmt: skip
+                         fallback_environment(world, req), req, wall_s=result.wall_s, advice=tuple(advice))  # fmt: skip
     final = runs[-1]
     before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
     env = first_environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
-    extra = warnings_seen(result.outcomes) | advised
-    return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, extra=extra)
+    warnings = warnings_seen(result.outcomes)
+    return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, warnings=warnings, advice=tuple(advice))
 
 
 @dataclass
@@ -185,7 +181,7 @@ class SuiteRun:
     environment: Environment
     wall_s: float
     launches: int
-    warnings: dict[str, Any] = field(default_factory=dict)
+    warnings: Warnings | None = None
 
 
 def run_requests(requests: list[Any], *, patch: bool, timeout_s: float, on_tick: Tick = None) -> SuiteRun:

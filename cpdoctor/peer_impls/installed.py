@@ -4,9 +4,11 @@ adds checks for them): pure functions of the installed metadata, no torch, no pe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cpdoctor.compat.packages import NOT_INSTALLED, installed_version
 from cpdoctor.peer_impls import Impl, adapter
+from cpdoctor.report.serialize import to_jsonable
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class PeerInfo:
     @property
     def installed(self) -> bool:
         return self.installed_version is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row of the report's `peers` (a `cpdoctor.report.sections.Row`): every field."""
+        return to_jsonable(self)
 
 
 def _version(distribution: str) -> str | None:

@@ -6,8 +6,9 @@ what an examination adds is its own `evidence` dataclass, a crash's tracebacks a
 JSON document (`Report.to_dict`, through `serialize.to_jsonable`) is a contract that scripts and CI jobs parse:
 `verdict`, `exit_code`, `environment`, `request`, `findings` (each with `probe`, `verdict`, `diagnosis`,
 `remedy`, `tensors` mapping a tensor name to `rel_err`, `max_abs`, `worst_rank`, `nonfinite`, ..., `details`,
-`command`), `before` (the unpatched run) with --patch, and whatever an examination adds under its own keys
-(`extra`: env's `backends`, plan's `tensors`/`problems`, a suite's name, the doctor's summary).
+`command`), `before` (the unpatched run) with --patch, and what an examination adds under its own keys, each a
+typed section (report/sections.py): a suite's name, the ranks' `warnings` and `advice`, env's `backends` and
+`peers`, a plan's keys (`tensors`, `problems`, ...), the doctor's summary, `--repro`'s `upstream_fix`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from cpdoctor.report.environment import Environment
 from cpdoctor.report.numbers import JudgedRow
+from cpdoctor.report.sections import DoctorSummary, Row, Section, UpstreamFixOutcome, Warnings
 from cpdoctor.report.serialize import to_jsonable
 from cpdoctor.report.verdict import ExitCode, Verdict, overall
 
@@ -129,9 +131,11 @@ class Request(Protocol):
 
 @dataclass
 class Report:
-    """Everything one command found, with its verdict and exit code; `extra` holds what an examination adds
-    under its own top-level keys (typed values, serialised with the rest; `object`: each key's reader knows its
-    type)."""
+    """Everything one command found, with its verdict and exit code, and the sections an examination adds under
+    their own top-level JSON keys (each None, or empty, and then absent from the JSON, where the examination adds
+    none): `suite` (a suite's name), `warnings` and `advice` (what the ranks raised or advised), `backends` and
+    `peers` (`cpdoctor env`'s rows), `plan` (`cpdoctor plan`'s measured split, its own keys), `doctor` (the
+    doctor's summary), `upstream_fix` (what `--repro` made of the upstream fix)."""
 
     verdict: Verdict
     exit_code: ExitCode
@@ -140,7 +144,14 @@ class Report:
     findings: list[Finding]
     before: RunResult | None = None
     wall_s: float = 0.0
-    extra: dict[str, object] = field(default_factory=dict)
+    suite: str | None = None
+    warnings: Warnings | None = None
+    advice: tuple[str, ...] = ()
+    plan: Section | None = None
+    backends: tuple[Row, ...] | None = None
+    peers: tuple[Row, ...] | None = None
+    doctor: DoctorSummary | None = None
+    upstream_fix: UpstreamFixOutcome | None = None
 
     @classmethod
     def of(cls, findings: list[Finding], environment: Environment, request: Request, **kwargs: Any) -> Report:
@@ -163,7 +174,28 @@ class Report:
         }
         if self.before is not None:
             data["before"] = self.before.to_dict()
-        data.update(to_jsonable(self.extra))
+        data.update(self._sections())
+        return data
+
+    def _sections(self) -> dict[str, Any]:
+        """The sections' top-level keys, in the order the examinations add them (a suite's name, then the ranks'
+        warnings and advice; env's backends, then peers; `--repro`'s upstream fix last)."""
+        data: dict[str, Any] = {}
+        if self.suite is not None:
+            data["suite"] = self.suite
+        if self.warnings is not None:
+            data["warnings"] = to_jsonable(self.warnings)
+        if self.advice:
+            data["advice"] = list(self.advice)
+        if self.plan is not None:
+            data.update(to_jsonable(self.plan.to_dict()))
+        for key, rows in (("backends", self.backends), ("peers", self.peers)):
+            if rows is not None:
+                data[key] = [to_jsonable(r.to_dict()) for r in rows]
+        if self.doctor is not None:
+            data["doctor"] = to_jsonable(self.doctor)
+        if self.upstream_fix is not None:
+            data["upstream_fix"] = to_jsonable(self.upstream_fix)
         return data
 
     def to_json(self) -> str:

@@ -92,7 +92,7 @@ def render(report: Report, console: Any) -> None:
     befores = report.before.findings if report.before is not None else []
     for i, finding in enumerate(report.findings):
         render_finding(finding, befores[i] if i < len(befores) else None, console)
-    for line in report.extra.get("advice", ()):  # type: ignore[union-attr]
+    for line in report.advice:
         console.print(f"[yellow]warning:[/] {line}", highlight=False)
     label = "after the patch: " if report.before is not None else ""
     console.print(f"\n{label}verdict {styled(report.verdict)}  (exit {int(report.exit_code)}, {report.wall_s:.1f} s)")

@@ -1,7 +1,7 @@
 """`cpdoctor plan`: the static divisibility planner, called directly and through the CLI.
 
 `plan_model` returns the `cpdoctor.report.Report` every examination returns; the measured plan is under its own
-keys (`report.extra`: tensors, heads, problems, notes, settings, model), read here as the JSON has them (`to_dict()`).
+keys (`report.plan`, the measured Plan: tensors, heads, problems, notes, settings, model), read here as the JSON has them (`to_dict()`).
 
 The lengths asserted here are the ones diffusers' own forward produces on the meta device; the arithmetic in
 the comments only explains them.

@@ -3,10 +3,16 @@ functions: no process starts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cpdoctor import doctor
 from cpdoctor.errors import BadInput
+from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.examinations.peer.request import PeerRequest
+from cpdoctor.suite import build_requests
+from cpdoctor.vocabulary import Kind
 
 BASE = [
     ("ring 2", {"ring": 2}),
@@ -41,11 +47,19 @@ def test_cpu_plan_is_three_launches_of_world_2_3_and_4():
 
 
 def test_suite_is_attention_checks_on_the_best_backend_in_plan_order():
+    """The plan holds each check's request, built once from the fields its row shows; the suite runs those."""
     suite = doctor.suite_for(doctor.plan(8))
     assert suite.name == "doctor"
-    assert [kind for kind, _ in suite.checks] == ["attention"] * 7
-    assert [fields for _, fields in suite.checks] == [f for _, f in _plan(8)]
-    assert all("backend" not in fields for _, fields in suite.checks)  # "auto", the request's default
+    assert [r.kind for r in suite.checks] == [Kind.ATTENTION] * 7
+    assert suite.checks == [AttentionRequest.of(**f) for _, f in _plan(8)]
+    assert all(r.backend == "auto" for r in suite.checks)  # the request's default
+
+
+def test_the_suite_runs_the_planned_requests_patched_as_asked():
+    checks = doctor.plan(0)
+    for patch in (False, True):
+        requests = build_requests(doctor.suite_for(checks), patch)
+        assert requests == [dataclasses.replace(c.request, patch=patch) for c in checks]
 
 
 @pytest.mark.parametrize(
@@ -61,7 +75,7 @@ def test_suite_is_attention_checks_on_the_best_backend_in_plan_order():
     ],
 )
 def test_command_for_each_check(fields, patch, expected):
-    assert doctor.command_for(doctor.PlannedCheck("x", fields), patch=patch) == expected
+    assert doctor.command_for(doctor.PlannedCheck.attention("x", "", **fields), patch=patch) == expected
 
 
 def test_every_planned_command_parses_as_the_same_request():
@@ -84,16 +98,34 @@ def test_under_torchrun_only_the_checks_of_its_world_size():
     assert _plan(8, torchrun_world=3) == [BASE[1]]
     assert _plan(0, torchrun_world=4) == [("ring 4", {"ring": 4}), BASE[3]]
     assert _plan(8, torchrun_world=8) == [("ring 8", {"ring": 8})]
-    ring4 = doctor.PlannedCheck("ring 4", {"ring": 4})
+    ring4 = doctor.PlannedCheck.attention("ring 4", "", ring=4)
     assert doctor.command_for(ring4, patch=True, torchrun_world=4) == "torchrun --nproc-per-node 4 -m cpdoctor check --ring 4 --patch"
 
 
 def test_installed_peers_add_their_rows_after_diffusers_checks():
-    peer = doctor.PlannedCheck("torch ring 2", {"impl": "torch", "ring": 2, "causal": True}, "where most jobs start", kind="peer")
+    request = PeerRequest(impl="torch", ring=2, causal=True)
+    peer = doctor.PlannedCheck("torch ring 2", request, {"impl": "torch", "ring": 2, "causal": True}, "where most jobs start")
     checks = doctor.plan(0, peers=(peer,))
-    assert checks[-1] is peer and [c.kind for c in checks[:-1]] == ["attention"] * 6
+    assert checks[-1] is peer and [c.kind for c in checks] == [Kind.ATTENTION] * 6 + [Kind.PEER]
     assert doctor.command_for(peer, patch=True) == "cpdoctor check --impl torch --ring 2 --causal"  # the fix is diffusers'
-    assert doctor.suite_for(checks).checks[-1] == ("peer", {"impl": "torch", "ring": 2, "causal": True})
+    assert doctor.suite_for(checks).checks[-1] is request
+
+
+@pytest.mark.parametrize("impl, causal", [("ring-flash-attn", False), ("yunchang", False), ("torch", True)])
+@pytest.mark.parametrize("ring", [2, 3])
+def test_a_peer_rows_command_is_the_peer_judges_brief_line_and_reads_back_as_its_request(impl, ring, causal):
+    """The doctor's peer command comes from the peer judge's command builder (brief: what differs from
+    `cpdoctor check --impl`'s defaults), is the line the doctor always printed, and names the same request."""
+    request = PeerRequest(impl=impl, ring=ring, causal=causal)
+    command = doctor.command_for(doctor.PlannedCheck("p", request, {}))
+    assert command == f"cpdoctor check --impl {impl} --ring {ring}" + (" --causal" if causal else "")
+    words = command.split()[2:]
+    given = {
+        w[2:]: (True if i + 1 == len(words) or words[i + 1].startswith("--") else words[i + 1])
+        for i, w in enumerate(words)
+        if w.startswith("--")
+    }
+    assert PeerRequest(**{k: int(v) if k == "ring" else v for k, v in given.items()}) == request
 
 
 def test_torchrun_world_of_one_is_bad_input():

@@ -761,8 +761,9 @@ evidence dataclasses), a dict of anything only at the JSON boundary (report/seri
 
 
 def untyped_report_fields(tree: ast.AST) -> list[str]:
-    """`Class.field` for each annotated field of Report / Finding whose annotation holds `dict[str, Any]` (or
-    `Dict[str, Any]`, in a union or Optional)."""
+    """`Class.field` for each annotated field of Report / Finding whose annotation holds a string-keyed bag:
+    `dict[str, Any]` or `dict[str, object]` (or `Dict[...]`, in a union or Optional). No exemption: what an
+    examination adds to its report is a typed section (report/sections.py)."""
     found = []
     for cls in ast.walk(tree):
         if not (isinstance(cls, ast.ClassDef) and cls.name in REPORT_CLASSES):
@@ -770,7 +771,7 @@ def untyped_report_fields(tree: ast.AST) -> list[str]:
         for stmt in cls.body:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 text = ast.unparse(stmt.annotation).replace(" ", "").replace("typing.", "")
-                if re.search(r"(?i:dict)\[str,Any\]", text):
+                if re.search(r"(?i:dict)\[str,(Any|object)\]", text):
                     found.append(f"{cls.name}.{stmt.target.id}")
     return found
 
@@ -793,4 +794,4 @@ def test_the_untyped_report_field_rule_catches_an_offender():
         "class Other:\n"
         "    environment: dict[str, Any]\n"
     )
-    assert untyped_report_fields(ast.parse(planted)) == ["Report.environment", "Report.request", "Finding.environment"]
+    assert untyped_report_fields(ast.parse(planted)) == ["Report.environment", "Report.request", "Report.extra", "Finding.environment"]

@@ -215,7 +215,7 @@ def test_each_problem_is_a_fail_finding_with_its_ways_out_and_a_command():
     assert findings[0].remedy == "text_padding: pad the text to 78 tokens; ring_anything: ContextParallelConfig(...) (predicted)"
     assert findings[0].command == "cpdoctor plan '/ckpt dir' --height 1328 --width 1328 --text-len 78 --ring 2 --ulysses 1"
     assert findings[1].command == "cpdoctor plan '/ckpt dir' --height 1328 --width 1328 --text-len 77 --ring 4 --ulysses 1"
-    report = Report.of(findings, Environment(), NOTHING_ASKED, extra=_plan([text, image]).extra())
+    report = Report.of(findings, Environment(), NOTHING_ASKED, plan=_plan([text, image]))
     assert (report.verdict, report.exit_code) == (Verdict.FAIL, ExitCode.FOUND)
     assert report.to_dict()["problems"][1]["tensors"] == ["hidden_states", "img_ids"]
 

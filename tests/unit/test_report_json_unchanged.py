@@ -2,7 +2,10 @@
 (no process), serialise to exactly the JSON that cpdoctor wrote before `Finding` was frozen (the files under
 tests/unit/golden/ were written by this module's `reports()` at that commit, 2fe9154, and are compared whole;
 rewritten once since, when issue 30 added what it documents, and diffed key by key: the request's `checkpointing`
-key and the doctor's sixth check, ring 2 under checkpointing, nothing else).
+key and the doctor's sixth check, ring 2 under checkpointing, nothing else). A report of each typed section
+(report/sections.py: a check's warnings, advice and upstream fix, a suite's name, env's backends and peers, a
+plan) serialises to the text main (954b298) wrote for the same ingredients through `Report.extra`
+(golden/sections_*.json).
 
 Every place that used to change a finding after building it is on the way: the doctor's `command`, a failure
 finding's `emulated` (attention) and `command` (peer), the runner's per-case `environment`, and `Report.of`'s."""
@@ -17,11 +20,16 @@ from cpdoctor.compat.backends import BackendFacts
 from cpdoctor.examinations import registry, runner
 from cpdoctor.examinations.attention.judge import attention_finding
 from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.examinations.env.backend_table import BackendRow, Cell, OpProbe
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.peer.request import build_request as peer_request
 from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, RankFailure
+from cpdoctor.model_zoo.splits.measure import SplitKind
+from cpdoctor.model_zoo.splits.result import HeadsCheck, Plan, Problem, Remedy, SkippedRow, SplitRow
+from cpdoctor.peer_impls.installed import PeerInfo
 from cpdoctor.report import Finding, Report, RunResult, TensorRow, Verdict
 from cpdoctor.report.environment import Environment
+from cpdoctor.report.sections import UpstreamFixOutcome
 from cpdoctor.suite import SuiteRequest, build_requests
 from cpdoctor.vocabulary import Kind
 
@@ -77,12 +85,104 @@ def _doctor_report(monkeypatch, patch: bool) -> Report:
         after = [finding(r, fixed=patch) for r in requests]
         before = RunResult.of([finding(r, fixed=False) for r in requests]) if patch else None
         request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
-        return Report.of(after, ENV, request, before=before, extra={"suite": suite.name})
+        return Report.of(after, ENV, request, before=before, suite=suite.name)
 
     monkeypatch.setattr("cpdoctor.api.run_suite", run_suite)
     monkeypatch.setattr(doctor, "_torchrun_world", lambda: None)
     monkeypatch.setattr(doctor, "peer_checks", lambda device="auto": ())
     return doctor.run_doctor(patch=patch, accelerators=0)
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+# The reports of each typed section (report/sections.py), built from the same ingredients as main (954b298) built
+# them through `Report.extra` (its runner's `warnings_seen`, repro's dict, env's and plan's rows): the
+# sections_*.json files under golden/ are what main wrote.
+
+SECTION_REQ = AttentionRequest(ring=3, seq=513)
+SECTION_FINDINGS = [Finding("check ring 3", Verdict.FAIL, "dK/dV wrong", "cpdoctor check --ring 3 --patch")]
+WARNINGS = {"UserWarning: the ring saw a mask": 3, "FutureWarning: an old name": 1}
+ADVICE = ("set OMP_NUM_THREADS to 1 per rank",)
+FIX = ("the fix verified: ring 3 passes on a patched copy", "/tmp/repro/fix.diff")
+
+
+def backend_rows():
+    ok = BackendFacts(
+        "cpdoctor_cpu", registered=True, cp_registered=True, routes_cp=True, runs_here=True, returns_lse=True, has_backward=True
+    )
+    op = OpProbe(
+        measured_on="cpu",
+        saved_lse=True,
+        grad_shapes_ok=True,
+        grad_shapes=[[1, 16, 2, 32]] * 3,
+        rel_err={"out": 1e-7, "dq": 2e-7, "dk": 2e-7, "dv": 2e-7},
+        tolerance=1e-6,
+        rng_advanced=False,
+    )
+    missing = BackendFacts("flash", registered=True, requirement_error="flash-attn is not installed")
+    return [
+        BackendRow("cpdoctor_cpu", ok, True, op, Cell(True), Cell(True), Cell(True)),
+        BackendRow("flash", missing, True, None, Cell(False, "not installed"), Cell(False, "not installed"), Cell(None)),
+    ]
+
+
+def peers():
+    return [
+        PeerInfo(
+            "ring-flash-attn",
+            "ring-flash-attn",
+            "0.1.x",
+            "0.1.x",
+            "pip install ring-flash-attn",
+            ("basic", "zigzag"),
+            ("flash",),
+            False,
+            ("basic",),
+        ),
+        PeerInfo("yunchang", "yunchang", "0.6.x", None, "pip install yunchang", ("ring",), ("fa",), True, ()),
+    ]
+
+
+def plan():
+    settings = {"height": 1328, "width": 1328, "text_len": 77, "frames": None, "ring": 2, "ulysses": 1, "world_size": 2, "forwards": 3}
+    tensors = [
+        SplitRow("hidden_states", "", SplitKind.SPLIT, 1, 6889, 3444.5, False, 1, ["resolution"]),
+        SplitRow("proj_out:output", "proj_out", SplitKind.GATHER, 1, 6889, 3444.5, False, 1),
+    ]
+    problem = Problem(
+        "image tokens: 6889 do not divide by 2",
+        ["hidden_states"],
+        [
+            Remedy("resolution", "1344x1328", True, {"height": 1344, "width": 1328}),
+            Remedy("ring_anything", "ContextParallelConfig(...)", False, {}),
+        ],
+    )
+    p = Plan(
+        {"short_name": "qwen-image", "class_name": "QwenImageTransformer2DModel"},
+        settings,
+        tensors,
+        [SkippedRow("txt_ids", "not split at these settings")],
+        [HeadsCheck(24, 24, 1, True, "config")],
+        [problem],
+        ["a note"],
+        0.12345,
+    )
+    return p
+
+
+def section_reports() -> dict[str, Report]:
+    """name -> a report with each section: a check's (the ranks' warnings and advice, --repro's upstream fix), a
+    suite's (its name, its warnings), env's (backend and peer rows), a plan's (its own keys)."""
+    items = list(WARNINGS.items())
+    outcomes = [CaseOutcome(Case(SECTION_REQ), warnings=dict(items[:1])), CaseOutcome(Case(SECTION_REQ), warnings=dict(items[1:]))]
+    warnings = runner.warnings_seen(outcomes)
+    check = Report.of(SECTION_FINDINGS, ENV, SECTION_REQ, wall_s=1.5, warnings=warnings, advice=ADVICE)
+    check.upstream_fix = UpstreamFixOutcome(True, *FIX)
+    request = SuiteRequest("quick", "quick.yaml", False, (SECTION_REQ,))
+    suite = Report.of(SECTION_FINDINGS, ENV, request, suite="quick", warnings=warnings)
+    env = Report.of([], ENV, SECTION_REQ, backends=tuple(backend_rows()), peers=tuple(peers()))
+    measured = plan()
+    planned = Report.of([], ENV, SECTION_REQ, wall_s=measured.seconds, plan=measured)
+    return {"sections_check.json": check, "sections_suite.json": suite, "sections_env.json": env, "sections_plan.json": planned}
 
 
 def reports(monkeypatch) -> dict[str, str]:
@@ -95,6 +195,7 @@ def reports(monkeypatch) -> dict[str, str]:
         "check.json": _check_report().to_json(),
         "doctor.json": _doctor_report(monkeypatch, patch=False).to_json(),
         "doctor_patch.json": _doctor_report(monkeypatch, patch=True).to_json(),
+        **{name: report.to_json() for name, report in section_reports().items()},
     }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from cpdoctor.cpu_kernels import cpu_backend
 from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.report import TENSOR_LABELS, Report, Verdict
+from cpdoctor.report.sections import UpstreamFixOutcome
 from cpdoctor.vocabulary import DType
 
 CPU_BACKEND = "cpdoctor_cpu"
@@ -220,7 +221,7 @@ def write_repro(report: Report, directory: str, command: str, fix_timeout_s: flo
     """Write `repro.py` and `ISSUE.md` for the report's (first) op-level FAIL into `directory`; returns the
     paths, or [] when there is no op-level FAIL to reproduce. With `fix_timeout_s`, also the upstream fix
     (`fix.diff`, written only once verified on a patched copy, each launch within that timeout: upstream.py);
-    the outcome's line goes to `report.extra["upstream_fix"]`. A CRASH of the ring backward under `--checkpointing`
+    the outcome goes to `report.upstream_fix`. A CRASH of the ring backward under `--checkpointing`
     is reproduced the same way: the script runs the CP attention inside non-reentrant checkpointing."""
     finding = _reproducible(report)
     req = report.request
@@ -245,7 +246,7 @@ def write_repro(report: Report, directory: str, command: str, fix_timeout_s: flo
         from cpdoctor.examinations.attention import upstream
 
         outcome = upstream.propose(report, finding, directory, script, fix_timeout_s, backend)
-        report.extra["upstream_fix"] = {"verified": outcome.diff_path is not None, "message": outcome.message, "diff": outcome.diff_path}
+        report.upstream_fix = UpstreamFixOutcome(outcome.diff_path is not None, outcome.message, outcome.diff_path)
         if outcome.section:
             with open(issue_path, "w") as fh:
                 fh.write(upstream.with_section(issue, outcome.section))

@@ -109,8 +109,9 @@ class BackendRow:
     def returns_lse(self) -> bool | None:
         return self.facts.returns_lse
 
-    def to_jsonable(self) -> dict[str, Any]:
-        """The row as the JSON report has it (the facts, the probed ops, the cells, and the derived columns)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The row as the JSON report has it (the facts, the probed ops, the cells, and the derived columns): a
+        `cpdoctor.report.sections.Row` of the report's `backends`."""
         data = {f.name: to_jsonable(getattr(self, f.name)) for f in fields(self)}
         data.update(installed=self.installed, cp_capable=self.cp_capable, runs_here=self.runs_here, returns_lse=self.returns_lse)
         data["has_backward"] = self.facts.has_backward

@@ -70,5 +70,5 @@ def run(request: EnvRequest) -> Report:
     findings = rules.judge(code, rows, dtype_name)
     from cpdoctor.peer_impls.installed import installed_peers
 
-    extra = {"backends": rows, "peers": installed_peers()}
-    return Report.of(findings, environment, request, wall_s=time.perf_counter() - t0, extra=extra)
+    peers = tuple(installed_peers())
+    return Report.of(findings, environment, request, wall_s=time.perf_counter() - t0, backends=tuple(rows), peers=peers)

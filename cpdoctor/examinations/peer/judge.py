@@ -153,18 +153,36 @@ def describe(req: PeerRequest) -> str:
     return f"{req.impl} {req.variant} ({req.kernel}) {degrees}, {'causal' if req.causal else 'not causal'}, {req.dtype}"
 
 
-def check_command(req: PeerRequest) -> str:
-    """The command that examines this case alone (the CLI options of `cpdoctor check` for peers)."""
-    parts = ["cpdoctor check", f"--impl {req.impl}", f"--variant {req.variant}", f"--kernel {req.kernel}", f"--ring {req.ring}"]
-    if req.ulysses > 1:
-        parts.append(f"--ulysses {req.ulysses}")
-    parts.append("--causal" if req.causal else "--no-causal")
-    parts += [f"--dtype {req.dtype}", f"--seq {req.seq}", f"--heads {req.heads}", f"--head-dim {req.head_dim}"]
-    if req.batch != 1:
-        parts.append(f"--batch {req.batch}")
-    if req.seed:
-        parts.append(f"--seed {req.seed}")
-    return " ".join(parts)
+def _options(req: PeerRequest) -> list[tuple[str, str]]:
+    """(field, its `cpdoctor check` option) for each field the command line carries, in the command's order."""
+    return [
+        ("impl", f"--impl {req.impl}"),
+        ("variant", f"--variant {req.variant}"),
+        ("kernel", f"--kernel {req.kernel}"),
+        ("ring", f"--ring {req.ring}"),
+        ("ulysses", f"--ulysses {req.ulysses}"),
+        ("causal", "--causal" if req.causal else "--no-causal"),
+        ("dtype", f"--dtype {req.dtype}"),
+        ("seq", f"--seq {req.seq}"),
+        ("heads", f"--heads {req.heads}"),
+        ("head_dim", f"--head-dim {req.head_dim}"),
+        ("batch", f"--batch {req.batch}"),
+        ("seed", f"--seed {req.seed}"),
+    ]
+
+
+def check_command(req: PeerRequest, *, brief: bool = False) -> str:
+    """The command that examines this case alone (the CLI options of `cpdoctor check` for peers): every option
+    spelled out (a finding's `command`: the case stays the same whatever the defaults become), or with `brief` the
+    implementation, the ring and only the options that differ from the defaults `cpdoctor check --impl` gives it
+    (the doctor's table: `cpdoctor check --impl torch --ring 2 --causal`)."""
+    if brief:
+        default = PeerRequest(impl=req.impl)
+        shown = [o for name, o in _options(req) if name in ("impl", "ring") or getattr(req, name) != getattr(default, name)]
+    else:
+        quiet = {"ulysses": 1, "batch": 1, "seed": 0}  # said only when they differ, as the command always wrote them
+        shown = [o for name, o in _options(req) if name not in quiet or getattr(req, name) != quiet[name]]
+    return " ".join(["cpdoctor check", *shown])
 
 
 def emulation_note(req: PeerRequest, facts: Any) -> str | None:

@@ -37,7 +37,7 @@ def run(request: PlanRequest) -> Report:
     plan = measure_plan(request.setup())
     plan.seconds = time.perf_counter() - started
     findings = plan_findings(plan, request.model)
-    return Report.of(findings, _environment(), request, wall_s=plan.seconds, extra=plan.extra())
+    return Report.of(findings, _environment(), request, wall_s=plan.seconds, plan=plan)
 
 
 def _environment() -> Environment:

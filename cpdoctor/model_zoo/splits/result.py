@@ -1,6 +1,6 @@
 """What `cpdoctor plan` measured, as plain data: the split tensors, the heads, the problems and their remedies.
 
-`Plan.extra()` is what the `cpdoctor.report.Report` of a plan carries under its own keys (`model`, `settings`,
+`Plan.to_dict()` is what the `cpdoctor.report.Report` of a plan carries under its own keys (`model`, `settings`,
 `tensors`, `skipped`, `heads`, `problems`, `notes`, `seconds`).
 """
 
@@ -119,8 +119,9 @@ class Plan:
     notes: list[str]
     seconds: float = 0.0
 
-    def extra(self) -> dict[str, Any]:
-        """The report's plan-specific keys (typed; the report's serialiser writes them)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The report's plan-specific keys (typed; the report's serialiser writes them): the report's `plan`
+        section (`cpdoctor.report.sections.Section`)."""
         return {
             "model": self.model,
             "settings": self.settings,
