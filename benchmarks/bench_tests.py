@@ -48,6 +48,7 @@ def run_tier(full: bool) -> dict:
         "exit": proc.returncode,
         "counts": counts,
         "slowest": [{"s": float(s), "phase": phase, "test": test} for s, phase, test in slowest],
+        "failed": re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M),
         "load_average": {"before": before, "after": run_record.load_average()},
     }
 
