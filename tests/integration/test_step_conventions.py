@@ -84,10 +84,13 @@ def test_bf16_tolerance_follows_the_measured_baseline(results):
 def test_a_raising_step_is_a_crash_on_every_rank(results):
     """Gradient checkpointing under diffusers' own ring: its backward reads ctx.saved_tensors once per ring step,
     which torch's non-reentrant checkpoint refuses; the user's exception goes on, every rank's report is a CRASH
-    naming the ranks (none waits in a collective)."""
+    naming the ranks (none waits in a collective) and the attention's defect, with the check that shows it alone
+    (issue 30)."""
     got = results["gc_stock_ring"]
     assert got["verdict"] == "CRASH" and got["raised"], got
-    assert "the step raised on rank 0, 1, 2, 3" in got["diagnoses"][0]
+    diagnosis = got["diagnoses"][0]
+    assert "the step raised inside diffusers' CP attention on rank 0, 1, 2, 3" in diagnosis, diagnosis
+    assert "`cpdoctor check --ring 2 --checkpointing` shows it alone" in diagnosis, diagnosis
 
 
 def test_the_watcher_leaves_no_trace(results):
