@@ -18,6 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 25 s: the README's fine-tuning example, a few real steps under torchrun with and without the defect
 def test_curves_part_with_the_defect_and_coincide_after_the_preflight(tmp_path, has_stale_kv_backward):
     ring = 2 if has_stale_kv_backward else 3  # docs/FACTS.md: 0.39.0 is wrong from ring 2 on, 0.42.1 from ring 3
     out = tmp_path / "curves.png"

@@ -16,6 +16,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_acceptance.py")
 SECTIONS = ("verdicts", "standins", "peers", "step", "ring", "speed")
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 64 s: one run of every section of the GPU acceptance script on the stand-ins, so the script a GPU runs cannot rot
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu_acceptance")

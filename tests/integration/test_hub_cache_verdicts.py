@@ -9,6 +9,7 @@ from conftest import run_cli
 from hub_cache import TINY_QWEN_IMAGE, add_to_cache, files_of, hub_env, save_pipeline, tiny_flux
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 47 s: one suite of four model checks from a real cache layout, before and after the patch, in two launches
 def test_hub_ids_give_the_tiny_configs_verdicts(tmp_path, has_stale_kv_backward):
     from diffusers import QwenImageTransformer2DModel
 

@@ -83,6 +83,7 @@ def test_a_rank_that_hangs_is_a_hang_within_the_timeout():
     assert 8 < elapsed < 8 + 60
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 22 s: a rank stalled until the 6 s timeout fires, then the supervisor's kill: the timeout is what it tests
 def test_a_rank_stopped_inside_the_attention_is_named_alone_not_its_waiting_peer():
     """Issue 30: rank 1 goes into the CP attention and stops before the ring's all-gather (asleep, outside any
     collective) while rank 0 waits in it. Both are at the same step (examining); their flight records (which
@@ -100,6 +101,7 @@ def test_a_rank_stopped_inside_the_attention_is_named_alone_not_its_waiting_peer
     assert "rank 0 was waiting for it" in finding["diagnosis"] and list(finding["details"]["logs"]) == ["1"]
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 18 s: a rank working 12 s, ticking, past a 4 s timeout: the wait is what it tests
 def test_a_slow_rank_that_keeps_moving_passes(has_stale_kv_backward):
     """A rank that works 12 s (ticking) while its peer waits for it in a collective, with --timeout 4: far
     slower than its peer (whose whole check takes ~2 s), past the timeout in total, but never still for 4 s: the
@@ -230,6 +232,7 @@ if __name__ == "__main__":  # a forked rank imports this script again (as multip
 """
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 21 s: a launch from the warm server and one from fresh interpreters, the two paths it compares
 def test_warm_ranks_fork_from_the_server_only_where_a_fresh_interpreter_would_see_the_same(tmp_path, has_stale_kv_backward):
     """The warm server (launch/warm.py) started, used and stopped twice in one process: ranks are forks of it in
     the environment it started in, spawned interpreters in any other, the verdicts the same either way, and

@@ -53,6 +53,7 @@ def launch_named(cases: dict[str, tuple[dict, bool]], patch_refusal: str | None)
     return dict(zip(chosen, launch(*chosen.values()), strict=True))
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 16 s: every world-2 model case in one launch (Flux and Qwen-Image, ring and Ulysses, the patch)
 @pytest.fixture(scope="module")
 def world2(patch_refusal):
     return launch_named(
@@ -69,6 +70,7 @@ def world2(patch_refusal):
     )
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 18 s: every world-4 model case in one launch
 @pytest.fixture(scope="module")
 def world4(patch_refusal):
     return launch_named(

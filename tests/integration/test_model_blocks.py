@@ -65,6 +65,7 @@ def test_sliced_ring2_names_the_first_bad_block(checkpoint, has_stale_kv_backwar
         assert details["first_bad_block"] is None and all(b["verdict"] == "PASS" for b in blocks)
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 22 s: a 4-rank model launch, the smallest model with a block before and after the attention
 def test_sliced_ring4_names_the_first_block_with_attention(checkpoint):
     path, _ = checkpoint
     run, data = examine(path, "--ring", "4")
@@ -84,6 +85,7 @@ def test_bad_blocks_is_one_line(checkpoint):
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in run.stderr, run.stderr
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 16 s: a sliced model from a real cache layout, one launch
 def test_sliced_by_hub_id_from_the_offline_cache(checkpoint, tmp_path, has_stale_kv_backward):
     """The same checkpoint, its absent shards absent from the cache too, found by hub id with HF_HUB_OFFLINE=1."""
     from hub_cache import add_to_cache, files_of, hub_env

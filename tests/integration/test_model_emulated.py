@@ -16,6 +16,7 @@ checks:
 """
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 19 s: one suite of every emulated model case, one launch per world size
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("model_emulated")

@@ -101,6 +101,7 @@ def hf_adapter_error(hf_adapter_probe) -> str | None:
     return stderr.strip().splitlines()[-1]
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 25 s: every peer's checks in one launch per world size (the peers' own code, each at ring 2 and 3)
 @pytest.fixture(scope="module")
 def findings(hf_adapter_probe) -> dict[tuple[int, int], Finding]:
     """Every case's finding, keyed by (world, index in CASES[world]); one launch per world size."""

@@ -38,6 +38,7 @@ def _torchrun_alone(script, world: int, cwd) -> subprocess.CompletedProcess:
     )
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 60 s: the check, the repro under torchrun, and the fix verified on a patched copy (one launch per world size)
 def test_repro_reproduces_the_ring3_figures_and_hands_a_verified_fix(tmp_path, has_stale_kv_backward):
     out = tmp_path / "repro"
     run = run_cli("check", "--ring", "3", "--mask-pad", "40", "--repro", str(out), "--json", "-", timeout=600)
@@ -100,6 +101,7 @@ def test_repro_reproduces_the_ring3_figures_and_hands_a_verified_fix(tmp_path, h
     assert "Ring attention supports only a key-only attn_mask" in patched
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 56 s: the same three stages for the checkpointing crash, its verification at ring 2-4 and Ulysses 2 sharing launches
 def test_the_rings_crash_under_checkpointing_is_reproduced_and_its_fix_verified(tmp_path, has_stale_kv_backward):
     """`check --ring 2 --checkpointing --repro DIR`: repro.py (run alone here, it crashes with torch's
     CheckpointError on the installed code), ISSUE.md, and on a release whose ring takes the rotated K/V a fix.diff

@@ -116,6 +116,7 @@ def test_a_model_without_cp_is_bad_input(bad_steps):
     assert "no context parallelism enabled" in proc.stderr and "Traceback" not in proc.stderr
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 26 s: the step's two runs, the second raising on one rank, and the wait for every process to go
 def test_a_step_that_raises_is_one_crash_and_leaves_no_process(bad_steps):
     proc = cpdoctor_step(f"{bad_steps}:raises", "--nproc", "2", "--timeout", "20", "--json", "-")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -25,6 +25,7 @@ def cxx() -> str | None:
     return next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 219 s: inductor builds the tiny model's kernels with gcc on 2 ranks (its first compile; the watched one hits the FX graph cache); the only test of the watcher under a real compiler
 def test_a_compiled_model_is_watched_without_changing_its_step(tmp_path, record_property):
     backends = ["aot_eager"] + (["inductor"] if cxx() else [])
     record_property("backends", ",".join(backends))

@@ -46,6 +46,7 @@ SAYS = {
 """What the PASS diagnosis must say it read (the convention named, not merely tolerated)."""
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 78 s: one 4-rank launch for every convention and fault (aot_eager's compile among them), shared by 29 tests
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("conventions")

@@ -88,6 +88,7 @@ def acceptable(name: str, got: dict, want: str) -> bool:
     return bool(unreadable)
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 80 s: the whole matrix (51 steps) in two launches, 4 ranks with CP and one process, ground truth for every case
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     names = [n for n in VARIANTS if n != SMOKE]

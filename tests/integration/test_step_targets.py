@@ -73,6 +73,7 @@ def _stock_ring_wrong(version: str) -> bool:
     return version.startswith("0.39")
 
 
+# slowest 20 (issue 28, full tier on 0.42.1, 2 workers on 2 cores): 24 s: every step target in one launch, shared by 23 tests
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[str, dict]:
     """One torchrun launch of every copy with this environment's diffusers (CI runs each release in its own)."""
