@@ -1,7 +1,7 @@
 """Wall time of the README's test command (issue 28: the default tier in at most 5 minutes on 2 cores, median of
-3), and of the full tier CI runs, each in this checkout's environment, with the pass counts and the slowest tests.
+3; 5 by the figures' convention), and of the full tier CI runs, each in this checkout's environment, with the pass counts and the slowest tests.
 
-    python benchmarks/bench_tests.py [--repeats 3] [--full]
+    python benchmarks/bench_tests.py [--repeats 5] [--full]
         -> benchmarks/results/tests_<diffusers version>.json (`default` and, with --full, `full` rows)
 
 The command is the README's own (`python -m pytest -q`, two xdist workers by pyproject's addopts), the full tier
@@ -55,13 +55,14 @@ def run_tier(full: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the default tier (0: none)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of the default tier (0: none)")
     parser.add_argument("--full", action="store_true", help="also the full tier, once")
     args = parser.parse_args()
     import diffusers
 
     path = os.path.join(HERE, "results", f"tests_{diffusers.__version__}.json")
     rows = {}
+    load_before = run_record.load_average()
     if os.path.exists(path):
         with open(path) as fh:
             rows = json.load(fh)["rows"]
@@ -74,6 +75,7 @@ def main() -> None:
             "command": "python -m pytest -q",
             "wall_s": walls,
             **{f"wall_{k}": v for k, v in run_record.summary(walls, 1).items()},
+            "reps": args.repeats,
             "runs": runs,
             "date": time.strftime("%Y-%m-%d %H:%M"),
         }
@@ -88,6 +90,7 @@ def main() -> None:
                 "rows": rows,
                 "machine": run_record.machine(),
                 "versions": run_record.versions(),
+                "load_average": {"before": load_before, "after": run_record.load_average()},
                 "command": "python benchmarks/bench_tests.py " + " ".join(sys.argv[1:]),
             },
             fh,
