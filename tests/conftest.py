@@ -26,6 +26,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "smoke: an integration test of the fast default tier (the rest need the full tier)")
+    config.addinivalue_line("markers", f"once: a test whose subject is the same in every CI environment (deselected where {ONCE_ENV}=1)")
+
+
+ONCE_ENV = "CPDOCTOR_TESTS_ONCE_RAN"
+"""Set by .ci/run in its second environment: the tests marked `once` ran in the first. A test is `once` only where
+what it examines does not change with the diffusers release or torch's build (README, "Tests and lint")."""
 
 
 MAX_WORKERS = 4
@@ -64,6 +70,11 @@ alone at the end."""
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order
+    if os.environ.get(ONCE_ENV) == "1":
+        ran = [item for item in items if item.get_closest_marker("once") is not None]
+        if ran:
+            config.hook.pytest_deselected(items=ran)
+            items[:] = [item for item in items if item.get_closest_marker("once") is None]
     if full_tier(config):
         return
     kept, left = [], []
