@@ -69,7 +69,7 @@ PLANTS = (
     ),
     Plant(
         "launch-hang",
-        "tests/integration/test_launch.py",
+        "tests/integration/test_launch.py::test_a_rank_that_hangs_is_a_hang_within_the_timeout",
         "ranks fork from the warm server instead of starting fresh interpreters",
         "a warm rank stays in the fork server's process group (the supervisor's kill of its group misses it)",
         "cpdoctor/launch/warm.py",
