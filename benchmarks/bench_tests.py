@@ -83,19 +83,13 @@ def main() -> None:
         run = run_tier(full=True)
         print("full", run["wall_s"], run["exit"], run["counts"], flush=True)
         rows["full"] = {"command": "CPDOCTOR_TESTS=full python -m pytest -q", **run, "date": time.strftime("%Y-%m-%d %H:%M")}
-    with open(path, "w") as fh:
-        json.dump(
-            {
-                "what": "wall seconds of the README's test command (default tier, repeated) and of the full tier, in this environment",
-                "rows": rows,
-                "machine": run_record.machine(),
-                "versions": run_record.versions(),
-                "load_average": {"before": load_before, "after": run_record.load_average()},
-                "command": "python benchmarks/bench_tests.py " + " ".join(sys.argv[1:]),
-            },
-            fh,
-            indent=2,
-        )
+    run_record.write_results(
+        path,
+        "wall seconds of the README's test command (default tier, repeated) and of the full tier, in this environment",
+        rows,
+        load_before,
+        "bench_tests.py",
+    )
 
 
 if __name__ == "__main__":

@@ -149,19 +149,13 @@ def main() -> None:
             kept = {r["name"]: r for r in json.load(fh)["rows"]}
         rows = [next((r for r in rows if r["name"] == p.name), kept.get(p.name)) for p in PLANTS]
         rows = [r for r in rows if r is not None]
-    with open(out, "w") as fh:
-        json.dump(
-            {
-                "what": "each cheapened test on a copy of the repository, clean and with the fault it guards against planted",
-                "rows": rows,
-                "machine": run_record.machine(),
-                "versions": run_record.versions(),
-                "load_average": {"before": load_before, "after": run_record.load_average()},
-                "command": "python benchmarks/plant_faults.py " + " ".join(sys.argv[1:]),
-            },
-            fh,
-            indent=2,
-        )
+    run_record.write_results(
+        out,
+        "each cheapened test on a copy of the repository, clean and with the fault it guards against planted",
+        rows,
+        load_before,
+        "plant_faults.py",
+    )
 
 
 if __name__ == "__main__":

@@ -51,3 +51,21 @@ def summary(values: list[float], digits: int = 3) -> dict:
         "median": round(statistics.median(values), digits),
         "spread": [round(min(values), digits), round(max(values), digits)],
     }
+
+
+def write_results(path: str, what: str, rows: object, load_before: list[float], script: str) -> None:
+    """A results file with its run's record: what it holds, its rows, the machine, versions, the load before and
+    after, and the command line that wrote it (`script` and this process's arguments)."""
+    import json
+    import sys
+
+    record = {
+        "what": what,
+        "rows": rows,
+        "machine": machine(),
+        "versions": versions(),
+        "load_average": {"before": load_before, "after": load_average()},
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+    }
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=2)
