@@ -1,6 +1,6 @@
 """Shared helpers: run the real CLI in a subprocess, know which diffusers release is under test; and the tiers.
 
-Tiers (README, "Tests"): `python -m pytest -q` runs the fast default tier, the unit tests and the integration tests
+Tiers (docs/TESTS.md): `python -m pytest -q` runs the fast default tier, the unit tests and the integration tests
 marked `smoke` (real gloo ranks through diffusers' real code: one check per verdict kind, the patch, one model,
 one step, one peer), in a few minutes on 2 cores. The full integration tier runs with `CPDOCTOR_TESTS=full` in the
 environment (CI sets it) or `--full`; naming a file or folder under tests/integration runs all of it too."""
@@ -31,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 ONCE_ENV = "CPDOCTOR_TESTS_ONCE_RAN"
 """Set by .ci/run in its second environment: the tests marked `once` ran in the first. A test is `once` only where
-what it examines does not change with the diffusers release or torch's build (README, "Tests and lint")."""
+what it examines does not change with the diffusers release or torch's build (docs/TESTS.md)."""
 
 
 MAX_WORKERS = 4
@@ -62,7 +62,7 @@ LONG_FIRST = (
     "test_hub_cache_verdicts.py",
     "test_gpu_acceptance_dry_run.py",
 )
-"""The integration files that take longest (`--durations`, README "Tests and lint"), started first: the workers
+"""The integration files that take longest (`--durations`, docs/TESTS.md), started first: the workers
 take files in collection order (`--no-loadscope-reorder`), and a long file started last would leave one worker
 alone at the end."""
 

@@ -1,4 +1,4 @@
-"""Every measured figure README.md and benchmarks/README.md quote is the value of a stored run, so a figure cannot
+"""Every measured figure README.md, benchmarks/README.md and the docs/ pages quote is the value of a stored run, so a figure cannot
 drift from its run: benchmarks/figures.yaml says which JSON value each figure is (the convention is written in
 benchmarks/README.md, "Figures and their runs"); this test renders each entry from the JSON and fails when the
 document does not print it, when the section does not name the results file, or when a results file a document
@@ -17,7 +17,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-DOCS = ("README.md", "benchmarks/README.md")
+DOCS = ("README.md", "benchmarks/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+"""Every document that may quote a measured figure: the README, the benchmarks' README and the docs/ pages."""
 BEFORE_HEADING = "### Stored before this convention"
 _ROW = re.compile(r"^(\w+)\[(.*)\]$")
 _NAMED = re.compile(r"results/[A-Za-z0-9_.\-]+\.(?:json|diff)")
@@ -159,13 +160,13 @@ def test_a_results_file_records_its_run_or_is_listed_as_older(docs, figures):
 
 
 def test_a_planted_drift_is_reported(docs, figures):
-    entry = next(e for e in figures if e["results"] == "results/ring_cpu.json" and e["doc"] == "README.md")
+    entry = next(e for e in figures if e["results"] == "results/ring_cpu.json" and e["doc"] == "docs/FIX.md")
     x = render(resolve(json.loads((BENCH / entry["results"]).read_text()), "rows[world=4,seq=16384,dtype=fp32].patched_memory_x"), ".3f")
     drifted = dict(docs)
     assert check(drifted, [entry], BENCH) == []
-    flat = _flat(drifted["README.md"])
+    flat = _flat(drifted["docs/FIX.md"])
     assert x + " /" in flat
-    drifted["README.md"] = flat.replace(x + " /", "0.499 /", 1)
+    drifted["docs/FIX.md"] = flat.replace(x + " /", "0.499 /", 1)
     problems = check(drifted, [entry], BENCH)
     assert len(problems) == 1 and "does not say what its run says" in problems[0]
 

@@ -50,7 +50,7 @@ def test_ci_runs_the_readme_test_command_in_words():
 
 
 def test_the_fast_tier_covers_every_verdict_kind_and_wing():
-    """The smoke set (README, "Tests"): one check per verdict kind, the patch, one model, one step, one peer."""
+    """The smoke set (docs/TESTS.md): one check per verdict kind, the patch, one model, one step, one peer."""
     marked = {}
     for path in (TESTS / "integration").glob("test_*.py"):
         text = path.read_text()
