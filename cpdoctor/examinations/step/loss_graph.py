@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from cpdoctor.examinations.step.events import BackwardRoot, LossFactor, LossTerm, Source
@@ -147,12 +148,12 @@ def read_root(
                 hidden.append(type(node).__name__)
             edges = None if _hides_constants(node) else _linear(node, marks)
             if edges is not None:
-                stack.extend((fn, factors + ((f,) if f is not None else ()), True) for fn, f in edges)
+                stack.extend((fn, factors + ((replace(f, place=len(factors)),) if f is not None else ()), True) for fn, f in edges)
                 continue
             if type(node).__name__ in LOSS_FUNCTIONS and getattr(node, "_saved_reduction", None) == 1:
                 saved = getattr(node, "_saved_self", None)
                 if saved is not None:
-                    factors = factors + (LossFactor(1.0 / saved.numel(), Source.MEAN, int(saved.numel())),)
+                    factors = factors + (LossFactor(1.0 / saved.numel(), Source.MEAN, int(saved.numel()), len(factors)),)
         key = (id(node), factors)
         if key in seen_math:
             continue
