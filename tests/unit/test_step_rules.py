@@ -474,3 +474,19 @@ def test_a_crash_of_the_cp_attention_in_a_step_is_the_attentions_defect_with_its
     assert f.failure.signature == "ring backward under checkpointing"
     own = crash(group, {1: "Traceback ...\nValueError: the user's step failed"}, "the step raised")
     assert own.command is None and own.diagnosis == "the step raised on rank 1 (rank 1: ValueError: the user's step failed)"
+
+
+def test_a_number_is_read_every_way_its_value_fits():
+    """`p.grad /= dp * cp` after a sum over the world, at dp 2 × cp 2: 0.25 is 1/(cp·dp) (= 1/cp²), and also cp²
+    over the 16 tokens; read only as the latter, `loss * cp` summed that way FAILed although it is right. Every fitting power is
+    a reading: with the × cp the step is right under one (WARN), without it wrong under all (FAIL, made by the sum
+    and the division the watcher saw)."""
+    group = StepGroup(rank=0, world=4, ranks=(0, 1), ring=2, ulysses=1, seq=1, index=1, timeout_s=1.0, cp_groups=((0, 1), (2, 3)))
+    world = Collective("all_reduce", Op.SUM, (0, 1, 2, 3), True, 0)
+    mean_world = GradScale(0.25, "dist.all_reduce over ranks 0, 1, 2, 3 and the end of the watch")
+    for loss, verdict in (((const(2.0), mean(64)), Verdict.WARN), ((mean(64),), Verdict.FAIL)):
+        e = expectation([EventLog([root(*loss), world, mean_world])], group, OUT, 1, 1, None, (SAME,))
+        literal = next(lit for lit in e.readings.literals if not lit.on_loss)
+        assert sorted(literal.degrees) == [(0.25, "1/cp² = 0.25"), (4.0, "cp² / 16")]  # 1/cp² is 1/(cp·dp) here
+        f = step_finding(numbers(dp=2, grads=HALF), e)
+        assert f.verdict is verdict, f.diagnosis

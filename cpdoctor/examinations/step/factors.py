@@ -20,7 +20,8 @@ Observed:
 Read (a `Literal`): a number whose meaning only its value tells: a constant on the loss, or a scaling of the
 gradients between events, equal to a power of the job's degrees (`loss * 2` at cp 2: cp, or a weight?), to such a
 power over the micro-batches or the output's count (`loss * cp / accum` as one number), or to 1 / this rank's
-shard's count. Each is read both ways, a weight one process applies too or the degree power it does not;
+shard's count. Each is read every way its value fits, a weight one process applies too or each degree power it
+could carry that one process does not (0.25 at dp 2 × cp 2 is 1/(cp·dp), or cp² over a 16-token count);
 `Readings.outcomes` gives a correct step's c under every reading, and the judge compares the measured c with each.
 A number that is no such power is the same in one process (said in the report, never read as a degree)."""
 
@@ -50,8 +51,8 @@ from cpdoctor.examinations.step.measure import OutGrad
 SAME = 1e-6
 """Relative difference under which two values are one (a Python float of cp / accum against cp / accum)."""
 
-MAX_LITERALS = 10
-"""Readings are every combination of the literals' two meanings; past this many the loss is not read at all."""
+MAX_READINGS = 4096
+"""Readings are every combination of the literals' meanings; past this many the loss is not read at all."""
 
 
 @dataclass(frozen=True)
@@ -133,44 +134,51 @@ class Counts:
 @dataclass(frozen=True)
 class Literal:
     """A number whose meaning only its value tells: on the loss (`on_loss`) or a scaling of the gradients. Read as a
-    weight, one process applies `value` too; read as `degree` (a power of the job's degrees), one process does not
-    apply that part: `value / degree` on the gradients, the loss divided by `degree`."""
+    weight, one process applies `value` too; read as one of `degrees` (a power of the job's degrees, with its
+    meaning), one process does not apply that part: `value / degree` on the gradients, the loss divided by it."""
 
     value: float
     where: str
-    degree: float
-    meaning: str
+    degrees: tuple[tuple[float, str], ...]
     weight: str = "a weight of the step's own"
     on_loss: bool = True
+    seen: str = ""
+    """Where the watcher saw it, said once (a scaling of the gradients: between which events)."""
 
     @property
     def text(self) -> str:
         return f"the {self.value:.4g} {self.where}"
 
+    def meaning(self, reading: int) -> str:
+        """Reading 0 is the weight, reading i the (i-1)th degree power."""
+        return self.weight if reading == 0 else self.degrees[reading - 1][1]
+
+    def degree(self, reading: int) -> float:
+        return 1.0 if reading == 0 else self.degrees[reading - 1][0]
+
     def both_ways(self) -> str:
-        return f"{self.text} is {self.meaning} or {self.weight}"
+        seen = f" ({self.seen})" if self.seen else ""
+        return f"{self.text}{seen} is {', '.join(m for _, m in self.degrees)} or {self.weight}"
 
 
-def read_number(value: float, counts: Counts, powers: tuple[Power, ...]) -> tuple[Power, str] | None:
-    """What a number could be besides a weight of the step's own: a degree power, such a power over the micro-batches
-    or over the output's count, or 1 / this rank's shard's count (None: it is none of these, the same in one
-    process; 1 and 1 / the output's own count included)."""
+def read_number(value: float, counts: Counts, powers: tuple[Power, ...]) -> tuple[tuple[float, str], ...]:
+    """Every degree power a number could carry besides being a weight of the step's own (empty: none, it is the same
+    in one process; 1 and 1 / the output's own count included): a degree power, such a power over the micro-batches
+    or over the output's count, 1 / this rank's shard's count; one meaning per degree value, simplest first."""
     a = abs(value)
     if _same(a, 1.0) or any(_same(a, 1 / k) for k in counts.full):
-        return None
+        return ()
+    found: dict[float, str] = {}
     shard = next((k for k in counts.shard if _same(a, 1 / k)), None)
     if shard is not None:
-        return counts.cp_power, f"1/{shard}, this rank's shard's count ({shard * counts.cp} / cp)"
+        found[float(counts.cp)] = f"1/{shard}, this rank's shard's count ({shard * counts.cp} / cp)"
     for p in powers:
-        if _same(a, p.value):
-            return p, f"{p.text} = {p.value:.4g}"
-        for m in counts.micro:
-            if _same(a, p.value / m):
-                return p, f"{p.text} / {m} micro-batches"
-        for k in counts.full:
-            if _same(a, p.value / k):
-                return p, f"{p.text} / {k}"
-    return None
+        meanings = [f"{p.text} = {p.value:.4g}"] if _same(a, p.value) else []
+        meanings += [f"{p.text} / {m} micro-batches" for m in counts.micro if _same(a, p.value / m)]
+        meanings += [f"{p.text} / {k}" for k in counts.full if _same(a, p.value / k)]
+        if meanings and not any(_same(p.value, d) for d in found):
+            found[p.value] = meanings[0]
+    return tuple(found.items())
 
 
 def weight_text(value: float, counts: Counts) -> str:
@@ -189,10 +197,11 @@ class Term:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One reading: which literals are read as their degree power, and what a correct step's G / R is then (None:
-    not a single number, the loss's terms then carry different factors of the degrees)."""
+    """One reading: which meaning each literal is read as (0: a weight, i: its i-th degree power), and what a
+    correct step's G / R is then (None: not a single number, the loss's terms then carry different factors of the
+    degrees, or the loss could not be read)."""
 
-    degrees: tuple[bool, ...]
+    readings: tuple[int, ...]
     factor: float | None
     loss_power: float | None = None
 
@@ -211,27 +220,29 @@ class Readings:
     said: float | None = None
 
     def outcomes(self) -> tuple[Outcome, ...]:
-        """Every reading (each literal a weight or its degree power), the all-weights reading first."""
-        if len(self.literals) > MAX_LITERALS:
+        """Every reading, the all-weights reading first."""
+        choices = [range(len(lit.degrees) + 1) for lit in self.literals]
+        if math.prod(len(c) for c in choices) > MAX_READINGS:
             return (Outcome((), None),)
-        return tuple(self._outcome(c) for c in itertools.product((False, True), repeat=len(self.literals)))
+        return tuple(self._outcome(r) for r in itertools.product(*choices))
 
-    def _outcome(self, degrees: tuple[bool, ...]) -> Outcome:
-        on_grads = math.prod(lit.value / lit.degree if d else lit.value for lit, d in zip(self.literals, degrees) if not lit.on_loss)
+    def _outcome(self, readings: tuple[int, ...]) -> Outcome:
+        lits = self.literals
+        on_grads = math.prod(lit.value / lit.degree(r) for lit, r in zip(lits, readings) if not lit.on_loss)
         if self.unknown:
-            return Outcome(degrees, None)
+            return Outcome(readings, None)
         if self.said is not None:
-            return Outcome(degrees, self.own * on_grads / self.said, self.said)
-        powers = {t.certain * math.prod(self.literals[i].degree for i in t.literals if degrees[i]) for t in self.terms}
+            return Outcome(readings, self.own * on_grads / self.said, self.said)
+        powers = {t.certain * math.prod(lits[i].degree(readings[i]) for i in t.literals) for t in self.terms}
         if len({round(math.log(p), 9) for p in powers}) != 1:
-            return Outcome(degrees, None)
+            return Outcome(readings, None)
         power = powers.pop()
-        return Outcome(degrees, self.own * on_grads / power, power)
+        return Outcome(readings, self.own * on_grads / power, power)
 
     @property
     def as_degrees(self) -> float:
-        """λ with every literal read as its degree power (two runs name a factor by it), 1 when that is no number."""
-        power = self._outcome((True,) * len(self.literals)).loss_power
+        """λ with every literal read as its first degree power (two runs name a factor by it), 1 when that is no number."""
+        power = self._outcome((1,) * len(self.literals)).loss_power
         return power if power is not None else 1.0
 
     @property
@@ -282,14 +293,9 @@ def _term(
             key = ("mean", count)
             keys.setdefault(key, len(literals))
             if keys[key] == len(literals):
+                part = ((float(counts.cp), "over its shard's part (cp)"),)
                 literals.append(
-                    Literal(
-                        1 / count,
-                        f"(a mean over {count} elements of a per-shard loss)",
-                        counts.cp,
-                        "over its shard's part (cp)",
-                        "the same part in one process",
-                    )
+                    Literal(1 / count, f"(a mean over {count} elements of a per-shard loss)", part, "the same part in one process")
                 )
             mine.append(keys[key])
         else:
@@ -300,14 +306,14 @@ def _term(
         if f.source not in (Source.CONSTANT, Source.GRADIENT):
             continue
         read = read_number(f.value, counts, powers)
-        if read is None:
+        if not read:
             if not _same(abs(f.value), 1.0):
                 notes.append(f"the {f.value:.4g} on the loss (no power of the degrees: the same in one process)")
             continue
         key = (f.source, round(f.value, 12), f.place)
         if key not in keys:
             keys[key] = len(literals)
-            literals.append(Literal(f.value, "on the loss", read[0].value, read[1], weight_text(f.value, counts)))
+            literals.append(Literal(f.value, "on the loss", read, weight_text(f.value, counts)))
         mine.append(keys[key])
     return Term(certain, tuple(dict.fromkeys(mine)))
 
@@ -318,14 +324,14 @@ def _gradient_readings(log: EventLog, counts: Counts, powers: tuple[Power, ...])
     literals, own, notes = [], 1.0, []
     for e in log.of(GradScale):
         read = read_number(e.factor, counts, powers)
-        where = f"on the gradients (the step's own code scaled them between {e.between})"
-        if read is None:
+        if not read:
             own *= e.factor
             notes.append(
                 f"the step's own code scaled the gradients by {e.factor:.4g} between {e.between} (no power of the degrees: the same in one process)"
             )
         else:
-            literals.append(Literal(e.factor, where, read[0].value, read[1], weight_text(e.factor, counts), on_loss=False))
+            seen = f"the step's own code scaled them between {e.between}"
+            literals.append(Literal(e.factor, "on the gradients", read, weight_text(e.factor, counts), False, seen))
     return literals, own, notes
 
 

@@ -441,8 +441,10 @@ def _factor_remedy(s: StepSignature) -> str:
 
 def _reading(s: StepSignature, outcome: Outcome) -> str:
     """One reading, in words: what each literal is taken as."""
-    said = [f"{lit.text} is {lit.meaning if d else lit.weight}" for lit, d in zip(s.e.readings.literals, outcome.degrees)]
-    return " and ".join(said) if len(said) <= 3 else f"{sum(outcome.degrees)} of its {len(said)} numbers are powers of the degrees"
+    said = [f"{lit.text} is {lit.meaning(r)}" for lit, r in zip(s.e.readings.literals, outcome.readings)]
+    return (
+        " and ".join(said) if len(said) <= 3 else f"{sum(map(bool, outcome.readings))} of its {len(said)} numbers are powers of the degrees"
+    )
 
 
 def _reading_text(s: StepSignature) -> str:
