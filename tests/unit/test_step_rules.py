@@ -477,16 +477,24 @@ def test_a_crash_of_the_cp_attention_in_a_step_is_the_attentions_defect_with_its
 
 
 def test_a_number_is_read_every_way_its_value_fits():
-    """`p.grad /= dp * cp` after a sum over the world, at dp 2 × cp 2: 0.25 is 1/(cp·dp) (= 1/cp²), and also cp²
-    over the 16 tokens; read only as the latter, `loss * cp` summed that way FAILed although it is right. Every fitting power is
-    a reading: with the × cp the step is right under one (WARN), without it wrong under all (FAIL, made by the sum
-    and the division the watcher saw)."""
+    """`shard.sum() / 32` at CP 2: 1/32 is 1 / this rank's shard's count (64 / cp), and 1/cp over the 16 tokens; both
+    are readings beside a weight, and the verdict is a FAIL only where every one is wrong."""
+    e = seen(root(const(1 / 32)), SUM_CP, shapes=(SHARDED,))
+    (literal,) = e.readings.literals
+    assert [m for _, m in literal.degrees] == ["1/32, this rank's shard's count (64 / cp)", "1/cp / 16"]
+    assert {o.loss_power for o in e.readings.outcomes()} == {1.0, 2.0, 0.5}
+
+
+def test_the_steps_own_division_by_a_degree_is_part_of_its_reduction():
+    """`p.grad /= dp * cp` after a sum over the world at dp 2 × cp 2: a change of the gradients the watcher saw on the
+    tensors by 1/(cp·dp) (nothing else its value fits): observed, with the sum a mean over every rank. `loss * cp`
+    then is right under one reading of its 2 (WARN); a plain loss is wrong, a FAIL made by what was seen."""
     group = StepGroup(rank=0, world=4, ranks=(0, 1), ring=2, ulysses=1, seq=1, index=1, timeout_s=1.0, cp_groups=((0, 1), (2, 3)))
     world = Collective("all_reduce", Op.SUM, (0, 1, 2, 3), True, 0)
     mean_world = GradScale(0.25, "dist.all_reduce over ranks 0, 1, 2, 3 and the end of the watch")
     for loss, verdict in (((const(2.0), mean(64)), Verdict.WARN), ((mean(64),), Verdict.FAIL)):
         e = expectation([EventLog([root(*loss), world, mean_world])], group, OUT, 1, 1, None, (SAME,))
-        literal = next(lit for lit in e.readings.literals if not lit.on_loss)
-        assert sorted(literal.degrees) == [(0.25, "1/cp² = 0.25"), (4.0, "cp² / 16")]  # 1/cp² is 1/(cp·dp) here
+        assert not [lit for lit in e.readings.literals if not lit.on_loss] and e.events_factor == 0.5
+        assert "scaled the gradients by 0.25 = 1/cp²" in e.reductions[0].text
         f = step_finding(numbers(dp=2, grads=HALF), e)
         assert f.verdict is verdict, f.diagnosis

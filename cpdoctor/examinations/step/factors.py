@@ -8,19 +8,20 @@ scale it unscaled by); λ is the part of the loss's factors that comes from the 
 
 Observed:
 - the reductions of the gradients (`reductions`): DDP's average over its group, FSDP2's divide factor, each
-  all_reduce's op and group, each relative to the sum over the CP ranks and the mean over the data-parallel
-  replicas a correct step takes; with the step's own scalings of its gradients (seen by their value between two
-  events) and 1 / T they are what the events say c is;
+  all_reduce's op and group, the step's own scaling of its gradients by a power of the degrees seen on the tensors
+  between two events (`p.grad /= dp`), each relative to the sum over the CP ranks and the mean over the
+  data-parallel replicas a correct step takes; with the step's other scalings and 1 / T they are what the events
+  say c is;
 - each mean on the loss's path and the elements it averaged, with what the CP peers' output gradients are
   (measure.OutGrad): a loss that is the same on every peer averages the same part of the gathered output in one
   process, whatever part (a condition image sliced off, half of a prior-preservation batch); a per-shard loss whose
   mean covers its own shard averages cp× fewer elements than one process does;
 - GradScaler's scale and accelerate's division (their nodes are marked), the unscaling.
 
-Read (a `Literal`): a number whose meaning only its value tells: a constant on the loss, or a scaling of the
-gradients between events, equal to a power of the job's degrees (`loss * 2` at cp 2: cp, or a weight?), to such a
-power over the micro-batches or the output's count (`loss * cp / accum` as one number), or to 1 / this rank's
-shard's count. Each is read every way its value fits, a weight one process applies too or each degree power it
+Read (a `Literal`): a number whose meaning only its value tells: a constant on the loss equal to a power of the
+job's degrees (`loss * 2` at cp 2: cp, or a weight?), to one degree over the micro-batches or the output's count
+(`loss * cp / accum` as one number), or to 1 / this rank's shard's count; a scaling of the gradients whose value
+fits such a count. Each is read every way its value fits, a weight one process applies too or each degree power it
 could carry that one process does not (0.25 at dp 2 × cp 2 is 1/(cp·dp), or cp² over a 16-token count);
 `Readings.outcomes` gives a correct step's c under every reading, and the judge compares the measured c with each.
 A number that is no such power is the same in one process (said in the report, never read as a degree)."""
@@ -174,8 +175,9 @@ def read_number(value: float, counts: Counts, powers: tuple[Power, ...]) -> tupl
         found[float(counts.cp)] = f"1/{shard}, this rank's shard's count ({shard * counts.cp} / cp)"
     for p in powers:
         meanings = [f"{p.text} = {p.value:.4g}"] if _same(a, p.value) else []
-        meanings += [f"{p.text} / {m} micro-batches" for m in counts.micro if _same(a, p.value / m)]
-        meanings += [f"{p.text} / {k}" for k in counts.full if _same(a, p.value / k)]
+        if sum(abs(e) for _, e in p.exponents) == 1:  # one degree over a count: `loss * cp / accum`, `sum() * cp / numel`
+            meanings += [f"{p.text} / {m} micro-batches" for m in counts.micro if _same(a, p.value / m)]
+            meanings += [f"{p.text} / {k}" for k in counts.full if _same(a, p.value / k)]
         if meanings and not any(_same(p.value, d) for d in found):
             found[p.value] = meanings[0]
     return tuple(found.items())
@@ -318,21 +320,28 @@ def _term(
     return Term(certain, tuple(dict.fromkeys(mine)))
 
 
-def _gradient_readings(log: EventLog, counts: Counts, powers: tuple[Power, ...]) -> tuple[list[Literal], float, list[str]]:
-    """The step's own scalings of its gradients seen between events: literals where their value could be a degree
-    power, else the same in one process (their product) and said."""
-    literals, own, notes = [], 1.0, []
+def _gradient_readings(
+    log: EventLog, counts: Counts, powers: tuple[Power, ...]
+) -> tuple[list[Literal], float, list[str], list[tuple[str, float]]]:
+    """The step's own scalings of its gradients, seen on the tensors between events: one by a power of the degrees
+    and nothing else its value fits is part of a reduction (`p.grad /= dp` after a sum over the replicas: observed,
+    returned as (text, factor)); one whose value also fits a count (1 / this rank's shard's tokens, a degree over
+    the micro-batches) is a literal read every way; any other is the step's own, the same in one process (said)."""
+    literals, own, notes, observed = [], 1.0, [], []
     for e in log.of(GradScale):
         read = read_number(e.factor, counts, powers)
-        if not read:
+        pure = power_of(abs(e.factor), powers)
+        if pure is not None and [d for d, _ in read] == [pure.value]:
+            observed.append((f"the step's own code scaled the gradients by {e.factor:.4g} = {pure.text} (between {e.between})", e.factor))
+        elif read:
+            seen = f"the step's own code scaled them between {e.between}"
+            literals.append(Literal(e.factor, "on the gradients", read, weight_text(e.factor, counts), False, seen))
+        else:
             own *= e.factor
             notes.append(
                 f"the step's own code scaled the gradients by {e.factor:.4g} between {e.between} (no power of the degrees: the same in one process)"
             )
-        else:
-            seen = f"the step's own code scaled them between {e.between}"
-            literals.append(Literal(e.factor, "on the gradients", read, weight_text(e.factor, counts), False, seen))
-    return literals, own, notes
+    return literals, own, notes, observed
 
 
 @dataclass(frozen=True)
@@ -344,10 +353,10 @@ class Reduction:
     factor: float
 
 
-def reductions(log: EventLog, group: StepGroup) -> tuple[tuple[Reduction, ...], tuple[str, ...]]:
+def reductions(log: EventLog, group: StepGroup, scaled: list[tuple[str, float]]) -> tuple[tuple[Reduction, ...], tuple[str, ...]]:
     """The reductions of the gradients in `log` (DDP's, FSDP2's, the collectives on the first reduced parameter's
-    gradient) and what could not be read of them."""
-    found: list[Reduction] = []
+    gradient, the step's own scalings by a power of the degrees: `scaled`) and what could not be read of them."""
+    found: list[Reduction] = [Reduction(text, factor) for text, factor in scaled]
     unread: list[str] = []
     on_grads = [e for e in log.of(Collective) if e.on_gradients]
     first = on_grads[0].param if on_grads else None
@@ -472,7 +481,7 @@ def expectation(
     micro = (forwards, *(e.accumulation_steps for e in mine.of(AccelerateBackward)))
     counts = Counts.of(out_shape, gather_dim, group.cp, micro)
     loss_literals, terms, notes, unknown = _loss_readings(mine, counts, powers, shapes, math.prod(out_shape) if out_shape else 0)
-    grad_literals, own, grad_notes = _gradient_readings(mine, counts, powers)
+    grad_literals, own, grad_notes, scaled = _gradient_readings(mine, counts, powers)
     said = float(loss_scale) if loss_scale is not None else None
     if said is not None:  # the user said λ: the loss is not read
         loss_literals, terms, unknown, notes = [], [Term()], [], [f"you said the CP step scales its loss by {said:g} (loss_scale=)"]
@@ -484,7 +493,7 @@ def expectation(
         unknown=tuple(unknown),
         said=said,
     )
-    reduced, unread = reductions(mine, group)
+    reduced, unread = reductions(mine, group, scaled)
     return Expectation(
         readings=readings,
         scale=mine.scale,
