@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING, Aspect, CrashSignature, Rule, diagnosis_of, spoken_rules
-from cpdoctor.examinations.step.factors import Expectation, Outcome, Power, degree_powers, power_of
+from cpdoctor.examinations.step.factors import MAX_READINGS, Expectation, Outcome, Power, degree_powers, power_of
 from cpdoctor.examinations.step.input_layouts import Placement
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
@@ -451,10 +451,13 @@ def _reading_text(s: StepSignature) -> str:
     """One run, a uniform factor that is not wrong on what the watcher observed: what the verdict rests on."""
     r = s.e.readings
     head = f"every rank's gradients are exactly {s.worst.factor:.4g}× the gradients of the loss as computed here (residual {s.worst.residual:.2g})"
-    if r.unknown:
-        need = s.worst.factor / (s.readings[0][1] or 1.0) if s.readings[0][1] is not None else None
-        known = f"; with the rest read, the step is right if that part carries {1 / need:.4g} and wrong otherwise" if need else ""
-        body = f"what one process computes cannot be read: {'; '.join(r.unknown)}{known}"
+    if all(e is None for _, e in s.readings):
+        why = "; ".join(r.unknown) or (
+            f"more than {MAX_READINGS} readings of its numbers"
+            if len(s.readings) == 1 and r.literals
+            else "the loss's terms carry different factors of the degrees under every reading"
+        )
+        body = f"what one process computes cannot be read: {why}"
     elif s.wrong_everywhere:
         ev = s.e.events_factor
         unread = f"; not read: {'; '.join(s.unread)}" if s.unread else ""
