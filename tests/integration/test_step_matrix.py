@@ -139,6 +139,7 @@ def test_preflight_never_stops_a_correct_step(matrix, name):
     want, err, tol, got = matrix[name + ARMED_SUFFIX]
     assert want == "PASS", f"{name} is no correct step here: error {err:.3g} against one process (tolerance {tol:.3g})"
     assert got["verdict"] not in ("RAISED", "NOT CLOSED", "FAIL") and not got["stopped"], got
+    assert got["callbacks"] == 1, got  # judged once, at the step's end (an optimizer inside backward: that backward's end)
     assert got["verdict"] == matrix[name][3]["verdict"], (got, matrix[name][3])  # the armed watch judges as watch_step
 
 

@@ -254,69 +254,67 @@ class Readings:
         return outcomes[0].loss_power if len(outcomes) == 1 else None
 
 
-def _loss_readings(
-    log: EventLog, counts: Counts, powers: tuple[Power, ...], shapes: tuple[OutGrad, ...], out_numel: int
-) -> tuple[list[Literal], list[Term], list[str], list[str]]:
+@dataclass
+class _Read:
+    """What reading the loss's roots collects: its literals (one per number and place, shared by every term and
+    micro-batch that has it), the terms, what was observed and said, and why the loss's factor is unknown."""
+
+    literals: list[Literal] = field(default_factory=list)
+    keys: dict[tuple, int] = field(default_factory=dict)
+    terms: list[Term] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+    def literal(self, key: tuple, literal: Literal) -> int:
+        if key not in self.keys:
+            self.keys[key] = len(self.literals)
+            self.literals.append(literal)
+        return self.keys[key]
+
+
+def _loss_readings(log: EventLog, counts: Counts, powers: tuple[Power, ...], shapes: tuple[OutGrad, ...], out_numel: int) -> _Read:
     """The literals, terms, notes and unknowns of the loss, read from the first rank's backward roots."""
-    literals: list[Literal] = []
-    keys: dict[tuple, int] = {}
-    terms, notes, unknown = [], [], []
+    read = _Read()
     for root in log.roots:
-        unknown += [f"the loss's constants inside {h}" for h in root.hidden]
+        read.unknown += [f"the loss's constants inside {h}" for h in root.hidden]
         for term in root.terms:
-            terms.append(_term(term, counts, powers, shapes, out_numel, literals, keys, notes))
-    if not terms:
-        unknown.append("no backward reaching the model's output was observed (torch.autograd.backward or grad bound before the watch?)")
-    return literals, terms, list(dict.fromkeys(notes)), list(dict.fromkeys(unknown))
+            shape = shapes[term.output] if term.output < len(shapes) else OutGrad.REPLICATED
+            read.terms.append(_term(term, counts, powers, shape, out_numel, read))
+    if not read.terms:
+        read.unknown.append(
+            "no backward reaching the model's output was observed (torch.autograd.backward or grad bound before the watch?)"
+        )
+    read.notes, read.unknown = list(dict.fromkeys(read.notes)), list(dict.fromkeys(read.unknown))
+    return read
 
 
-def _term(
-    term: LossTerm,
-    counts: Counts,
-    powers: tuple[Power, ...],
-    shapes: tuple[OutGrad, ...],
-    out_numel: int,
-    literals: list[Literal],
-    keys: dict[tuple, int],
-    notes: list[str],
-) -> Term:
-    """One term: its means (observed, with the output gradients' shape) and its literals (one per number and place,
-    shared by every term and micro-batch that has it)."""
+def _term(term: LossTerm, counts: Counts, powers: tuple[Power, ...], shape: OutGrad, out_numel: int, read: _Read) -> Term:
+    """One term: its means (observed, with what the peers' output gradients are) and its literals."""
     certain, mine = 1.0, []
     count = math.prod(f.count for f in term.factors if f.source is Source.MEAN and f.count)
-    shape = shapes[term.output] if term.output < len(shapes) else OutGrad.REPLICATED
     if count > 1 and count not in counts.full:
         if shape is OutGrad.PER_SHARD and count in counts.shard:
             certain = float(counts.cp)
-            notes.append(
+            read.notes.append(
                 f"a per-shard loss averaging its own shard ({count} of the output's {count * counts.cp} elements; one process averages cp× as many)"
             )
         elif shape is OutGrad.PER_SHARD:
-            key = ("mean", count)
-            keys.setdefault(key, len(literals))
-            if keys[key] == len(literals):
-                part = ((float(counts.cp), "over its shard's part (cp)"),)
-                literals.append(
-                    Literal(1 / count, f"(a mean over {count} elements of a per-shard loss)", part, "the same part in one process")
-                )
-            mine.append(keys[key])
+            part = ((float(counts.cp), "over its shard's part (cp)"),)
+            where = f"(a mean over {count} elements of a per-shard loss)"
+            mine.append(read.literal(("mean", count), Literal(1 / count, where, part, "the same part in one process")))
         else:
-            notes.append(
+            read.notes.append(
                 f"a mean over {count} of the output's {out_numel} elements, the same part on every CP peer (the same in one process)"
             )
     for f in term.factors:
         if f.source not in (Source.CONSTANT, Source.GRADIENT):
             continue
-        read = read_number(f.value, counts, powers)
-        if not read:
-            if not _same(abs(f.value), 1.0):
-                notes.append(f"the {f.value:.4g} on the loss (no power of the degrees: the same in one process)")
-            continue
-        key = (f.source, round(f.value, 12), f.place)
-        if key not in keys:
-            keys[key] = len(literals)
-            literals.append(Literal(f.value, "on the loss", read, weight_text(f.value, counts)))
-        mine.append(keys[key])
+        degrees = read_number(f.value, counts, powers)
+        if degrees:
+            literal = Literal(f.value, "on the loss", degrees, weight_text(f.value, counts))
+            mine.append(read.literal((f.source, round(f.value, 12), f.place), literal))
+        elif not _same(abs(f.value), 1.0):
+            read.notes.append(f"the {f.value:.4g} on the loss (no power of the degrees: the same in one process)")
     return Term(certain, tuple(dict.fromkeys(mine)))
 
 
@@ -480,7 +478,8 @@ def expectation(
     powers = degree_powers(group.ring, group.ulysses, group.dp)
     micro = (forwards, *(e.accumulation_steps for e in mine.of(AccelerateBackward)))
     counts = Counts.of(out_shape, gather_dim, group.cp, micro)
-    loss_literals, terms, notes, unknown = _loss_readings(mine, counts, powers, shapes, math.prod(out_shape) if out_shape else 0)
+    loss = _loss_readings(mine, counts, powers, shapes, math.prod(out_shape) if out_shape else 0)
+    loss_literals, terms, notes, unknown = loss.literals, loss.terms, loss.notes, loss.unknown
     grad_literals, own, grad_notes, scaled = _gradient_readings(mine, counts, powers)
     said = float(loss_scale) if loss_scale is not None else None
     if said is not None:  # the user said λ: the loss is not read
