@@ -160,6 +160,7 @@ VARIANTS: dict[str, Variant] = {
     "optimizer_in_backward_no_cp_sum_bug": V(layout=(1, 2, 2), sync="none", grads_by="in_backward"),
     "two_roots_one_forward_weight_2_ring_4": V(layout=(1, 4, 1), loss="two_roots_x_2", sync="sum_cp"),
     # the step's own normaliser of its gradients, a hidden node on the loss, a comm hook
+    "accum_2_grads_over_2": V(sync="sum_cp_ddp_dp_over_micro", micro=2, reading="the 0.5 on the gradients"),
     "grads_over_all_tokens": V(sync="sum_cp_ddp_dp_over_tokens"),
     "grads_over_shard_tokens_bug": V(sync="sum_cp_ddp_dp_over_shard_tokens", reading="1/8, this rank's shard's count"),
     "differentiable_all_reduce_loss_bug": V(loss="all_reduced", reading="cannot be read: the loss's constants inside"),
@@ -175,7 +176,7 @@ ARMED = (
     "mse_sum_cp", "x_cp_ddp_world", "shard_mse_ddp_world", "clip_active", "accum_2_summed", "accum_2_over_2", "scaler_1024",
     "lora_bf16", "kontext_condition_sliced_off", "prior_preservation_chunked", "half_mse_weight", "weight_2_meant_as_a_weight",
     "autocast_bf16", "autograd_grad_sum_cp", "clip_per_parameter_group", "optimizer_in_backward",
-    "two_roots_one_forward_weight_2_ring_4", "grads_over_all_tokens",
+    "two_roots_one_forward_weight_2_ring_4", "grads_over_all_tokens", "accum_2_grads_over_2",
 )  # fmt: skip
 """Correct steps run again under what preflight(model=) arms: none may stop the job (the false-stop test)."""
 ARMED_SUFFIX = "@preflight"
@@ -334,6 +335,10 @@ def sync(v: Variant, job: Job, model) -> None:
         for x in grads:
             dist.all_reduce(x, group=g["cp"])
             x /= 1024.0  # the step's own unscaling of its own loss scale
+    elif v.sync == "sum_cp_ddp_dp_over_micro":  # the accumulation's mean taken on the gradients, not the loss
+        for x in grads:
+            dist.all_reduce(x, group=g["cp"])
+            x /= v.micro
     elif v.sync in ("sum_cp_ddp_dp_over_tokens", "sum_cp_ddp_dp_over_shard_tokens"):
         tokens = GRID * GRID // (job.cp if v.sync.endswith("shard_tokens") else 1)  # the shard's: a layout-dependent count
         for x in grads:

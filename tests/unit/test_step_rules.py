@@ -498,3 +498,13 @@ def test_the_steps_own_division_by_a_degree_is_part_of_its_reduction():
         assert "scaled the gradients by 0.25 = 1/cp²" in e.reductions[0].text
         f = step_finding(numbers(dp=2, grads=HALF), e)
         assert f.verdict is verdict, f.diagnosis
+
+
+def test_the_steps_own_division_by_its_micro_batches_is_read_not_taken_for_a_reduction():
+    """`p.grad /= accum` after accumulating 2 micro-batches at CP 2: 0.5 is 1/cp and 1 / the micro-batches, the same
+    in one process: read both ways (WARN), never the observed reduction that would FAIL this right step."""
+    div = GradScale(0.5, "dist.all_reduce over ranks 0, 1 and the end of the watch")
+    e = expectation([EventLog([root(mean(64)), root(mean(64)), SUM_CP, div])], GROUP, OUT, 1, 2, None, (SAME, SAME))
+    assert [r.factor for r in e.reductions] == [1.0] and e.readings.literals[0].weight == "the mean over its 2 micro-batches"
+    f = step_finding(numbers(grads=HALF), e)
+    assert f.verdict is Verdict.WARN and "the 0.5 on the gradients" in f.diagnosis, f.diagnosis

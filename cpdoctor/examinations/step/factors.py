@@ -323,13 +323,15 @@ def _gradient_readings(
 ) -> tuple[list[Literal], float, list[str], list[tuple[str, float]]]:
     """The step's own scalings of its gradients, seen on the tensors between events: one by a power of the degrees
     and nothing else its value fits is part of a reduction (`p.grad /= dp` after a sum over the replicas: observed,
-    returned as (text, factor)); one whose value also fits a count (1 / this rank's shard's tokens, a degree over
-    the micro-batches) is a literal read every way; any other is the step's own, the same in one process (said)."""
+    returned as (text, factor)); one whose value also fits a count (1 / this rank's shard's tokens, 1 / the
+    micro-batches: `p.grad /= accum` at accum = cp) is a literal read every way; any other is the step's own, the
+    same in one process (said)."""
     literals, own, notes, observed = [], 1.0, [], []
     for e in log.of(GradScale):
         read = read_number(e.factor, counts, powers)
         pure = power_of(abs(e.factor), powers)
-        if pure is not None and [d for d, _ in read] == [pure.value]:
+        own_count = any(_same(abs(e.factor), 1 / m) for m in counts.micro)  # `p.grad /= accum` after accumulating
+        if pure is not None and [d for d, _ in read] == [pure.value] and not own_count:
             observed.append((f"the step's own code scaled the gradients by {e.factor:.4g} = {pure.text} (between {e.between})", e.factor))
         elif read:
             seen = f"the step's own code scaled them between {e.between}"
