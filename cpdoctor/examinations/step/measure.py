@@ -207,8 +207,10 @@ def own_shard_only(grads: list[Any], dim: int) -> bool:
     return True
 
 
-def out_grad_shapes(records: list[PeerRecord], dim: int, tol: float) -> tuple[OutGrad, ...]:
-    """What the peers' output gradients are, per forward (a forward no peer back-propagated counts as replicated)."""
+def out_grad_shapes(records: list[PeerRecord], dim: int, dtype: str) -> tuple[OutGrad, ...]:
+    """What the peers' output gradients are, per forward (a forward no peer back-propagated counts as replicated),
+    equal within the step's dtype's tolerance."""
+    tol = DType(dtype).grad_tolerance if dtype in DType.names() else DType.FP32.grad_tolerance
     shapes = []
     for k in range(len(records[0].out_grads)):
         grads = [r.out_grads[k] if k < len(r.out_grads) else None for r in records]
@@ -300,8 +302,7 @@ def measure(
     ranks = tuple(r.rank for r in records)
     right = judged is not None and judged.out_grads_right
     spread, differ = (0.0, []) if right else output_grad_spread(records)
-    tol = DType(dtype).grad_tolerance if dtype in DType.names() else DType.FP32.grad_tolerance
-    shapes = tuple(OutGrad.REPLICATED for _ in records[0].out_grads) if right else out_grad_shapes(records, gather_dim, tol)
+    shapes = tuple(OutGrad.REPLICATED for _ in records[0].out_grads) if right else out_grad_shapes(records, gather_dim, dtype)
     gradients = gradient_relations(records, expected, param_names, param_numels)
     first = records[0].grads
     baselines = param_errors(native, own, param_names, param_numels) if native is not None and own is not None else []
