@@ -219,6 +219,21 @@ def test_a_factor_wrong_under_every_reading_and_made_by_the_reductions_seen_fail
     assert f.verdict is Verdict.FAIL and "wrong under every one" in f.diagnosis, f.diagnosis
 
 
+def test_a_number_that_may_fold_a_degree_in_never_fails_on_that_degree():
+    """`loss * cp / 3` (0.667 at cp 2, one number) averaged over the CP ranks is a correct step: read as a weight the
+    gradients are 1/cp of one process's, but the number may carry cp, which only its value tells: a WARN naming it
+    and the two runs. A number that folds nothing in (1, the micro-batches' mean, the output's count) keeps the FAIL,
+    and so does a factor no single degree explains."""
+    f = step_finding(numbers(grads=HALF), seen(root(const(2 / 3), mean(64)), MEAN_CP))
+    assert f.verdict is Verdict.WARN, f.diagnosis
+    assert "if the 0.6667 on the loss is a weight of the step's own" in f.diagnosis and "only its value could tell" in f.diagnosis
+    assert "`cpdoctor step path/to/train.py:fn --ring 2`" in f.remedy and "loss_scale=" in f.remedy
+    f = step_finding(numbers(grads=HALF), seen(root(mean(64)), MEAN_CP))
+    assert f.verdict is Verdict.FAIL, f.diagnosis
+    f = step_finding(numbers(grads=HALF), seen(root(const(1 / 64), mean(64)), MEAN_CP))  # 1 / the output's count: folds nothing
+    assert f.verdict is Verdict.FAIL, f.diagnosis
+
+
 def test_a_factor_no_event_makes_is_a_warning_naming_what_was_not_seen():
     """The same 1/cp without a reduction the watcher saw (one inside a compiled region), or with DDP's comm hook
     (which replaces DDP's averaging): what it could not see may be the step's own scaling; the hook is named."""

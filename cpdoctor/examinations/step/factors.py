@@ -220,6 +220,10 @@ class Readings:
     notes: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     said: float | None = None
+    folds: tuple[str, ...] = ()
+    """The loss's numbers that are no power of the degrees, a micro-batch mean or the output's count (`loss * 0.7`,
+    `loss * cp / 3` as one number): read as the step's own weight, the same in one process; but such a number may
+    fold a degree in (cp / 3 at cp 2 is 0.667), so a factor of one degree it could absorb is never a FAIL."""
 
     def outcomes(self) -> tuple[Outcome, ...]:
         """Every reading, the all-weights reading first."""
@@ -264,6 +268,7 @@ class _Read:
     terms: list[Term] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
+    folds: list[str] = field(default_factory=list)
 
     def literal(self, key: tuple, literal: Literal) -> int:
         if key not in self.keys:
@@ -285,6 +290,7 @@ def _loss_readings(log: EventLog, counts: Counts, powers: tuple[Power, ...], sha
             "no backward reaching the model's output was observed (torch.autograd.backward or grad bound before the watch?)"
         )
     read.notes, read.unknown = list(dict.fromkeys(read.notes)), list(dict.fromkeys(read.unknown))
+    read.folds = list(dict.fromkeys(read.folds))
     return read
 
 
@@ -315,6 +321,8 @@ def _term(term: LossTerm, counts: Counts, powers: tuple[Power, ...], shape: OutG
             mine.append(read.literal((f.source, round(f.value, 12), f.place), literal))
         elif not _same(abs(f.value), 1.0):
             read.notes.append(f"the {f.value:.4g} on the loss (no power of the degrees: the same in one process)")
+            if not any(_same(abs(f.value), 1 / k) for k in (*counts.micro, *counts.full)):
+                read.folds.append(f"the {f.value:.4g} on the loss")
     return Term(certain, tuple(dict.fromkeys(mine)))
 
 
@@ -486,11 +494,13 @@ def expectation(
     said = float(loss_scale) if loss_scale is not None else None
     if said is not None:  # the user said λ: the loss is not read
         loss_literals, terms, unknown, notes = [], [Term()], [], [f"you said the CP step scales its loss by {said:g} (loss_scale=)"]
+        loss.folds = []
     readings = Readings(
         literals=tuple(loss_literals + grad_literals),
         terms=tuple(terms) or (Term(),),
         own=own,
         notes=tuple(notes + grad_notes),
+        folds=tuple(loss.folds),
         unknown=tuple(unknown),
         said=said,
     )

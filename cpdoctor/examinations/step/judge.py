@@ -256,6 +256,15 @@ class StepSignature:
         return (*self.e.readings.unknown, *self.e.unobserved) if self.n.recomputed else ()
 
     @property
+    def folded(self) -> bool:
+        """One run: the uniform factor is one degree (or its inverse) that a number on the loss read as the step's own
+        weight could have folded in (`loss * cp / 3` is 0.667 at cp 2): only its value tells, so never a FAIL."""
+        if not (self.n.recomputed and self.e.readings.folds and self.off is not None):
+            return False
+        singles = [p for p in degree_powers(self.n.ring, self.n.ulysses, self.n.dp) if sum(abs(e) for _, e in p.exponents) == 1]
+        return any(abs(self.off / p.value - 1) <= self.factor_tol for p in singles)
+
+    @property
     def observed(self) -> bool:
         """One run's uniform factor is wrong on what the watcher observed: the reductions it watched make it and it
         saw nothing it could not read."""
@@ -458,6 +467,13 @@ def _reading_text(s: StepSignature) -> str:
             else "the loss's terms carry different factors of the degrees under every reading"
         )
         body = f"what one process computes cannot be read: {why}"
+    elif s.folded and s.wrong_everywhere:
+        folds = ", ".join(r.folds)
+        body = (
+            f"{s.off:.4g}× what one process computes if {folds} is a weight of the step's own, which one process applies "
+            f"too; right if it folds that factor in (a number written with the degrees, as `loss * cp / n` is): only its "
+            f"value could tell"
+        )
     elif s.wrong_everywhere:
         ev = s.e.events_factor
         unread = f"; not read: {'; '.join(s.unread)}" if s.unread else ""
@@ -482,7 +498,7 @@ def _reading_text(s: StepSignature) -> str:
 def _reading_remedy(s: StepSignature) -> str:
     """The two runs at this job's degrees, and `loss_scale=` where the loss is what is read."""
     r = s.e.readings
-    on_loss = any(lit.on_loss for lit in r.literals) or bool(r.unknown)
+    on_loss = any(lit.on_loss for lit in r.literals) or bool(r.unknown) or bool(r.folds)
     return TWO_RUNS_REMEDY.format(layout=s.switches) + (f"; {LOSS_SCALE_REMEDY}" if on_loss and s.n.recomputed else "")
 
 
@@ -609,7 +625,7 @@ RULES: tuple[StepRule, ...] = (
     StepRule(Aspect.CAUSE, "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
     StepRule(Aspect.CAUSE, "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
     StepRule(Aspect.CAUSE, "DP averaging missing", lambda s: s.dp_missing, _dp_text, (DP_REMEDY,)),
-    StepRule(Aspect.CAUSE, "wrong under every reading", lambda s: s.n.recomputed and s.wrong_everywhere and s.observed, _factor_text, remedy_of=_factor_remedy),
+    StepRule(Aspect.CAUSE, "wrong under every reading", lambda s: s.n.recomputed and s.wrong_everywhere and s.observed and not s.folded, _factor_text, remedy_of=_factor_remedy),
     StepRule(Aspect.CAUSE, "rests on a reading", lambda s: s.n.recomputed and s.off is not None, _reading_text, remedy_of=_reading_remedy, verdict=Verdict.WARN),
     StepRule(Aspect.CAUSE, "factor of the degrees", lambda s: s.power is not None, _factor_text, remedy_of=_factor_remedy),
     StepRule(Aspect.CAUSE, "unseen scale", lambda s: s.off is not None, _unseen_text, (LAYOUT_SCALE_REMEDY,), verdict=Verdict.WARN),
