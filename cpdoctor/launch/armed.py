@@ -50,6 +50,19 @@ def outcome_path(directory: str, name: str) -> str:
     return os.path.join(directory, "outcome", f"{name}.pkl")
 
 
+def note_armed(directory: str) -> None:
+    """Leave a mark that this process was armed (the parent tells "no Python process armed" from "none stepped")."""
+    folder = os.path.join(directory, "armed")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"pid{os.getpid()}"), "w") as fh:
+        fh.write(sys.executable)
+
+
+def armed_count(directory: str) -> int:
+    folder = os.path.join(directory, "armed")
+    return len(os.listdir(folder)) if os.path.isdir(folder) else 0
+
+
 def keep_progress(directory: str, name: str) -> None:
     """Start this process's step file and its heartbeat (once per process: the startup module arms once)."""
     for folder in ("progress", "advice", "raised", "outcome"):
@@ -60,13 +73,11 @@ def keep_progress(directory: str, name: str) -> None:
     progress.Heartbeat()
 
 
-def mark(step: str, doing: str | None = None) -> None:
+def mark(step: str) -> None:
     """Where this process is now (progress.STEPS: joining, examining, reporting, done)."""
     log = progress.ACTIVE.log
     if log is not None:
         log.mark(0, step)
-        if doing is not None:
-            log.tick(doing)
 
 
 def write_outcome(directory: str, name: str, outcome: object) -> None:
@@ -74,6 +85,7 @@ def write_outcome(directory: str, name: str, outcome: object) -> None:
     import pickle
 
     path = outcome_path(directory, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "wb") as fh:
         pickle.dump(outcome, fh)
         fh.flush()

@@ -3,8 +3,10 @@ with cpdoctor's startup module first on PYTHONPATH (launch/startup/: it arms eve
 the run's folder in CPDOCTOR_STEP_DIR; watched until it exits; killed, with every process it started, when
 nothing moved for the timeout.
 
-What counts as a move: a rank's step file changing (launch/armed.py: module calls, CPU time, where it is), or
-the command writing output. When nothing moved for `timeout_s` (or the wall bound, jobs.wall_bound_s, passed),
+What counts as a move: a rank's step file changing (launch/armed.py: module calls, CPU time, where it is), the
+command writing output, or its processes burning CPU time (at least CPU_SHARE of one core since the last look:
+importing torch, loading data; a rank blocked in a gloo collective or asleep burns none, and torchrun's agent
+polling its workers burns far less). When nothing moved for `timeout_s` (or the wall bound, jobs.wall_bound_s, passed),
 the ranks furthest behind are the stopped ones (progress.blame). Processes are killed by SIGKILL: the command's
 process group and every descendant seen while it ran (torchrun starts each worker in a session of its own, so
 the group alone would miss them), each checked by its start time so a reused pid is never killed. After a
@@ -33,6 +35,9 @@ POLL_S = 0.1
 TREE_EVERY_S = 0.5
 """How often the process tree is read (/proc): cheap, but not at every poll."""
 LOG_NAME = "command.log"
+CPU_SHARE = 0.1
+"""The process tree moved when it used at least this share of one core since the last look (progress.py's rule)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ def _supervise(
         now = time.monotonic()
         if now - last_tree >= TREE_EVERY_S:
             tree.read()
+            if tree.burned() >= CPU_SHARE * (now - last_tree):
+                moved = now
             last_tree = now
         state = _movement(directory, log_path)
         if state != seen:
@@ -171,6 +178,8 @@ class ProcessTree:
     def __init__(self, root: int) -> None:
         self.root = root
         self.seen: dict[int, str] = {}
+        self.cpu: dict[int, float] = {}
+        """Each process's CPU seconds at the last look (`burned` counts what was added since)."""
         self.read()
 
     def read(self) -> None:
@@ -194,6 +203,18 @@ class ProcessTree:
         for pid in known:
             if pid in stats and pid not in self.seen:
                 self.seen[pid] = stats[pid][1]
+
+    def burned(self) -> float:
+        """CPU seconds the processes seen used since the last call (a process that ended adds nothing more)."""
+        total = 0.0
+        for pid, started in self.seen.items():
+            stat = _stat(pid)
+            if stat is None or stat[1] != started:
+                continue
+            now = _cpu_seconds(pid)
+            total += max(0.0, now - self.cpu.get(pid, 0.0))  # a process new since the last look: all its time
+            self.cpu[pid] = now
+        return total
 
     def alive(self) -> list[int]:
         """The processes seen that still run (their start time unchanged), the root aside."""
@@ -223,6 +244,13 @@ def _stat(pid: int) -> tuple[int, str] | None:
         return None
     fields = text.rsplit(")", 1)[1].split()
     return (int(fields[1]), fields[19]) if len(fields) > 19 else None
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process (fields 14 and 15 of /proc/PID/stat), 0 when it is gone."""
+    text = read_text(f"/proc/{pid}/stat") or ""
+    fields = text.rsplit(")", 1)[1].split() if ")" in text else []
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS if len(fields) > 12 else 0.0
 
 
 def _zombie(pid: int) -> bool:

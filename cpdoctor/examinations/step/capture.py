@@ -136,12 +136,14 @@ class Capturing:
         self.by_module: dict[int, Candidate] = {}
         self.finished = False
         self.outcome: Captured | None = None
+        self.on_training: Callable[[], None] | None = None
+        """Called at the first candidate (launch/armed.py: a process its launcher gave no RANK keeps its progress)."""
 
-    def arm(self, directory: str, spec: ArmSpec, end: Callable[[float], Any]) -> None:
+    def arm(self, directory: str, spec: ArmSpec, end: Callable[[float], Any], on_training: Callable[[], None] | None = None) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self.directory, self.spec, self.end = directory, spec, end
+        self.directory, self.spec, self.end, self.on_training = directory, spec, end, on_training
         self.handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -171,7 +173,10 @@ class Capturing:
         if candidate is None or self.finished or len(rest) != 2:  # (kwargs, output); an exception passes (output)
             return
         kwargs, result = rest
-        candidate.hooks.seen(args, kwargs, result)
+        try:
+            candidate.hooks.seen(args, kwargs, result)
+        except Exception:  # noqa: BLE001 - never raised into the user's forward: said in the report as unread
+            candidate.recorder.failed(f"a forward of {type(module).__name__}")
 
     def _consider(self, module: Any) -> None:
         import torch
@@ -199,9 +204,9 @@ class Capturing:
         OBSERVING.enter(candidate.recorder)
         self.candidates.append(candidate)
         self.by_module[id(model)] = candidate
-        if progress.ACTIVE.log is None:  # a process its launcher gave no RANK: known from its first training forward
-            armed.keep_progress(self.directory, armed.who(_rank()))
-        armed.mark("examining", f"the training step of {type(model).__name__}")
+        if self.on_training is not None:
+            self.on_training()
+        armed.mark("examining")
 
     def _skipped(self, candidate: Candidate) -> None:
         """The GradScaler skipped the optimizer step: what this candidate saw is not the step examined."""
@@ -215,7 +220,7 @@ class Capturing:
         if self.finished or self.spec is None:
             return
         self.finished = True
-        armed.mark("reporting", "the first optimizer step: capturing")
+        armed.mark("reporting")
         spec = self.spec
         attempt = Attempt.of(lambda: self._capture(optimizer, spec), trace=True)
         outcome = attempt.value
@@ -291,10 +296,16 @@ def arm(directory: str) -> None:
     """The startup module's entry, once per process, right after torch is imported: arm the capture for the run
     described in DIRECTORY/arm.json; a process its launcher gave a RANK keeps its progress for the parent from now."""
     spec = ArmSpec.read(directory)
+    armed.note_armed(directory)
     if armed.RANK_VARIABLE in os.environ:
         armed.keep_progress(directory, armed.who())
     if spec.emulate:
         from cpdoctor.examinations.step.emulation import apply
 
         apply(spec.emulate)
-    CAPTURE.arm(directory, spec, armed.leave_together)
+
+    def on_training() -> None:  # a process its launcher gave no RANK: known from its first training forward
+        if progress.ACTIVE.log is None:
+            armed.keep_progress(directory, armed.who(_rank()))
+
+    CAPTURE.arm(directory, spec, armed.leave_together, on_training)

@@ -92,7 +92,8 @@ class CommandRequest:
             modes = tuple(Emulation(e) for e in emulate)
         except ValueError:
             raise BadInput(f"--emulate takes {', '.join(e.value for e in Emulation)}, not {', '.join(emulate)}") from None
-        return cls(tuple(command), ring or 1, ulysses or 1, dp or 1, modes, cwd).validate()
+        one = [1 if d is None else d for d in (ring, ulysses, dp)]
+        return cls(tuple(command), *one, emulate=modes, cwd=cwd).validate()
 
     def degrees(self, run: Role) -> RunDegrees:
         return RunDegrees(1, 1, self.dp) if run is Role.WITHOUT_CP else RunDegrees(self.ring, self.ulysses, self.dp)
@@ -115,8 +116,9 @@ class CommandRequest:
                 "CP degree and process count, e.g. torchrun --nproc-per-node {nproc} train.py --cp {cp}"
             )
         program = self.argv(Role.WITHOUT_CP)[0]
-        if not _found(program, self.cwd):
-            raise BadInput(f"no program {program!r} found (give the step as path/to/train.py:function, or a command after --)")
+        found = _found(program, self.cwd)
+        if found is not None:
+            raise BadInput(f"{found} (give the step as path/to/train.py:function, or a command after --)")
         return self
 
     def to_dict(self) -> dict:
@@ -130,9 +132,12 @@ class CommandRequest:
         }
 
 
-def _found(program: str, cwd: str) -> bool:
-    """Whether `program` runs: a path (relative to `cwd`) to an executable file, or a name on PATH."""
-    if os.sep in program:
-        path = program if os.path.isabs(program) else os.path.join(cwd or os.getcwd(), program)
-        return os.path.isfile(path) and os.access(path, os.X_OK)
-    return shutil.which(program) is not None
+def _found(program: str, cwd: str) -> str | None:
+    """Why `program` cannot run (None: it can): a path (relative to `cwd`) must be an executable file, a name must be
+    on PATH."""
+    if os.sep not in program:
+        return None if shutil.which(program) is not None else f"no program {program!r} found on PATH"
+    path = program if os.path.isabs(program) else os.path.join(cwd or os.getcwd(), program)
+    if not os.path.isfile(path):
+        return f"no program {program!r} found"
+    return None if os.access(path, os.X_OK) else f"{program} is not executable (run it with its interpreter, e.g. python {program})"

@@ -74,6 +74,8 @@ class Launched:
     raised: dict[str, tuple[str, str]] = field(default_factory=dict)
     arm_failures: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    armed: int = 0
+    """How many Python processes of the command the startup module armed (they imported torch)."""
 
     @property
     def subject(self) -> str:
@@ -116,6 +118,7 @@ def launch(
 
 def read_folder(run: Launched, directory: str) -> None:
     """Each process's outcome, exception and advice, from the run's folder."""
+    run.armed = armed.armed_count(directory)
     for name in _listed(directory, "outcome", ".pkl"):
         with open(os.path.join(directory, "outcome", name + ".pkl"), "rb") as fh:
             outcome = pickle.load(fh)
@@ -179,11 +182,11 @@ def never_stepped(run: Launched) -> Finding:
     code = run.ended.returncode
     if run.arm_failures:
         return Finding(run.subject, Verdict.UNSUPPORTED, run.arm_failures[0], "install cpdoctor in the Python the command runs")
-    armed_any = bool(run.ended.steps)
+    armed_any = run.armed > 0
     if code:
         return _crash(run, _killed_ranks(run.ended.output_tail), f"the command exited with code {code} before any optimizer step")
     why = (
-        "no process of it reached an optimizer step"
+        f"no process of it reached an optimizer step ({run.armed} Python process{'es' if run.armed > 1 else ''} armed)"
         if armed_any
         else "no Python process of it imported torch with cpdoctor's startup module (python -I, -E or -S ignore PYTHONPATH and sitecustomize)"
     )
@@ -199,8 +202,9 @@ def never_stepped(run: Launched) -> Finding:
 def crash_finding(run: Launched) -> Finding:
     """A rank raised: its traceback; in run 1, an error that says the job does not fit without CP is not a crash
     of the CP step but a run that cannot be compared with (UNSUPPORTED, what to change)."""
-    ranks = {_rank_of(name): text for name, (_, text) in run.raised.items()}
-    first_name = min(run.raised, key=lambda n: (_rank_of(n) < 0, _rank_of(n)))
+    named = [n for n in run.raised if _rank_of(n) >= 0] or list(run.raised)  # a rank's own, before its launcher's
+    ranks = {_rank_of(name): run.raised[name][1] for name in named}
+    first_name = min(named, key=_rank_of)
     message = run.raised[first_name][0]
     if run.role is Role.WITHOUT_CP and (DOES_NOT_FIT.search(message) or INDIVISIBLE.search(message)):
         memory = DOES_NOT_FIT.search(message) is not None
@@ -244,7 +248,7 @@ def hang_finding(run: Launched, timeout_s: float) -> Finding:
         what = f"the command stopped moving for {timeout_s:g} s before any rank reached a training forward"
     else:
         stuck = ", ".join(f"rank {r} ({places[r]})" for r in blamed.stuck)
-        waits = "; ".join(f"rank {r} {places[r]}" for r in blamed.waiting)
+        waits = "; ".join(f"rank {r} was {places[r]}" for r in blamed.waiting)
         what = f"{stuck} stopped: nothing moved for {timeout_s:g} s" + (f" while {waits}" if waits else "")
     if ended.wall_bound:
         what += " (the wall bound passed)"
