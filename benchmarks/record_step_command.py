@@ -25,7 +25,11 @@ SCRIPT = ROOT / "examples" / "train_flux_lora_cp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "{nproc}", str(SCRIPT)]
 ROWS = (
     ("correct ring 2", ["--ring", "2"], ["--ring", "{ring}"]),
-    ("correct ring 2 x dp 2, DDP, 2 micro-batches", ["--ring", "2", "--dp", "2"], ["--ring", "{ring}", "--ddp", "--gradient_accumulation_steps", "2"]),
+    (
+        "correct ring 2 x dp 2, DDP, 2 micro-batches",
+        ["--ring", "2", "--dp", "2"],
+        ["--ring", "{ring}", "--ddp", "--gradient_accumulation_steps", "2"],
+    ),
     ("correct Ulysses 2", ["--ulysses", "2"], ["--ulysses", "{ulysses}"]),
     ("correct ring 2, bf16 base, fp32 LoRA", ["--ring", "2"], ["--ring", "{ring}", "--mixed_precision", "bf16"]),
     ("timesteps drawn per rank", ["--ring", "2"], ["--ring", "{ring}", "--fault", "timesteps-per-rank"]),
@@ -45,7 +49,10 @@ def examined(name: str, degrees: list[str], script_args: list[str], env: dict) -
     details = finding.get("details") or {}
     return {
         "row": name,
-        "command": "cpdoctor step " + " ".join(degrees) + " -- torchrun --nproc-per-node {nproc} examples/train_flux_lora_cp.py " + " ".join(script_args),
+        "command": "cpdoctor step "
+        + " ".join(degrees)
+        + " -- torchrun --nproc-per-node {nproc} examples/train_flux_lora_cp.py "
+        + " ".join(script_args),
         "exit": proc.returncode,
         "wall_s": wall,
         "runs_wall_s": [r["wall_s"] for r in report.get("runs", [])],

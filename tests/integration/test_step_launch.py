@@ -29,7 +29,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "
 
 def cpdoctor_step(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "cpdoctor", "step", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cpdoctor", "step", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
     report = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else None
     return proc.returncode, report, proc.stderr
 

@@ -209,6 +209,7 @@ def test_the_capture_armed_captured_and_disarmed_twice(tmp_path, monkeypatch):
 
     monkeypatch.setattr(WATCHED, "count", WATCHED.count)
     monkeypatch.delenv("RANK", raising=False)
+
     def global_hooks() -> tuple[int, int, int]:  # the watcher's own step hook stays for the process (observe.py)
         steps = len(optim_module._global_optimizer_pre_hooks) - (OBSERVING.step_hook is not None)
         return len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks), steps

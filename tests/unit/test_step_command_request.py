@@ -59,7 +59,14 @@ def test_a_path_that_is_not_executable_says_so(tmp_path):
 
 @pytest.mark.parametrize(
     ("words", "function"),
-    [("train.py:step", True), ("examples/x.py:lora_step", True), ("torchrun", False), ("python", False), ("--x:y", False), ("a.py:1x", False)],
+    [
+        ("train.py:step", True),
+        ("examples/x.py:lora_step", True),
+        ("torchrun", False),
+        ("python", False),
+        ("--x:y", False),
+        ("a.py:1x", False),
+    ],
 )
 def test_one_argument_path_colon_identifier_is_a_step_function(words, function):
     assert bool(FUNCTION_FORM.match(words)) is function
