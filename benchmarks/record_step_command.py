@@ -74,19 +74,11 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     first = [examined(*row, env) for row in ROWS]
     again = [examined(*row, env) for row in ROWS]
-    versions = run_record.versions()
-    out = ROOT / "benchmarks" / "results" / f"step_command_{versions['diffusers']}.json"
-    record = {
-        "what": "cpdoctor step -- torchrun ... examples/train_flux_lora_cp.py: the script unmodified, run without CP then with CP, gloo CPU ranks",
-        "command": "nice -n 19 python benchmarks/record_step_command.py",
-        "machine": run_record.machine(),
-        "versions": versions,
-        "load_average": {"before": load_before, "after": run_record.load_average()},
-        "deterministic": numbers(first) == numbers(again),
-        "spread": "none: seeded steps; `deterministic` says whether a second pass gave the same numbers; times: the first pass, one run each",
-        "rows": first,
-    }
-    out.write_text(json.dumps(record, indent=1, ensure_ascii=False))
+    out = ROOT / "benchmarks" / "results" / f"step_command_{run_record.versions()['diffusers']}.json"
+    what = (
+        "cpdoctor step -- torchrun ... examples/train_flux_lora_cp.py: the script unmodified, run without CP then with CP, gloo CPU ranks"
+    )
+    run_record.write_seeded(str(out), what, first, load_before, "record_step_command.py", numbers(first) == numbers(again))
     print(out)
 
 

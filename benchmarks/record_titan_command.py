@@ -70,19 +70,10 @@ def main() -> None:
     ]
     from importlib.metadata import version
 
-    record = {
-        "what": "cpdoctor step -- torchtitan 0.3.0's FLUX trainer (python -m torchtitan.train, its test config), CP 2, gloo CPU ranks, --emulate torchtitan-cpu",
-        "command": "TORCHTITAN_SOURCE=... nice -n 19 python benchmarks/record_titan_command.py",
-        "machine": run_record.machine(),
-        "versions": {**run_record.versions(), "torchtitan": version("torchtitan")},
-        "load_average": {"before": load_before, "after": run_record.load_average()},
-        "workspace_s": prepared,
-        "deterministic": same,
-        "spread": "none: seeded steps; `deterministic` says whether a second pass gave the same numbers; times: the first pass, one run each",
-        "rows": first,
-    }
     out = ROOT / "benchmarks" / "results" / "titan_command.json"
-    out.write_text(json.dumps(record, indent=1, ensure_ascii=False))
+    what = "cpdoctor step -- torchtitan 0.3.0's FLUX trainer (python -m torchtitan.train, its test config), CP 2, gloo CPU ranks, --emulate torchtitan-cpu"
+    run_record.write_seeded(str(out), what, first, load_before, "record_titan_command.py", same,
+                            versions={"torchtitan": version("torchtitan")}, workspace_s=prepared)  # fmt: skip
     print(out)
 
 
