@@ -39,7 +39,8 @@ def step(
     emulate: Annotated[
         Optional[list[str]],
         typer.Option(
-            "--emulate", help="With a command: fake an environment in its processes where CPU ranks differ from GPU ones (torchtitan-cpu)."
+            "--emulate",
+            help="With a command: fake an environment in its processes where CPU ranks differ from GPU ones (diffusers-cpu, torchtitan-cpu).",
         ),
     ] = None,
     timeout: Timeout = DEFAULT_TIMEOUT_S,

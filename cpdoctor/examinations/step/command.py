@@ -28,6 +28,7 @@ class Emulation(str, enum.Enum):
     ranks the trainer is written for (never the user's command or the trainer's logic; the report says it)."""
 
     TORCHTITAN_CPU = "torchtitan-cpu"
+    DIFFUSERS_CPU = "diffusers-cpu"
 
 
 def describe_run(role: Role, degrees: RunDegrees) -> str:
