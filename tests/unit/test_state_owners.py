@@ -233,7 +233,7 @@ def test_the_capture_armed_captured_and_disarmed_twice(tmp_path, monkeypatch):
         assert (directory / "saved" / "step1-rank0.safetensors").exists() and (directory / "outcome" / f"{outcome.who}.pkl").exists()
         CAPTURE.disarm()
         assert not CAPTURE.handles and not CAPTURE.candidates and CAPTURE.spec is None and not OBSERVING.recorders
-        assert global_hooks() == hooks_before
+        assert global_hooks() == hooks_before and not nn_module._has_any_global_hook()
 
 
 # ------------------------------------------------------------------------------------------------- caches

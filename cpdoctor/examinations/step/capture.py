@@ -151,8 +151,13 @@ class Capturing:
         ]
 
     def disarm(self) -> None:
+        from torch.nn.modules import module as nn_module
+
         for handle in self.handles:
             handle.remove()
+            # torch 2.13's handle of a global forward hook registered with_kwargs leaves its id in this table, which
+            # keeps every later module call on the hooks' slow path (and torch.compile warning of global hooks)
+            getattr(nn_module, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
         for candidate in self.candidates:
             candidate.drop()
         self.__init__()
