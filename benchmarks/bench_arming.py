@@ -9,8 +9,10 @@ three ways, interleaved, REPS times each:
   global hooks see every module call, and the model's first forward with gradients starts a candidate that records
   every forward and backward (what happens before the first optimizer step in a real run).
 
-Two figures per process: its wall time (interpreter start to exit: imports, arming, the loop) and the loop alone (the
-script's own clock around the STEPS passes). Ratios against `without`, medians over the repetitions with their spread.
+Two figures per process, each as CPU time (user + system: what the process itself spent, which the other work on a
+shared machine barely changes, unlike its wall time) and as wall time: the whole process (interpreter start to exit:
+imports, arming, the loop; the child's rusage) and the loop alone (the script's own clocks around the STEPS passes).
+Ratios against `without` in the same repetition, medians over the repetitions with their spread.
 
     nice -n 19 python benchmarks/bench_arming.py          # writes benchmarks/results/arming.json
 """
@@ -31,8 +33,9 @@ import run_record  # noqa: E402 - benchmarks/ is on sys.path when run as a scrip
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP = ROOT / "cpdoctor" / "launch" / "startup"
 REPS = 7
-STEPS = 100
+STEPS = 50
 MODES = ("without", "present", "armed")
+FIGURES = ("process_cpu_s", "process_s", "loop_cpu_s", "loop_s")
 
 SCRIPT = f"""
 import sys, time
@@ -43,15 +46,18 @@ args = ex.parse_args([])
 layout = ex.Layout(rank=0, dp=1, ring=1, ulysses=1, dp_rank=0)
 model = ex.build_transformer(args, layout)
 params = [p for p in model.parameters() if p.requires_grad]
-started = time.perf_counter()
+started, cpu = time.perf_counter(), time.process_time()
 for step in range({STEPS}):
     batch = ex.draw_batch(args, layout, step, 0)
     ex.loss_of(args, layout, model(**batch["inputs"])[0], batch).backward()
-print("LOOP", time.perf_counter() - started)
+print("LOOP", time.perf_counter() - started, time.process_time() - cpu)
 """
 
 
-def run(mode: str, run_dir: str) -> tuple[float, float]:
+def run(mode: str, run_dir: str) -> dict[str, float]:
+    """One process of `mode`: its CPU and wall time, whole and for the loop alone."""
+    import resource
+
     env = {k: v for k, v in os.environ.items() if k not in ("CPDOCTOR_STEP_DIR", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != STARTUP.resolve()]
@@ -61,13 +67,16 @@ def run(mode: str, run_dir: str) -> tuple[float, float]:
     if mode == "armed":
         env["CPDOCTOR_STEP_DIR"] = run_dir
     env["PYTHONPATH"] = os.pathsep.join(path)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - started
-    loop = next((float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("LOOP")), None)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    loop = next((line.split()[1:] for line in done.stdout.splitlines() if line.startswith("LOOP")), None)
     if done.returncode != 0 or loop is None:
         raise SystemExit(f"{mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return wall, loop
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"process_cpu_s": cpu, "process_s": wall, "loop_cpu_s": float(loop[1]), "loop_s": float(loop[0])}
 
 
 def arm_folder() -> str:
@@ -83,30 +92,21 @@ def main() -> None:
     load_before = run_record.load_average()
     sys.path.insert(0, str(ROOT))
     folder = arm_folder()
-    walls: dict[str, list[float]] = {m: [] for m in MODES}
-    loops: dict[str, list[float]] = {m: [] for m in MODES}
+    seen: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     run("without", folder)  # warm the page cache once, not counted
     for _ in range(REPS):
         for mode in MODES:  # interleaved: a change of the machine's load hits every mode alike
-            wall, loop = run(mode, folder)
-            walls[mode].append(wall)
-            loops[mode].append(loop)
+            seen[mode].append(run(mode, folder))
     rows = []
     for mode in MODES:
-        ratios_wall = [w / b for w, b in zip(walls[mode], walls["without"])]
-        ratios_loop = [w / b for w, b in zip(loops[mode], loops["without"])]
-        rows.append(
-            {
-                "mode": mode,
-                "reps": REPS,
-                "steps": STEPS,
-                "process_s": run_record.summary(walls[mode]),
-                "loop_s": run_record.summary(loops[mode]),
-                "process_x": run_record.summary(ratios_wall),
-                "loop_x": run_record.summary(ratios_loop),
-                "per_step_ms": round(1000 * statistics.median(loops[mode]) / STEPS, 2),
-            }
-        )
+        row: dict = {"mode": mode, "reps": REPS, "steps": STEPS}
+        for figure in FIGURES:
+            values = [r[figure] for r in seen[mode]]
+            ratios = [r[figure] / b[figure] for r, b in zip(seen[mode], seen["without"])]
+            row[figure] = run_record.summary(values)
+            row[figure.replace("_s", "_x")] = run_record.summary(ratios)
+        row["loop_cpu_ms_per_step"] = round(1000 * statistics.median(r["loop_cpu_s"] for r in seen[mode]) / STEPS, 2)
+        rows.append(row)
     out = ROOT / "benchmarks" / "results" / "arming.json"
     run_record.write_results(
         str(out),

@@ -48,10 +48,15 @@ def workspace(tmp_path_factory):
 
 
 def seeds(distinct: list[str]) -> list[int]:
-    """The seed torchtitan's `set_determinism` gives each CP rank of a dp-1 job at cp 2."""
+    """The seed torchtitan's `set_determinism` gives each CP rank of a dp-1 job at cp 2 (its meshes on the CPU, as the
+    command's processes build them under --emulate torchtitan-cpu)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (the "fake" backend of size-1 mesh dims)
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import DebugConfig
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
+
+    parallel_dims_module.device_type = "cpu"
 
     out = []
     for r in range(CP):
