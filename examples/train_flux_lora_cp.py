@@ -21,8 +21,8 @@ Faults to plant (`--fault`), each a real mistake of CP training scripts:
   peers noise one sample at different timesteps);
 - `loss-times-cp`: the loss multiplied by the CP degree with nothing that undoes it (gradients cp times too large);
 - `no-cp-sum`: the CP group's sum of the parameter gradients left out (each CP rank keeps its own tokens' part).
-And for the examination's own failure paths: `--crash-rank R` (rank R raises before its first forward),
-`--hang-rank R` (rank R sleeps there), `--no-step` (the job ends before any optimizer step)."""
+And for the examination's own failure paths: `--crash-rank R` (rank R raises once its process group is up),
+`--hang-rank R` (rank R sleeps before its first forward), `--no-step` (the job ends before any optimizer step)."""
 
 from __future__ import annotations
 
@@ -230,11 +230,8 @@ def training_step(args: argparse.Namespace, layout: Layout, model: Any, params: 
     """Forward and backward of every micro-batch, the gradient sync, the clip (the optimizer step is the caller's)."""
     total = 0.0
     for micro in range(args.gradient_accumulation_steps):
-        if step == 0 and micro == 0:
-            if args.crash_rank == layout.rank:
-                raise RuntimeError(f"planted crash on rank {layout.rank}")
-            if args.hang_rank == layout.rank:
-                time.sleep(10**6)
+        if step == 0 and micro == 0 and args.hang_rank == layout.rank:
+            time.sleep(10**6)
         batch = draw_batch(args, layout, step, micro)
         model_pred = model(**batch["inputs"])[0]
         loss = loss_of(args, layout, model_pred, batch) / args.gradient_accumulation_steps
@@ -249,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     layout = make_layout(args)
+    if args.crash_rank == layout.rank:
+        raise RuntimeError(f"planted crash on rank {layout.rank}")
     transformer = build_transformer(args, layout)
     model = transformer
     if args.ddp and layout.dp > 1:
