@@ -239,6 +239,13 @@ class Capturing:
         self.end(spec.timeout_s)
 
     def _capture(self, optimizer: Any, spec: ArmSpec) -> Captured:
+        observing = sys.modules.get("cpdoctor.examinations.step.observe")
+        if observing is not None and observing.OBSERVING.depth:  # stepping from a post-accumulate-grad hook
+            raise BadInput(
+                "the first optimizer step runs inside the backward (an optimizer stepped from a post-accumulate-grad "
+                "hook): its parameters change before the step's gradients are complete, so it cannot be captured; "
+                "step the optimizer after the backward for the examination"
+            )
         params = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
         ranked = sorted(self.candidates, key=lambda c: c.covered(params), reverse=True)
         chosen = ranked[0] if ranked and ranked[0].covered(params) else None
