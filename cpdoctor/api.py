@@ -38,6 +38,7 @@ __all__ = [
     "check_model",
     "check_peer",
     "examine",
+    "examine_command",
     "examine_environment",
     "examine_step",
     "watch_step",
@@ -319,6 +320,27 @@ def examine_step(
 
     request = step_request(target, nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference)
     return examine(request, timeout_s=timeout_s)
+
+
+def examine_command(
+    command: list[str] | tuple[str, ...],
+    *,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    dp: int | None = None,
+    emulate: tuple[str, ...] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    cwd: str = "",
+) -> Report:
+    """`cpdoctor step -- COMMAND`: the user's own launch command run twice, without CP and with CP (placeholders
+    {cp} {ring} {ulysses} {dp} {world} {nproc} give each run its degrees), its first optimizer step captured in
+    every rank and judged as two runs are (docs/STEP_COMMAND.md)."""
+    from cpdoctor.examinations.step.command import CommandRequest
+    from cpdoctor.examinations.step.command_run import examine_command as run_twice
+
+    validate_timeout(timeout_s)
+    request = CommandRequest.of(command, ring, ulysses, dp, tuple(emulate), cwd)
+    return run_twice(request, timeout_s)
 
 
 def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:

@@ -264,6 +264,17 @@ def accelerator_count_at_least_one() -> Iterator[None]:
         acc.device_count = original
 
 
+def count_accelerators_as_at_least_one() -> None:
+    """`accelerator_count_at_least_one` for the rest of the process (a process of the user's command emulated on a
+    CPU host: its own calls to enable_parallelism run later, outside any scope cpdoctor could open)."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    original = getattr(acc, "device_count", None)
+    if original is not None and original() == 0:
+        acc.device_count = lambda: 1
+
+
 def meshless_parallel_config(ring: int, ulysses: int, device: Any = None) -> Any:
     """A ParallelConfig as diffusers' CP templates hand it to a backend's forward op on rank 0, but without a
     process group or mesh: the identity fields `setup()` fills (`_rank`, `_world_size`, `_ring_local_rank`,

@@ -149,12 +149,17 @@ CUDA_OPS = {
 """The CUDA SDPA op of each backend (what PyTorch's context_parallel intercepts)."""
 
 
-def _router(kernel: Kernel) -> Any:
+def sdpa_router(kernel: Kernel, others: Any = None) -> Any:
+    """What `F.scaled_dot_product_attention` becomes: the CUDA op of `kernel`, with a logsumexp when an input needs
+    gradients. A call with a mask or GQA goes to `others` (the original SDPA: a text encoder's masked attention,
+    which no CP attention is) and raises without it (the examinations pass neither)."""
     import torch
 
     op = getattr(torch.ops.aten, CUDA_OPS[kernel])
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
+        if (attn_mask is not None or enable_gqa) and others is not None:
+            return others(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if attn_mask is not None or enable_gqa:
             raise NotImplementedError("cpdoctor's CUDA SDPA routing takes no mask and no GQA (the examination passes neither)")
         lse = any(t.requires_grad for t in (query, key, value))
@@ -174,7 +179,7 @@ def cuda_sdpa_routing(kernel: Kernel) -> Iterator[list[int]]:
     import torch.nn.functional as F
 
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _router(kernel)
+    F.scaled_dot_product_attention = sdpa_router(kernel)
     try:
         yield [1]
     finally:

@@ -152,6 +152,8 @@ class Report:
     peers: tuple[Row, ...] | None = None
     doctor: DoctorSummary | None = None
     upstream_fix: UpstreamFixOutcome | None = None
+    runs: tuple[Row, ...] | None = None
+    """`cpdoctor step -- cmd`'s two launches of the user's command (each its command line, processes, exit, wall)."""
 
     @classmethod
     def of(cls, findings: list[Finding], environment: Environment, request: Request, **kwargs: Any) -> Report:
@@ -189,7 +191,7 @@ class Report:
             data["advice"] = list(self.advice)
         if self.plan is not None:
             data.update(to_jsonable(self.plan.to_dict()))
-        for key, rows in (("backends", self.backends), ("peers", self.peers)):
+        for key, rows in (("backends", self.backends), ("peers", self.peers), ("runs", self.runs)):
             if rows is not None:
                 data[key] = [to_jsonable(r.to_dict()) for r in rows]
         if self.doctor is not None:

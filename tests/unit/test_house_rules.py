@@ -489,6 +489,7 @@ STATE_OWNERS = {
     "cpu_kernels/standins.py": "LIBRARY",
     "examinations/step/watch.py": "WATCHED",
     "examinations/step/observe.py": "OBSERVING",
+    "examinations/step/capture.py": "CAPTURE",
     "autopatch.py": "AUTOPATCH",
     "peer_impls/yunchang.py": "GROUPS",
     "examinations/model/spec.py": "SURVEYS",

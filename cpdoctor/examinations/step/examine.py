@@ -158,19 +158,19 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         evidence=evidence(numbers, seen, c.baseline.name, getattr(c.baseline, "plan", None)),
     )
     if c.baseline.unmatched() and not numbers.inputs_differ:
-        return unmatched(finding)
+        return unmatched(finding, getattr(c.baseline, "why_unmatched", lambda: "")())
     return finding
 
 
-def unmatched(finding: Finding) -> Finding:
+def unmatched(finding: Finding, why: str = "") -> Finding:
     """The run without CP fed the model other inputs than this CP group: its gradients answer another question, so
-    nothing is judged (the step's data depends on the layout, not a CP defect)."""
+    nothing is judged (the step's data depends on the layout, not a CP defect). `why`: what differs, where known."""
     return Finding(
         finding.subject,
         Verdict.UNSUPPORTED,
         "no rank of the run without CP started from the weights and fed the model the inputs this CP group did (their "
-        "fingerprints differ): the step's data or weights depend on the CP layout, so its gradients cannot be compared "
-        "with one process's",
+        f"fingerprints differ{': ' + why if why else ''}): the step's data or weights depend on the CP layout, so its "
+        "gradients cannot be compared with one process's",
         "seed weights, noise and timesteps by the data-parallel rank (never the global rank or the world size), the "
         "same way whatever the degrees",
         finding.tensors,
