@@ -207,3 +207,12 @@ def build_model(cls: type, config: Mapping[str, Any] | None = None, device: Any 
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
+
+
+def model_outputs(result: Any) -> list[Any]:
+    """The tensors a model's forward returned, in order: one for most classes (`(sample,)` with return_dict=False),
+    the video and the audio for LTX-2 and MiniMax-H3 (each is gathered by the CP plan and each is examined)."""
+    import torch
+
+    items = list(result) if isinstance(result, (tuple, list)) else [getattr(result, "sample", result)]
+    return [t for t in items if isinstance(t, torch.Tensor)]
