@@ -178,12 +178,12 @@ def test_bad_input_before_any_process(fields, words):
 def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
+    from hub_cache import TINY_FLUX
 
     from cpdoctor.model_zoo.catalog import resolve_model
-    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     torch.manual_seed(3)
-    model = resolve_model("flux").cls(**TINY_CONFIGS["flux"])
+    model = resolve_model("flux").cls(**TINY_FLUX)
     model.save_pretrained(str(tmp_path), safe_serialization=True)
     run = run_cli("model", str(tmp_path), "--ring", "2", "--patch", "--json", "-")
     data = run.json

@@ -258,12 +258,13 @@ def _filled_twice(memo, fill):
 
 def test_the_survey_memo_filled_twice():
     pytest.importorskip("diffusers")
+    from hub_cache import TINY_FLUX
+
     from cpdoctor.examinations.model.spec import SURVEYS, ModelSpec, model_survey
     from cpdoctor.model_zoo.catalog import resolve_model
-    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     resolved = resolve_model("flux")
-    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_CONFIGS["flux"]), "test", None)
+    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_FLUX), "test", None)
     first, second = _filled_twice(SURVEYS, lambda: model_survey(spec))
     assert first.stacks == second.stacks
 

@@ -26,12 +26,15 @@ ring × ulysses up to 8."""
 
 
 def prepare(req: ModelRequest) -> ModelRequest:
-    """The request with every shape, the blocks that fit, the reference dtype and the memory plan filled in;
-    BadInput for anything that cannot work, before any process starts."""
+    """The request with every shape, the blocks that fit, the reference dtype and the memory plan filled in, and
+    the tiny config derived for a name; BadInput for anything that cannot work, before any process starts. A plan
+    that does not fit the model at those blocks is recorded (`misfit`), not raised: the examination refuses it as
+    its own finding (ModelExamination.unsupported_here), and nothing after it is planned."""
     req = req.validate()
     spec = request_spec(req)
     if spec.weights is not None and spec.weights.revision:
         req = req.with_fields(revision=spec.weights.revision)  # the ranks load the commit the parent resolved
+    req = req.with_fields(tiny=spec.tiny)
     req, kwargs = fill_shapes(req, spec)
     survey = model_survey(spec)
     if req.blocks is not None and req.blocks > survey.depth:
@@ -39,6 +42,9 @@ def prepare(req: ModelRequest) -> ModelRequest:
         raise BadInput(f"--blocks {req.blocks} is beyond the depth of {spec.short_name} ({depths}); give 1 to {survey.depth}")
     check_divisibility(spec, req, survey)
     req = req.with_fields(blocks=choose_blocks(spec, req, survey, kwargs))
+    misfit = plan_misfit_at(spec, req.blocks)
+    if misfit is not None:
+        return req.with_fields(misfit=misfit)
     check_needed_files(spec, req)
     plan = memory_plan(spec, req, survey, kwargs)
     return req.with_fields(reference=plan.reference_dtype, memory=plan, timing=time_plan(plan))
@@ -58,7 +64,7 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
     text_len = req.text_len or DEFAULT_TEXT_LEN
     frames = req.frames
     if builder.is_video:
-        frames = frames or (builder.frames_step or 4) + builder.frames_offset
+        frames = frames or builder.small_frames
     elif frames is not None:
         raise BadInput(f"{spec.short_name} is an image model; --frames applies to video models only")
     if height < step or width < step:
@@ -66,6 +72,16 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
     check_model_takes(req, spec, text_len, full.get("num_attention_heads"))
     inputs = build_inputs(spec.cls, full, height, width, text_len, frames, batch=req.batch, device="meta", text_mask=bool(req.mask_pad))
     return req.with_fields(height=inputs.height, width=inputs.width, text_len=text_len, frames=inputs.frames), inputs.kwargs
+
+
+def plan_misfit_at(spec: ModelSpec, blocks: int | None) -> Any:
+    """The first entry of the class's `_cp_plan` that the model cut to `blocks` blocks a stack does not have
+    (cpdoctor.model_zoo.plan_fit.PlanMisfit), None when the plan fits; measured on the meta device."""
+    from cpdoctor.model_zoo.catalog import build_model
+    from cpdoctor.model_zoo.plan_fit import plan_misfit
+
+    with compat.quiet():
+        return plan_misfit(build_model(spec.cls, sliced_config(spec, blocks), device="meta"))
 
 
 def check_model_takes(req: ModelRequest, spec: ModelSpec, text_len: int, heads: Any) -> None:
