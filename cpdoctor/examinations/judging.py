@@ -226,6 +226,16 @@ CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
         "cpdoctor.patch() (its merge takes the kernel's LSE as returned); or a diffusers release that checks the LSE's shape",
     ),
     CrashSignature(
+        "Ulysses leaves a per-head mask whole",
+        (r"is invalid for input of size|must match the size of tensor b", r"[Uu]lysses"),
+        "the model passes a mask with one row per attention head (B, H, 1, S_k: LTX-Video and LTX-2 build their text "
+        "mask so); Ulysses all-gathers a mask along the keys but leaves its heads whole, so after the all-to-all each "
+        "rank's H/U query heads meet a mask of H heads and the kernel refuses the shapes (diffusers 0.39.0 and 0.42.1; "
+        "cpdoctor's patched Ulysses too): a crash, never a silent error",
+        "ring CP for this model (with `cpdoctor.patch()`, whose ring rotates the mask with its keys: `cpdoctor model "
+        "MODEL --ring 2 --mask-pad 3 --patch`); or a mask without the heads dimension (B, 1, 1, S_k)",
+    ),
+    CrashSignature(
         "rotary table not split",
         (r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)", r"rotary"),
         "a rotary table of the whole sequence met a query that the model's _cp_plan split (or the other way round): the "
