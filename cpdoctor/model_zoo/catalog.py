@@ -105,6 +105,25 @@ def list_models() -> list[ModelEntry]:
     return [entry for _, entry in _scan()]
 
 
+FAMILY_KINDS = ("video", "image", "all")
+"""What a suite's `each:` names: the classes whose input family is video, image, or every class with a plan."""
+
+
+def models_of(kind: str) -> list[tuple[type, ModelEntry]]:
+    """The classes with a `_cp_plan` in the installed diffusers (detected, never listed) whose family is `kind`
+    (`FAMILY_KINDS`), with their entries, sorted by short name; classes without an input builder are left out."""
+    from cpdoctor.model_zoo.inputs import BUILDERS
+
+    if kind not in FAMILY_KINDS:
+        raise BadInput(f"each: must be one of {', '.join(FAMILY_KINDS)}, got {kind!r}")
+    chosen = []
+    for cls, entry in _scan():
+        builder = BUILDERS.get(entry.builder or "")
+        if builder is not None and (kind == "all" or builder.is_video == (kind == "video")):
+            chosen.append((cls, entry))
+    return chosen
+
+
 @dataclasses.dataclass
 class ResolvedModel:
     """A model class plus the config to build it with ({} means the class's own defaults)."""

@@ -33,6 +33,8 @@ WIDTH_FLOOR = 2
 DEPTH_FLOOR = 1
 SMALL = 16
 """Below this every integer is a candidate; above it, the powers of two and halves."""
+SCAN = 4
+"""The smallest candidates tried one by one; past them the search bisects (most keys take their floor)."""
 
 _WIDTH = re.compile(r"heads|channels|hidden_size|(^|_)dims?(_|$)")
 _DEPTH = re.compile(r"layers|blocks|depth")
@@ -178,6 +180,7 @@ class Shrinking:
     trials: int = 0
     stopped: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> why it went no lower
     seen: dict[tuple, tuple[int | None, str | None]] = dataclasses.field(default_factory=dict)  # config -> its trial
+    last_why: str = ""
 
     def attempt(self, cfg: Config) -> tuple[int | None, str | None]:
         """The trial of `cfg` (each config tried once: a later pass asks again only where something moved)."""
@@ -189,23 +192,47 @@ class Shrinking:
         return self.seen[key]
 
     def lower(self, key: str) -> bool:
-        """Move `key` (with the keys its relations tie to it) to its smallest accepted candidate; True when it moved."""
-        last_why = f"the floor ({self.floors[key]})"
-        for value in candidates(self.config[key], self.floors[key]):
-            cfg = follow(self.config, key, value, self.rels, self.floors)
-            if cfg is None:
-                last_why = f"{_show(value)} fails: {self.unkept(key)}"
-                continue
-            cost, why = self.attempt(cfg)
-            if cost is not None and cost < self.cost:
-                self.config, self.cost = cfg, cost
-                return True
-            last_why = f"{_show(value)} fails: {why or 'no fewer parameters'}"
-        self.stopped[key] = last_why
-        return False
+        """Move `key` (with the keys its relations tie to it) to its smallest accepted candidate; True when it moved.
+        The SCAN smallest candidates are tried in order, the rest bisected (the current value is known to work)."""
+        product = next((r for r in self.rels if r.tie is Tie.PRODUCT and r.total == key and r.holds(self.config)), None)
+        if product is not None:  # it follows its factors (it cannot move alone and keep their product)
+            self.stopped[key] = f"follows {product.describe()}"
+            return False
+        values = list(candidates(self.config[key], self.floors[key]))
+        self.last_why = f"the floor ({self.floors[key]})"
+        found = next((got for got in (self.moved(key, v) for v in values[:SCAN]) if got), None)
+        rest = values[SCAN:]
+        low, high = -1, len(rest)  # rest[low] fails, rest[high] works (the current value, past the end)
+        while found is None and high - low > 1:
+            mid = (low + high) // 2
+            got = self.moved(key, rest[mid])
+            if got:
+                high, best = mid, got
+            else:
+                low = mid
+            if high - low <= 1 and high < len(rest):
+                found = best
+        if found is None:
+            self.stopped[key] = self.last_why
+            return False
+        self.config, self.cost = found
+        return True
+
+    def moved(self, key: str, value: Value) -> tuple[Config, int] | None:
+        """The config with `key` at `value` and its cost, when the trial accepts it and it is cheaper; else None
+        (and `last_why` says why)."""
+        cfg = follow(self.config, key, value, self.rels, self.floors)
+        if cfg is None:
+            self.last_why = f"{_show(value)} fails: {self.unkept(key)}"
+            return None
+        cost, why = self.attempt(cfg)
+        if cost is not None and cost < self.cost:
+            return cfg, cost
+        self.last_why = f"{_show(value)} fails: {why or 'no fewer parameters'}"
+        return None
 
     def unkept(self, key: str) -> str:
-        rels = [r.describe() for r in self.rels if key in (r.total, *r.parts) and r.holds(self.config)]
+        rels = [r.describe() for r in self.rels if r.tie is Tie.SUM and r.total == key and r.holds(self.config)]
         return f"{' and '.join(rels)} cannot hold (parts of at least {self.floors[key]}, even where they were)"
 
     def required(self, rel: Relation) -> bool:

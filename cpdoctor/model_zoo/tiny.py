@@ -70,11 +70,10 @@ def derive(cls: type) -> TinyConfig:
 
 def _derive(cls: type) -> TinyConfig:
     from cpdoctor.model_zoo.catalog import full_config
-    from cpdoctor.model_zoo.slicing import stack_config_keys
 
     started = time.perf_counter()
     defaults = full_config(cls)
-    stacks = {s.key: s.depth for s in stack_config_keys(cls, defaults) if s.key}
+    stacks = stack_depth_keys(cls, defaults)
     keys = shrink.size_keys(defaults, set(stacks))
     why = "no real run"
     trials = 0
@@ -87,12 +86,23 @@ def _derive(cls: type) -> TinyConfig:
             raise CannotShrink(f"cannot derive a tiny {cls.__name__}: {exc}") from exc
         trials += search.trials
         config = fewest_blocks(cls, config, stacks)
-        why = examinable(cls, config)
+        why = examinable(cls, {**config, **dict.fromkeys(stacks, 1)})  # one block a stack: its depth is the plan's
         if why is None:
             changed = {k: v for k, v in config.items() if v != defaults.get(k)}
             parameters = count_parameters(cls, config)
             return TinyConfig(cls.__name__, changed, search.stopped, parameters, trials, time.perf_counter() - started)
     raise CannotShrink(f"cannot derive a tiny {cls.__name__}: the smallest configs found fail a real forward and backward ({why})")
+
+
+def stack_depth_keys(cls: type, defaults: dict[str, Any]) -> dict[str, int]:
+    """Config key -> default depth, for each key that sizes a block stack: one meta build with every candidate
+    depth key at its own small value, the stacks' lengths read back (as `slicing.stack_config_keys`, on meta)."""
+    from cpdoctor.model_zoo.catalog import build_model
+    from cpdoctor.model_zoo.slicing import block_stacks, depth_candidates
+
+    probe = {k: i + 2 for i, k in enumerate(depth_candidates(defaults))}
+    lengths = {len(ml) for _, ml in block_stacks(build_model(cls, {**defaults, **probe}, device="meta"))}
+    return {k: int(defaults[k]) for k, v in probe.items() if v in lengths}
 
 
 class Trial:
@@ -140,8 +150,8 @@ def small_inputs(cls: type, config: dict[str, Any], device: Any, generator: Any 
 
 def fewest_blocks(cls: type, config: dict[str, Any], stacks: dict[str, int]) -> dict[str, Any]:
     """Each stack at the fewest blocks (at least 1, at most its default) for which the class's plan fits: the
-    model built once at the default depths, each stack cut to n blocks and the plan tried on it, n bisected; then
-    the whole trial on the result. CannotShrink when even the default depths do not fit."""
+    model built once at the default depths (on meta), each stack cut to n blocks and the plan tried on it, n
+    bisected. CannotShrink when even the default depths do not fit."""
     import torch
 
     from cpdoctor.model_zoo.catalog import build_model
@@ -155,20 +165,17 @@ def fewest_blocks(cls: type, config: dict[str, Any], stacks: dict[str, int]) -> 
         name = by_length.get(depth)
         if name is None:
             continue
-        full = getattr(model, name)
-        low, high = 1, depth
-        while low < high:
+        full = list(getattr(model, name))
+        low, high = 0, depth  # n = low does not fit (or is no block), n = high does or is the default
+        while high - low > 1:
             mid = (low + high) // 2
-            setattr(model, name, torch.nn.ModuleList(list(full)[:mid]))
-            if plan_misfit(model) is None:
-                high = mid
-            else:
-                low = mid + 1
-        setattr(model, name, torch.nn.ModuleList(list(full)[:low]))
-        out[key] = low
-    cost, why = Trial(cls, plan=True)(out)
-    if cost is None:
-        raise CannotShrink(f"cannot derive a tiny {cls.__name__}: {why}")
+            setattr(model, name, torch.nn.ModuleList(full[:mid]))
+            low, high = (low, mid) if plan_misfit(model) is None else (mid, high)
+        setattr(model, name, torch.nn.ModuleList(full[:high]))
+        out[key] = high
+    misfit = plan_misfit(model)
+    if misfit is not None:
+        raise CannotShrink(f"cannot derive a tiny {cls.__name__}: {misfit.line()}")
     return out
 
 

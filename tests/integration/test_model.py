@@ -155,6 +155,9 @@ def test_prepare_fills_small_divisible_shapes():
     assert (flux.height, flux.width, flux.text_len, flux.frames) == (128, 128, 8, None)
     wan = api.request_for("model", model="wan", ring=2)
     assert wan.frames == 5 and wan.height == 128
+    # no shape given: the small defaults move to the nearest that divide (plan's measured remedies)
+    flux3 = api.request_for("model", model="flux", ring=3)
+    assert (flux3.height, flux3.width, flux3.text_len) == (128, 144, 9)
     assert registry.get("model").build_request(model="flux", ulysses=2).ring == 1
 
 
@@ -162,12 +165,12 @@ def test_prepare_fills_small_divisible_shapes():
     "fields, words",
     [
         (dict(model="flux", mask_pad=3), "takes no text mask"),
-        (dict(model="flux", ring=3), "not divisible by ring × ulysses = 3"),
+        (dict(model="flux", ring=3, height=128, width=128), "not divisible by ring × ulysses = 3"),
         (dict(model="flux", height=144, width=144), "hidden_states 81"),
         (dict(model="flux", ulysses=4), "do not divide by --ulysses 4"),
         (dict(model="qwen-image", mask_pad=8), "--mask-pad"),
         (dict(model="flux", frames=5), "image model"),
-        (dict(model="ltx", ring=2), "no tiny config for ltx"),
+        (dict(model="ltx", ring=2, config="/nonexistent/config.json"), "cannot read --config"),
     ],
 )
 def test_bad_input_before_any_process(fields, words):

@@ -269,6 +269,16 @@ def test_the_survey_memo_filled_twice():
     assert first.stacks == second.stacks
 
 
+def test_the_tiny_config_memo_filled_twice():
+    pytest.importorskip("diffusers")
+    from cpdoctor.model_zoo import tiny
+    from cpdoctor.model_zoo.catalog import resolve_model
+
+    wan = resolve_model("wan").cls
+    first, second = _filled_twice(tiny.DERIVED, lambda: tiny.derive(wan))
+    assert first.config == second.config and first.config["num_layers"] == 1
+
+
 def test_the_model_scan_memo_filled_twice():
     pytest.importorskip("diffusers")
     from cpdoctor.model_zoo import catalog
