@@ -109,17 +109,17 @@ FAMILY_KINDS = ("video", "image", "all")
 """What a suite's `each:` names: the classes whose input family is video, image, or every class with a plan."""
 
 
-def models_of(kind: str) -> list[tuple[type, ModelEntry]]:
-    """The classes with a `_cp_plan` in the installed diffusers (detected, never listed) whose family is `kind`
+def models_of(family: str) -> list[tuple[type, ModelEntry]]:
+    """The classes with a `_cp_plan` in the installed diffusers (detected, never listed) of `family`
     (`FAMILY_KINDS`), with their entries, sorted by short name; classes without an input builder are left out."""
     from cpdoctor.model_zoo.inputs import BUILDERS
 
-    if kind not in FAMILY_KINDS:
-        raise BadInput(f"each: must be one of {', '.join(FAMILY_KINDS)}, got {kind!r}")
+    if family not in FAMILY_KINDS:
+        raise BadInput(f"each: must be one of {', '.join(FAMILY_KINDS)}, got {family!r}")
     chosen = []
     for cls, entry in _scan():
         builder = BUILDERS.get(entry.builder or "")
-        if builder is not None and (kind == "all" or builder.is_video == (kind == "video")):
+        if builder is not None and (family == "all" or builder.is_video == (family == "video")):
             chosen.append((cls, entry))
     return chosen
 

@@ -46,6 +46,7 @@ class TinyConfig:
     class_name: str
     config: dict[str, Any]  # the keys that differ from the class's __init__ defaults
     constraints: dict[str, str]  # key -> why it went no lower
+    blocks: dict[str, int]  # each block stack's depth key -> its blocks (the fewest the plan names, at least 1)
     parameters: int
     trials: int
     seconds: float
@@ -90,7 +91,8 @@ def _derive(cls: type) -> TinyConfig:
         if why is None:
             changed = {k: v for k, v in config.items() if v != defaults.get(k)}
             parameters = count_parameters(cls, config)
-            return TinyConfig(cls.__name__, changed, search.stopped, parameters, trials, time.perf_counter() - started)
+            blocks = {k: int(config[k]) for k in stacks}
+            return TinyConfig(cls.__name__, changed, search.stopped, blocks, parameters, trials, time.perf_counter() - started)
     raise CannotShrink(f"cannot derive a tiny {cls.__name__}: the smallest configs found fail a real forward and backward ({why})")
 
 
