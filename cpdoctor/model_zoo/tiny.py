@@ -8,7 +8,7 @@ Nothing here is a list of configs. `derive(cls)` starts from the class's `__init
    relations kept, heads divisible by 2 so that Ulysses 2 runs);
 2. gives each block stack the fewest blocks the class's `_cp_plan` names (Helios's plan names its blocks by index
    up to 39: it keeps 40), bisected on whether the plan fits (plan_fit.py);
-3. runs the result for real, on the CPU in fp32: forward and backward through the family's inputs, the output
+3. runs the result for real (one block a stack), on the CPU in fp32: forward and backward through the family's inputs, the output
    finite and varying across tokens, the gradients finite and not all zero. Where that fails, the floors double
    and the search runs again; a class that still fails, or whose defaults fail on the meta device, raises
    `CannotShrink` (exit 3) saying why.
@@ -108,25 +108,21 @@ def stack_depth_keys(cls: type, defaults: dict[str, Any]) -> dict[str, int]:
 
 
 class Trial:
-    """One trial config on the meta device: (parameters + buffers, None) when it builds, runs its family's inputs
-    and every attention's heads divide by HEADS_MULTIPLE (and, with `plan`, its CP plan fits); else (None, why)."""
+    """One trial config on the meta device: (parameters + buffers, None) when it builds, runs its family's inputs,
+    every attention's heads divide by HEADS_MULTIPLE and its queries and keys have its values' head dim; else
+    (None, why). The plan is not asked here: the widths are searched at one block a stack (`fewest_blocks`)."""
 
-    def __init__(self, cls: type, plan: bool = False) -> None:
+    def __init__(self, cls: type) -> None:
         self.cls = cls
-        self.plan = plan
 
     def __call__(self, config: dict[str, Any]) -> tuple[int | None, str | None]:
         import torch
 
         from cpdoctor.model_zoo.catalog import build_model
-        from cpdoctor.model_zoo.plan_fit import plan_misfit
         from cpdoctor.model_zoo.splits.measure import attention_spy, meta_safe
 
         with meta_safe():
             model = build_model(self.cls, config, device="meta")
-            misfit = plan_misfit(model) if self.plan else None
-            if misfit is not None:
-                return None, misfit.line()
             dims: set[tuple[int, int]] = set()
             with torch.no_grad(), attention_spy(dims) as heads:
                 model(**small_inputs(self.cls, dict(model.config), "meta").kwargs)
