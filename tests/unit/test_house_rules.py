@@ -494,6 +494,7 @@ STATE_OWNERS = {
     "peer_impls/yunchang.py": "GROUPS",
     "examinations/model/spec.py": "SURVEYS",
     "model_zoo/catalog.py": "SCANNED",
+    "model_zoo/tiny.py": "DERIVED",
     "compat/requirements.py": "READ",
 }
 """The owners of cpdoctor's process-wide state (module -> its module-level owner instance), each listed with its

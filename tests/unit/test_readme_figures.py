@@ -1,4 +1,4 @@
-"""Every measured figure README.md and benchmarks/README.md quote is the value of a stored run, so a figure cannot
+"""Every measured figure README.md, benchmarks/README.md and docs/MODELS.md quote is the value of a stored run, so a figure cannot
 drift from its run: benchmarks/figures.yaml says which JSON value each figure is (the convention is written in
 benchmarks/README.md, "Figures and their runs"); this test renders each entry from the JSON and fails when the
 document does not print it, when the section does not name the results file, or when a results file a document
@@ -17,7 +17,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-DOCS = ("README.md", "benchmarks/README.md")
+DOCS = ("README.md", "benchmarks/README.md", "docs/MODELS.md")
 BEFORE_HEADING = "### Stored before this convention"
 _ROW = re.compile(r"^(\w+)\[(.*)\]$")
 _NAMED = re.compile(r"results/[A-Za-z0-9_.\-]+\.(?:json|diff)")

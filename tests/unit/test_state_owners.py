@@ -301,14 +301,25 @@ def _filled_twice(memo, fill):
 
 def test_the_survey_memo_filled_twice():
     pytest.importorskip("diffusers")
+    from hub_cache import TINY_FLUX
+
     from cpdoctor.examinations.model.spec import SURVEYS, ModelSpec, model_survey
     from cpdoctor.model_zoo.catalog import resolve_model
-    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     resolved = resolve_model("flux")
-    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_CONFIGS["flux"]), "test", None)
+    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_FLUX), "test", None)
     first, second = _filled_twice(SURVEYS, lambda: model_survey(spec))
     assert first.stacks == second.stacks
+
+
+def test_the_tiny_config_memo_filled_twice():
+    pytest.importorskip("diffusers")
+    from cpdoctor.model_zoo import tiny
+    from cpdoctor.model_zoo.catalog import resolve_model
+
+    wan = resolve_model("wan").cls
+    first, second = _filled_twice(tiny.DERIVED, lambda: tiny.derive(wan))
+    assert first.config == second.config and first.config["num_layers"] == 1
 
 
 def test_the_model_scan_memo_filled_twice():

@@ -156,6 +156,7 @@ class ModelSignature:
     tensors: dict[str, JudgedRow]
     plain: OpCheck | None  # the op-level check without a mask
     masked: OpCheck | None  # with the model's padding mask
+    inner_gathers: tuple[str, ...] = ()  # the plan's gathers inside the block stacks
 
     @property
     def layout(self) -> str:
@@ -267,6 +268,22 @@ RULES: tuple[Rule[ModelSignature], ...] = (
     Rule(Aspect.OP_LEVEL, "op fails too", lambda s: _plain_verdict(s) == Verdict.FAIL, _op_fails, ()),
     Rule(
         Aspect.OP_LEVEL,
+        "op passes: the plan gathers inside the blocks",
+        lambda s: _plain_verdict(s) == Verdict.PASS and not s.out.failed and bool(s.inner_gathers),
+        lambda s: (
+            f"the attention op alone passes at this layout (`{op_check_command(s.req)}`) and the forward is exact: the model's "
+            f"_cp_plan gathers the sequence inside its blocks ({', '.join(s.inner_gathers[:3])}), so from each such gather to the "
+            "next split every rank holds the whole sequence and back-propagates the whole of its gradient, which the CP "
+            "step's sum over the CP group (right for a plan that splits once and gathers once) counts on every rank; "
+            "inference through this plan is exact, training through it is not, whatever the attention"
+        ),
+        (
+            "train this model without CP, or through a _cp_plan that splits once before the blocks and gathers once after "
+            "them (as Wan's: `cpdoctor plan wan`); inference through this plan is exact",
+        ),
+    ),
+    Rule(
+        Aspect.OP_LEVEL,
         "op passes: model path",
         lambda s: (
             _plain_verdict(s) == Verdict.PASS
@@ -290,8 +307,9 @@ RULES: tuple[Rule[ModelSignature], ...] = (
 def diagnose_model(req: Any, evaluated: ModelMeasurement, tensors: dict[str, JudgedRow]) -> tuple[str, str]:
     """(diagnosis, remedy): forward vs backward, the op level at the same layout, the mask."""
     ops = op_checks(evaluated)
+    gathers = () if evaluated.model is None else evaluated.model.inner_gathers
     sig = ModelSignature(
-        req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None)
+        req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None), gathers
     )
     failing_ops = [o for o in ops if o.finding is not None and o.finding.verdict == Verdict.FAIL]
     if not sig.out.failed and not sig.grads_bad and failing_ops:

@@ -211,8 +211,10 @@ class SplitRecorder:
 
 
 @contextlib.contextmanager
-def attention_spy() -> Iterator[set[tuple[int, int]]]:
-    """Records (query heads, key heads) of every scaled_dot_product_attention call (layout B, H, S, D)."""
+def attention_spy(dims: set[tuple[int, int]] | None = None) -> Iterator[set[tuple[int, int]]]:
+    """Records (query heads, key heads) of every scaled_dot_product_attention call (layout B, H, S, D), and into
+    `dims`, when given, (query/key head dim, value head dim): a rope table broadcast over a too small head dim
+    widens the queries and keys but not the values (a tiny config's trial refuses that)."""
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -225,8 +227,11 @@ def attention_spy() -> Iterator[set[tuple[int, int]]]:
             if func is sdpa:
                 q = args[0] if args else kwargs.get("query")
                 k = args[1] if len(args) > 1 else kwargs.get("key")
+                v = args[2] if len(args) > 2 else kwargs.get("value")
                 if q is not None and k is not None and q.dim() >= 3:
                     heads.add((int(q.shape[-3]), int(k.shape[-3])))
+                    if dims is not None and v is not None:
+                        dims.add((int(max(q.shape[-1], k.shape[-1])), int(v.shape[-1])))
             return func(*args, **kwargs)
 
     with _Spy():
