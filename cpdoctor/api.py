@@ -10,17 +10,22 @@ builds its examination's request (every request names its kind, `request.kind`) 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cpdoctor.examinations import registry, runner
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.examinations.request import validate_timeout
+from cpdoctor.examinations.runner import SuiteRun
 from cpdoctor.launch import torchrun
 from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Report, RunResult, Verdict
 from cpdoctor.vocabulary import Device, DType, Kind
+
+if TYPE_CHECKING:
+    from cpdoctor.examinations.attention.repro import Repro
+    from cpdoctor.suite import Suite, SuiteRequest
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -38,6 +43,7 @@ __all__ = [
     "check_model",
     "check_peer",
     "examine",
+    "examine_suite",
     "examine_environment",
     "examine_step",
     "watch_step",
@@ -130,16 +136,24 @@ def check_model(
     return examine(req, timeout_s=timeout_s, on_tick=on_tick)
 
 
-def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
-    """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
-    `before`). Checks of the same world size and device share one launch (examinations/runner.py)."""
+def examine_suite(
+    suite: Suite, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None
+) -> tuple[SuiteRequest, SuiteRun]:
+    """Every check of a suite run (examinations/runner.py: checks of the same world size and device share one
+    launch), with what the suite asked: what `run_suite` and the doctor build their reports from."""
     from cpdoctor.suite import SuiteRequest, build_requests
 
     validate_timeout(timeout_s)
     requests = build_requests(suite, patch)
     ran = runner.run_requests(requests, patch=patch, timeout_s=timeout_s, on_tick=on_tick)
+    return SuiteRequest(suite.name, suite.source, patch, tuple(requests)), ran
+
+
+def run_suite(suite: Suite, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+    """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
+    `before`). Checks of the same world size and device share one launch (examinations/runner.py)."""
+    request, ran = examine_suite(suite, patch=patch, timeout_s=timeout_s, on_tick=on_tick)
     before = RunResult.of(ran.before) if ran.before is not None else None
-    request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
     return Report.of(ran.findings, ran.environment, request, before=before, wall_s=ran.wall_s, suite=suite.name, warnings=ran.warnings)
 
 
@@ -353,10 +367,11 @@ def list_models() -> list[Any]:
     return catalog.list_models()
 
 
-def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
+def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> Repro:
     """For an op-level FAIL (or the ring backward's CRASH under `checkpointing`): DIR/repro.py (torch + diffusers
     only) and DIR/ISSUE.md; with `fix_timeout_s`, also DIR/fix.diff for a known defect of diffusers' code, once
-    verified on a patched copy; the paths written."""
+    verified on a patched copy; the paths written and what became of the fix (`Repro`: the check's report with it
+    is `dataclasses.replace(report, upstream_fix=repro.upstream_fix)`)."""
     from cpdoctor.examinations.attention import repro
 
     return repro.write_repro(report, directory, command, fix_timeout_s)

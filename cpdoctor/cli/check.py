@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
@@ -24,6 +24,9 @@ from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.errors import BadInput
 from cpdoctor.vocabulary import Device as DeviceName
 from cpdoctor.vocabulary import ExaminedDType, Impl, Kernel, Variant
+
+if TYPE_CHECKING:
+    from cpdoctor.report import Report
 
 
 def check(
@@ -110,7 +113,7 @@ def check(
         report = api.examine(request, timeout_s=timeout)
     if repro_dir:
         with waiting("writing the repro; a known defect of diffusers' code: verifying its fix on a patched copy", quiet=quiet):
-            write_repro_files(report, repro_dir, timeout)
+            report = write_repro_files(report, repro_dir, timeout)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="check")
 
 
@@ -121,25 +124,27 @@ def _refuse_diffusers_options(impl: Impl, **given: object) -> None:
         raise BadInput(f"{', '.join(named)} appl{'ies' if len(named) == 1 else 'y'} to --impl diffusers only, not to {impl}")
 
 
-def write_repro_files(report: object, directory: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Write the upstream repro, issue text and (verified) fix for a FAIL (rank 0 only), and say where and
-    whether the fix was verified (on stderr)."""
+def write_repro_files(report: Report, directory: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Report:
+    """Write the upstream repro, issue text and (verified) fix for a FAIL (rank 0 only), say where and whether the
+    fix was verified (on stderr), and return the check's report with the fix's outcome (`upstream_fix`)."""
+    import dataclasses
     import sys
 
     from cpdoctor.api import prints_here, write_repro
 
     if not prints_here():
-        return
+        return report
     try:
-        paths = write_repro(report, directory, "cpdoctor check", fix_timeout_s=timeout_s)  # type: ignore[arg-type]
+        written = write_repro(report, directory, "cpdoctor check", fix_timeout_s=timeout_s)
     except OSError as exc:
         raise BadInput(f"cannot write --repro {directory}: {exc.strerror}") from exc
-    if paths:
-        print(f"cpdoctor: wrote {', '.join(paths)}", file=sys.stderr)
-        if report.upstream_fix is not None:
-            print(f"cpdoctor: --repro: {report.upstream_fix.message}", file=sys.stderr)
-    else:
-        print(
-            "cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors, no CRASH of the ring under --checkpointing)",
-            file=sys.stderr,
-        )
+    if written.paths:
+        print(f"cpdoctor: wrote {', '.join(written.paths)}", file=sys.stderr)
+        if written.upstream_fix is not None:
+            print(f"cpdoctor: --repro: {written.upstream_fix.message}", file=sys.stderr)
+        return dataclasses.replace(report, upstream_fix=written.upstream_fix)
+    print(
+        "cpdoctor: --repro: nothing to reproduce (no FAIL with measured tensors, no CRASH of the ring under --checkpointing)",
+        file=sys.stderr,
+    )
+    return report

@@ -33,11 +33,11 @@ def _header(env: Any, summary: Any, out: Any) -> None:
 
     n = summary.accelerators
     out.print("[bold]cpdoctor[/] — the context-parallel examinations that matter on this machine")
-    out.print(f"  torch {env.torch} · diffusers {env.diffusers} · python {env.python}")
+    out.print(f"  torch {env.software.torch} · diffusers {env.software.diffusers} · python {env.software.python}")
     seen = f"accelerators visible: {n}" + ("" if n >= 2 else " (no ring over all accelerators)")
     if summary.torchrun_world:
         seen += f" · torchrun world {summary.torchrun_world}"
-    device, group = (v if v is not None else "?" for v in (env.device, env.process_group))
+    device, group = (v if v is not None else "?" for v in (env.launch.device, env.launch.process_group))
     out.print(f"  device {escape(str(device))} · process group {group} · {seen}")
     if summary.backend == "auto":
         out.print("  CP backend here: [bold]auto[/] (asked for; no rank got far enough to say which backend it chose)")

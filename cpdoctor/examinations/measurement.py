@@ -8,7 +8,7 @@ from typing import Any
 
 from cpdoctor.errors import Unsupported
 from cpdoctor.launch.jobs import CaseNumbers
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import AttentionBackend, Environment, Launch, Software
 from cpdoctor.report.numbers import Comparison, TensorRow
 from cpdoctor.vocabulary import DType
 
@@ -74,15 +74,8 @@ def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = No
     if ctx.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(ctx.device)})"
     return Environment(
-        torch=str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
-        diffusers=compat.diffusers_version(),
-        python=platform.python_version(),
-        device=device,
-        process_group=ctx.pg_backend,
-        world_size=ctx.world_size,
-        ring=req.ring,
-        ulysses=req.ulysses,
-        backend=backend,
-        dtype=req.dtype,
-        emulated=emulated or None,
+        # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
+        Software(torch=str(torch.__version__), diffusers=compat.diffusers_version(), python=platform.python_version()),
+        Launch(device, ctx.pg_backend, ctx.world_size, req.ring, req.ulysses, dtype=req.dtype, emulated=emulated or None),
+        AttentionBackend(backend),
     )

@@ -36,7 +36,7 @@ def report() -> Report:
         ),
         Finding("attention ring=2 mask", Verdict.HANG, "rank 1 did not finish within 25 s", "raise --timeout"),
     ]
-    return Report.of(findings, Environment(torch="2.13", diffusers="0.42.1"), SimpleNamespace(to_dict=dict), wall_s=12.5)
+    return Report.of(findings, Environment.from_dict({"torch": "2.13", "diffusers": "0.42.1"}), SimpleNamespace(to_dict=dict), wall_s=12.5)
 
 
 def test_junit_parses_with_one_testcase_per_finding(tmp_path):

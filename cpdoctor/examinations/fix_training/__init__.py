@@ -9,7 +9,8 @@ from typing import Any
 from cpdoctor.examinations.base import Examination
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Finding, Verdict
-from cpdoctor.vocabulary import Kind
+from cpdoctor.report.environment import AttentionBackend, Environment, Launch
+from cpdoctor.vocabulary import Device, Kind
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,23 @@ class FixTrainingRequest:
     seed: int = 0
     backend: str = "cpdoctor_cpu"
     compare_original: bool = False
-    device: str = "auto"
+    device: Device = Device.AUTO
 
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
+
+    @property
+    def patch(self) -> bool:
+        """Never a second, patched case: `compare_original` says which attention the one case runs."""
+        return False
+
+    @property
+    def emulate(self) -> bool:
+        return False
+
+    def asked(self) -> Environment:
+        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype), attention=AttentionBackend(self.backend))
 
     def validate(self) -> FixTrainingRequest:
         return self
@@ -47,7 +60,7 @@ class FixTrainingRequest:
         return asdict(self)
 
 
-class FixTrainingExamination(Examination):
+class FixTrainingExamination(Examination[FixTrainingRequest]):
     kind = Kind.FIX_TRAINING
     request_type = FixTrainingRequest
     in_suites = False

@@ -22,6 +22,10 @@ class PeerRow:
     request: PeerRequest
 
 
+DOCTOR_RINGS = ((2, "where most jobs start"), (3, "ring ≥ 3: the dK/dV direction"))
+"""The doctor's rows of each installed peer: (ring degree, what it covers)."""
+
+
 def doctor_checks(device: str = "auto") -> list[PeerRow]:
     """Ring 2 and ring 3 for each installed peer, with its first variant and kernel, causal where the peer's
     default layout needs it (torch's head-tail load balancing), in bf16 (flash-attn's dtypes)."""
@@ -30,7 +34,7 @@ def doctor_checks(device: str = "auto") -> list[PeerRow]:
         if not info.installed:
             continue
         causal = info.impl == Impl.TORCH.value
-        for ring, covers in ((2, "where most jobs start"), (3, "ring ≥ 3: the dK/dV direction")):
+        for ring, covers in DOCTOR_RINGS:
             request = build_request(impl=info.impl, ring=ring, causal=causal, device=device)
             rows.append(PeerRow(f"{info.impl} ring {ring}", covers, request))
     return rows

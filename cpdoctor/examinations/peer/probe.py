@@ -22,7 +22,7 @@ from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.peer_impls.base import PeerOutputs, RunShape, Shim
 from cpdoctor.peer_impls.layouts import cu_seqlens, token_indices, varlen_lengths
 from cpdoctor.peer_impls.source import package_root
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import Environment, Launch, PeerLayout, Software
 from cpdoctor.report.numbers import TensorRow
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -202,18 +202,10 @@ def environment(ctx: Any, req: PeerRequest, facts: PeerFacts) -> Environment:
 
     import torch
 
+    emulated = "CUDA kernels emulated on CPU by cpdoctor's stand-ins" if facts.emulated else None
     return Environment(
-        torch=str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
-        python=platform.python_version(),
-        device=str(ctx.device),
-        process_group=ctx.pg_backend,
-        world_size=ctx.world_size,
-        ring=req.ring,
-        ulysses=req.ulysses,
-        impl=f"{req.impl} {facts.version}",
-        variant=req.variant,
-        kernel=req.kernel,
-        layout=facts.layout,
-        dtype=req.dtype,
-        emulated="CUDA kernels emulated on CPU by cpdoctor's stand-ins" if facts.emulated else None,
+        # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
+        Software(torch=str(torch.__version__), python=platform.python_version()),
+        Launch(str(ctx.device), ctx.pg_backend, ctx.world_size, req.ring, req.ulysses, dtype=req.dtype, emulated=emulated),
+        peer=PeerLayout(f"{req.impl} {facts.version}", req.variant, req.kernel, facts.layout),
     )

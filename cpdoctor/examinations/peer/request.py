@@ -13,6 +13,7 @@ from cpdoctor.examinations.request import default_degrees, require_ints, typed_w
 from cpdoctor.peer_impls import Adapter, adapter
 from cpdoctor.peer_impls.base import KernelSpec, VariantSpec, parse_impl
 from cpdoctor.peer_impls.layouts import Layout
+from cpdoctor.report.environment import Environment, Launch
 from cpdoctor.vocabulary import Device, DType, Impl, Kind
 from cpdoctor.vocabulary import Kernel as KernelName
 from cpdoctor.vocabulary import Variant as VariantName
@@ -59,6 +60,14 @@ class PeerRequest:
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
+
+    @property
+    def patch(self) -> bool:
+        """Never: cpdoctor's fix concerns diffusers' code, not a peer's."""
+        return False
+
+    def asked(self) -> Environment:
+        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype))
 
     @property
     def adapter(self) -> Adapter:
