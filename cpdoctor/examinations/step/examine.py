@@ -28,6 +28,7 @@ from cpdoctor.examinations.step.record import Recorded, rng_digest
 from cpdoctor.examinations.step.reference import ReferenceTooLarge
 from cpdoctor.launch import watcher_comm
 from cpdoctor.report import Environment, Finding, Report, Verdict
+from cpdoctor.report.environment import Launch, Software
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ def report_of(c: Closing, findings: list[Finding]) -> Report:
     from cpdoctor.compat.diffusers import diffusers_version
 
     g = c.group
-    env = Environment(torch=str(torch.__version__), diffusers=diffusers_version(), world_size=g.world, device=str(c.recorded.device))
+    env = Environment(
+        Software(torch=str(torch.__version__), diffusers=diffusers_version()), Launch(str(c.recorded.device), world_size=g.world)
+    )
     request = WatchedStep(g.ring, g.ulysses, g.world, g.index, c.baseline.name)
     return Report.of(findings, env, request, wall_s=time.perf_counter() - c.started)
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from cpdoctor.errors import BadInput
+from cpdoctor.report.environment import Environment, Launch
 from cpdoctor.vocabulary import Device, DType, Kind, parse
 
 CONTRACT = (
@@ -72,6 +73,18 @@ class StepRequest:
     @property
     def cp(self) -> int:
         return (self.ring or 1) * (self.ulysses or 1)
+
+    @property
+    def patch(self) -> bool:
+        """Never: the user's step runs as the user wrote it."""
+        return False
+
+    @property
+    def emulate(self) -> bool:
+        return False
+
+    def asked(self) -> Environment:
+        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses))
 
     @classmethod
     def from_dict(cls, fields: dict) -> StepRequest:
