@@ -118,14 +118,14 @@ def execute_job(
         if payload.status is RankStatus.ERROR and on_local_error is not None:
             on_local_error(index, payload)
         log.mark(index, "reporting")
-        try:
-            gathered = ctx.gather_to_root(payload)
-        except Exception as exc:  # noqa: BLE001 - a peer never reported (under torchrun nobody else says so)
+        reported = Attempt.of(lambda p=payload: ctx.gather_to_root(p))  # a peer never reported (under torchrun nobody else says so)
+        if reported.error is not None:
             if ctx.rank != 0:
                 return None
-            lost = RankPayload(RankStatus.LOST, message=f"did not report ({type(exc).__name__})")
+            lost = RankPayload(RankStatus.LOST, message=f"did not report ({type(reported.error).__name__})")
             outcomes.append(CaseOutcome(case, failures=failures_from_payloads([payload] + [lost] * (ctx.world_size - 1))))
             return outcomes
+        gathered = reported.value
         go_on = True
         log.mark(index, "evaluating" if ctx.rank == 0 else "awaiting")
         if ctx.rank == 0:
@@ -200,12 +200,12 @@ def worker_main(job_path: str, out_dir: str) -> int:
     def report_error(index: int, payload: RankPayload) -> None:
         write_atomic(status_path(out_dir, rank), (index, payload))
 
-    try:
-        ctx = DistContext.join(job.timeout_s, job.device)
-    except (BadInput, CannotExamine) as exc:
-        status = RankStatus.BAD_INPUT if isinstance(exc, BadInput) else RankStatus.CANNOT_EXAMINE
-        report_error(0, RankPayload(status, message=str(exc)))
+    joined = Attempt.of(lambda: DistContext.join(job.timeout_s, job.device), catching=(BadInput, CannotExamine))
+    if joined.value is None:  # the device or group asked for cannot be had here: the ranks' refusal, exit 2 or 3
+        status = RankStatus.BAD_INPUT if isinstance(joined.error, BadInput) else RankStatus.CANNOT_EXAMINE
+        report_error(0, RankPayload(status, message=str(joined.error)))
         return 0
+    ctx = joined.value
     heartbeat.enabled = ctx.device.type == "cpu"  # a CUDA rank's host thread may spin while it waits: no proof of work
     try:
         ran = Attempt.of(

@@ -173,14 +173,12 @@ def propose(
     report's environment names; `backend`: the one repro.py runs); the outcome says what happened."""
     from cpdoctor.launch import under_torchrun
 
-    try:
-        source = dispatch_source()
-        defects = defects_of(req, finding, lambda d: present(source, d))
-        if not defects:
-            return UpstreamOutcome(None, "no fix.diff: the FAIL's cause is not a defect of diffusers' code that cpdoctor knows")
-        fix = make_fix(source, defects)
-    except FixRefused as exc:  # not a probe: the refusal is the answer, in its own words
-        return UpstreamOutcome(None, f"no fix.diff: {exc}")
+    made = Attempt.of(lambda: _fix_for(req, finding), catching=(FixRefused,))  # a refusal is the answer, in its own words
+    if made.error is not None:
+        return UpstreamOutcome(None, f"no fix.diff: {made.error}")
+    fix = made.value
+    if fix is None:
+        return UpstreamOutcome(None, "no fix.diff: the FAIL's cause is not a defect of diffusers' code that cpdoctor knows")
     if under_torchrun():
         return UpstreamOutcome(
             None, "no fix.diff: under torchrun cpdoctor cannot launch the patched copy's ranks to verify it; run without torchrun", fix=fix
@@ -195,6 +193,14 @@ def propose(
         fh.write(fix.diff)
     names = ", ".join(d.value for d in fix.defects)
     return UpstreamOutcome(path, f"fix verified ({names}; {verification.wall_s:.0f} s): wrote {path}", section, fix, verification)
+
+
+def _fix_for(req: AttentionRequest, finding: Finding) -> UpstreamFix | None:
+    """The minimal diff for the defects of diffusers' code behind the FAIL (None when it shows none cpdoctor knows);
+    FixRefused where the installed source's structure differs from the one the diff is made for."""
+    source = dispatch_source()
+    defects = defects_of(req, finding, lambda d: present(source, d))
+    return make_fix(source, defects) if defects else None
 
 
 def fix_backends(own: str, emulated: bool, on_cpu: bool, masked: bool = True) -> FixBackends:
@@ -282,10 +288,9 @@ def verify(fix: UpstreamFix, req: AttentionRequest, finding: Finding, script: st
         masked = UpstreamDefect.MASK_NOT_ROTATED in fix.defects
         result.backends = fix_backends(backend or req.backend, req.emulate, _on_cpu(req), masked)
     with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
-        try:
-            _patched_copy(fix, root)
-        except (OSError, ValueError) as exc:
-            result.reason = f"cannot apply the diff to a copy of the installed diffusers ({exc})"
+        copied = Attempt.of(lambda: _patched_copy(fix, root), catching=(OSError, ValueError))
+        if copied.error is not None:
+            result.reason = f"cannot apply the diff to a copy of the installed diffusers ({copied.error})"
             return result
         _run_repro(result, script, req.world_size, root, timeout_s)
         _run_cases(result, req, fix.defects, root, timeout_s, backend)
