@@ -87,12 +87,12 @@ def main() -> None:
     code: int | str | None = 0
     try:
         app()
-    except SystemExit as exc:
+    except SystemExit as exc:  # not a probe: the command's own exit code
         code = exc.code
-    except BadInput as exc:
+    except BadInput as exc:  # not a probe: bad input is one line and exit 2
         print(f"cpdoctor: error: {exc}", file=sys.stderr)
         code = 2
-    except CannotExamine as exc:
+    except CannotExamine as exc:  # not a probe: what cannot run here is one line and exit 3
         print(f"cpdoctor: cannot examine: {exc}", file=sys.stderr)
         code = 3
     except KeyboardInterrupt:
