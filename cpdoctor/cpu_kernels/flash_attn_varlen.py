@@ -80,6 +80,11 @@ def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(query rows, key rows) of every sequence that has both (an empty one has nothing to attend)."""
+    return [(sq, sk) for sq, sk in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)) if sq[1] > sq[0] and sk[1] > sk[0]]
+
+
 def _seq(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     """Rows `span` of a (total, H, D) tensor as the (1, H, s, D) the dense numerics take."""
     return x[span[0] : span[1]].transpose(0, 1).unsqueeze(0)
@@ -118,9 +123,7 @@ def _flash_attn_varlen_forward(
     out = torch.zeros_like(q)
     lse = torch.full((heads, total_q), float("inf"), dtype=torch.float32)
     with torch.no_grad():
-        for sq, sk in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)):
-            if sq[1] == sq[0] or sk[1] == sk[0]:
-                continue
+        for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
             o, seq_lse = standin_math.attention_forward(
                 _seq(q, sq), _seq(k, sk), _seq(v, sk), None, causal, softmax_scale, bottom_right=True
             )
@@ -164,34 +167,29 @@ def _flash_attn_varlen_backward(
     check(tuple(out.shape) == tuple(q.shape), "out must have shape (total_q, num_heads, head_size)")
     check(tuple(dout.shape) == tuple(q.shape), "dout must have shape (total_q, num_heads, head_size)")
     lse = standin_math.lse_as_kernel_reads_it(softmax_lse, (heads, total_q), "flash-attn varlen backward")
-    gq, gk, gv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
     batch = cu_seqlens_q.numel() - 1
     softmax_d = torch.zeros((heads, total_q + 128 * batch), dtype=torch.float32)
     with torch.no_grad():
-        for sq, sk in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)):
-            if sq[1] == sq[0] or sk[1] == sk[0]:
-                continue
-            seq_lse = lse[:, sq[0] : sq[1]].unsqueeze(0).contiguous()  # +inf on a row without keys: P = exp(s - inf) = 0
-            a, b, c = standin_math.attention_backward(
-                _seq(dout, sq),
-                _seq(q, sq),
-                _seq(k, sk),
-                _seq(v, sk),
-                _seq(out, sq),
-                seq_lse,
-                None,
-                causal,
-                softmax_scale,
-                bottom_right=True,
-            )
-            gq[sq[0] : sq[1]] = a[0].transpose(0, 1)
-            gk[sk[0] : sk[1]] += b[0].transpose(0, 1)
-            gv[sk[0] : sk[1]] += c[0].transpose(0, 1)
-        for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
+        grads = _grads_by_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        for dst, src in zip((dq, dk, dv), grads):
             if dst is not None:
                 dst.copy_(src)
         softmax_d[:, :total_q] = (dout.float() * out.float()).sum(-1).transpose(0, 1)
     return softmax_d
+
+
+def _grads_by_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale) -> tuple[torch.Tensor, ...]:
+    """fp32 dQ, dK, dV of the packed sequences, each sequence's backward on its own (bottom-right causal)."""
+    gq, gk, gv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        seq_lse = lse[:, sq[0] : sq[1]].unsqueeze(0).contiguous()  # +inf on a row without keys: P = exp(s - inf) = 0
+        a, b, c = standin_math.attention_backward(
+            _seq(dout, sq), _seq(q, sq), _seq(k, sk), _seq(v, sk), _seq(out, sq), seq_lse, None, causal, softmax_scale, bottom_right=True
+        )
+        gq[sq[0] : sq[1]] = a[0].transpose(0, 1)
+        gk[sk[0] : sk[1]] += b[0].transpose(0, 1)
+        gv[sk[0] : sk[1]] += c[0].transpose(0, 1)
+    return gq, gk, gv
 
 
 _wrapped_flash_attn_varlen_forward = _flash_attn_varlen_forward
