@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 MASK_PAD = 3
 """Keys masked as padding in the masked-ring check (a padded text prompt)."""
 
+RINGS = ((2, "where most jobs start"), (3, "ring ≥ 3: the dK/dV direction"))
+"""The ring degrees every plan checks, diffusers' and each installed peer's, and what each covers."""
+
 
 @dataclass(frozen=True)
 class PlannedCheck:
@@ -73,7 +76,7 @@ def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[Plan
     accelerators in one ring" check uses the world size instead of the local device count."""
     n = torchrun_world if torchrun_world is not None else accelerators
     check = PlannedCheck.attention
-    checks = [check("where most jobs start", ring=2), check("ring ≥ 3: the dK/dV direction", ring=3)]
+    checks = [check(why, ring=ring) for ring, why in RINGS]
     if n >= 2 and n not in (2, 3):
         checks.append(check(f"all {n} {'ranks' if torchrun_world else 'accelerators'}, one ring", ring=n))
     checks += [
@@ -96,12 +99,11 @@ def plan(accelerators: int, torchrun_world: int | None = None, peers: tuple[Plan
 def plan_in_words() -> str:
     """What the doctor runs, in words, from its plan (`--help` of `cpdoctor` and `cpdoctor doctor`): the checks of a
     CPU host, the ring over every accelerator where there are 4 or more, and the rows of each installed peer."""
-    from cpdoctor.examinations.peer.catalog import DOCTOR_RINGS
     from cpdoctor.vocabulary import Impl
 
     here = {c.label for c in plan(0)}
     words = [c.label if c.label in here else "ring N (all N ≥ 4 accelerators, one ring)" for c in plan(4)]
-    rings = " and ".join(f"ring {ring}" for ring, _ in DOCTOR_RINGS)
+    rings = " and ".join(f"ring {ring}" for ring, _ in RINGS)
     peers = ", ".join(impl.value for impl in Impl.peers())
     return f"{' · '.join(words)}; then {rings} of each installed peer ({peers})"
 
@@ -111,7 +113,7 @@ def peer_checks(device: str = "auto") -> tuple[PlannedCheck, ...]:
     from cpdoctor.examinations.peer.catalog import doctor_checks
 
     rows = []
-    for row in doctor_checks(device):
+    for row in doctor_checks(RINGS, device):
         fields: dict[str, Any] = {"impl": row.request.impl, "ring": row.request.ring}
         if row.request.causal:
             fields["causal"] = True

@@ -46,7 +46,7 @@ VariantOption = Annotated[
     Optional[Variant],
     typer.Option(
         "--variant",
-        help="A peer's variant: ring-flash-attn basic|zigzag|stripe|llama3, yunchang basic|zigzag|strip, torch allgather|alltoall.",
+        help="A peer's variant: ring-flash-attn basic|zigzag|stripe|llama3, yunchang basic|basic_pytorch|zigzag|strip, torch allgather|alltoall.",
     ),
 ]
 KernelOption = Annotated[

@@ -9,11 +9,14 @@ from typing import Annotated, Any, NoReturn, Optional
 
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.doctor import plan_in_words
+
+RUNS = plan_in_words()
+"""What the doctor runs, from its plan (cpdoctor/doctor.py), for `--help` and the line shown while it runs."""
 
 DOCTOR_HELP = (
-    "The front door (what `cpdoctor` alone runs): the environment, then ring 2, ring 3, ring over every visible "
-    "accelerator, Ulysses 2, ring 2 × Ulysses 2 and a padded-mask ring on the best backend here, as one verdict "
-    "table, with the diagnosis, remedy and closer-look command of every check that did not pass. "
+    f"The front door (what `cpdoctor` alone runs): the environment, then {RUNS}, on the best backend here, as one "
+    "verdict table, with the diagnosis, remedy and closer-look command of every check that did not pass. "
     "Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."
 )
 
@@ -119,9 +122,7 @@ def doctor(
     from cpdoctor.api import warm_ranks
 
     warm_ranks()  # the ranks of every launch fork from it: torch and diffusers imported once, while the doctor plans
-    with waiting(
-        "examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)
-    ):
+    with waiting(f"examining {RUNS}", quiet="-" in (json_path, junit_path, markdown_path)):
         report = run_doctor(patch=patch, timeout_s=timeout_s)
     emit(report, json_path, render_doctor, junit_path=junit_path, markdown_path=markdown_path, command="doctor")
 

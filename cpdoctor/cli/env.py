@@ -14,16 +14,16 @@ from cpdoctor.cli.options import Emulate, JsonPath
 from cpdoctor.vocabulary import Device as DeviceName
 from cpdoctor.vocabulary import ProbeDType
 
-ENV_HELP = (
-    "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
-    "per diffusers attention backend (installed, CP-capable, runs here, LSE, backward, LSE saved for training, RNG, "
-    "and whether ring, Ulysses and training can use it here: found by trying each on tiny tensors), and the "
-    "defects of the installed diffusers, each with its remedy and the `cpdoctor check` command that settles it. "
-    "One process, no ranks. Exit 0 nothing wrong (warnings included), 1 a FAIL finding, 2 bad input, 3 cannot examine."
-)
-
 MARK = {True: "✓", False: "✗", None: "–"}
 COLUMNS = ("backend", "installed", "CP", "runs here", "LSE", "backward", "saves LSE", "RNG", "ring", "Ulysses", "training", "note")
+
+ENV_HELP = (
+    "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
+    f"per diffusers attention backend ({' · '.join(COLUMNS[1:-1])}: whether ring, Ulysses and training can use it "
+    "here, found by trying each on tiny tensors), and the defects of the installed diffusers, each with its remedy "
+    "and the `cpdoctor check` command that settles it. One process, no ranks. Exit 0 nothing wrong (warnings "
+    "included), 1 a FAIL finding, 2 bad input, 3 cannot examine."
+)
 
 
 def _cell_values(row: Any) -> list[tuple[Optional[bool], str]]:
