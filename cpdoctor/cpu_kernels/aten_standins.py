@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cpdoctor.cpu_kernels.standin_checks import HALF_TORCH, check, flash_checks
-from cpdoctor.cpu_kernels.standin_math import attention_backward, attention_forward, dropout_mask, lse_as_kernel_reads_it, philox_draw
+from cpdoctor.cpu_kernels.standin_math import attention_backward, attention_forward, dropout_draw, dropout_mask, lse_as_kernel_reads_it
 from cpdoctor.vocabulary import ALL, DType
 
 
@@ -33,10 +33,7 @@ def sdpa_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_m
     flash_checks(_bhsd_to_bshd(query), _bhsd_to_bshd(key), _bhsd_to_bshd(value))
     batch, heads, sq, _ = query.shape
     sk = key.size(2)
-    seed, offset, keep = 0, 0, None
-    if dropout_p > 0.0:
-        seed, offset = philox_draw(batch * heads * 32)
-        keep = dropout_mask(seed, offset, (batch, heads, sq, sk), dropout_p)
+    seed, offset, keep = dropout_draw(batch * heads * 32, (batch, heads, sq, sk), dropout_p)
     out, lse = attention_forward(query, key, value, None, is_causal, scale, keep, 1.0 - dropout_p)
     out = out.to(query.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # bshd memory, like the real one
     rng_state = torch.tensor([seed, offset], dtype=torch.uint64)
@@ -110,10 +107,7 @@ def sdpa_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, 
     _cudnn_checks(query, key, value)
     batch, heads, sq, _ = query.shape
     sk = key.size(2)
-    seed, offset, keep = 0, 0, None
-    if dropout_p > 0.0:
-        seed, offset = philox_draw(batch * heads * sq * sk)
-        keep = dropout_mask(seed, offset, (batch, heads, sq, sk), dropout_p)
+    seed, offset, keep = dropout_draw(batch * heads * sq * sk, (batch, heads, sq, sk), dropout_p)
     out, lse = attention_forward(query, key, value, attn_bias, is_causal, scale, keep, 1.0 - dropout_p)
     lse_out = lse.unsqueeze(-1).contiguous() if compute_log_sumexp else None
     seed_t, offset_t = torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
@@ -175,10 +169,7 @@ def _efficient_forward_bshd(q, k, v, bias, dropout_p, is_causal, bottom_right, c
     _efficient_checks(q, k, v)
     batch, sq, heads, _ = q.shape
     sk = k.size(1)
-    seed, offset, keep = 0, 0, None
-    if dropout_p > 0.0:
-        seed, offset = philox_draw(batch * heads * sq * sk)
-        keep = dropout_mask(seed, offset, (batch, heads, sq, sk), dropout_p)
+    seed, offset, keep = dropout_draw(batch * heads * sq * sk, (batch, heads, sq, sk), dropout_p)
     out, lse = attention_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias, is_causal, scale, keep, 1.0 - dropout_p, bottom_right
     )

@@ -39,6 +39,15 @@ def dropout_mask(seed: int, offset: int, shape: tuple[int, ...], dropout_p: floa
     return torch.randint(0, 256, shape, generator=gen, dtype=torch.int16) <= threshold
 
 
+def dropout_draw(counter_offset: int, shape: tuple[int, ...], dropout_p: float) -> tuple[int, int, torch.Tensor | None]:
+    """A forward kernel's dropout: (seed, offset, keep mask) drawn as the real kernel draws them (`philox_draw`), or
+    (0, 0, None) without dropout (nothing drawn, the generator untouched)."""
+    if dropout_p <= 0.0:
+        return 0, 0, None
+    seed, offset = philox_draw(counter_offset)
+    return seed, offset, dropout_mask(seed, offset, shape, dropout_p)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Numerics: attention in fp32, layout (B, H, S, D)
 # --------------------------------------------------------------------------------------------------------

@@ -65,6 +65,23 @@ def default_seq(world_size: int) -> int:
     return -(-DEFAULT_SEQ // world_size) * world_size
 
 
+class Unpatched:
+    """Mixed into a request whose cases never run with cpdoctor's fix (it concerns diffusers' CP attention): a peer's,
+    the user's step, the fix's own training step (`Request.patch` False)."""
+
+    @property
+    def patch(self) -> bool:
+        return False
+
+
+class NotEmulated:
+    """Mixed into a request whose ranks never run the CUDA kernels' CPU stand-ins (`Request.emulate` False)."""
+
+    @property
+    def emulate(self) -> bool:
+        return False
+
+
 def degrees_label(ring: int, ulysses: int) -> str:
     """A layout's degrees as its rows name it: "ring 3", "Ulysses 2", "ring 2 × Ulysses 2" (a degree of 1 unsaid)."""
     return " × ".join(p for p in (f"ring {ring}" if ring > 1 else "", f"Ulysses {ulysses}" if ulysses > 1 else "") if p)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.base import Examination
+from cpdoctor.examinations.request import NotEmulated, Unpatched
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Finding, Verdict
 from cpdoctor.report.environment import AttentionBackend, Environment, Launch
@@ -14,8 +15,9 @@ from cpdoctor.vocabulary import Device, Kind
 
 
 @dataclass(frozen=True)
-class FixTrainingRequest:
-    """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive")."""
+class FixTrainingRequest(Unpatched, NotEmulated):
+    """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive"). One case: `compare_original`
+    says which attention it runs, never a second, patched one."""
 
     kind = Kind.FIX_TRAINING  # the examination this request is for (registry.of)
 
@@ -38,15 +40,6 @@ class FixTrainingRequest:
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
-
-    @property
-    def patch(self) -> bool:
-        """Never a second, patched case: `compare_original` says which attention the one case runs."""
-        return False
-
-    @property
-    def emulate(self) -> bool:
-        return False
 
     def asked(self) -> Environment:
         return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype), attention=AttentionBackend(self.backend))

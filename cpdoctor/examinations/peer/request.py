@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import default_degrees, require_ints, typed_words, validate_layout
+from cpdoctor.examinations.request import Unpatched, default_degrees, require_ints, typed_words, validate_layout
 from cpdoctor.peer_impls import Adapter, adapter
 from cpdoctor.peer_impls.base import KernelSpec, VariantSpec, parse_impl
 from cpdoctor.peer_impls.layouts import Layout
@@ -24,7 +24,7 @@ targets use without choosing a length (docs/FACTS.md measured the peers at S 240
 
 
 @dataclass(frozen=True)
-class PeerRequest:
+class PeerRequest(Unpatched):
     """One CP parity examination of a peer implementation's attention, forward and backward."""
 
     kind = Kind.PEER  # the examination this request is for (registry.of)
@@ -60,11 +60,6 @@ class PeerRequest:
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
-
-    @property
-    def patch(self) -> bool:
-        """Never: cpdoctor's fix concerns diffusers' code, not a peer's."""
-        return False
 
     def asked(self) -> Environment:
         return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype))

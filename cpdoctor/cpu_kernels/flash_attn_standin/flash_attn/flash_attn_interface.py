@@ -52,10 +52,7 @@ def _flash_attn_forward(
         raise RuntimeError("return_softmax is only supported when p_dropout > 0.0")
     batch, sq, heads, _ = q.shape
     sk = k.shape[1]
-    seed, offset, keep = 0, 0, None
-    if dropout_p > 0.0:
-        seed, offset = standin_math.philox_draw(batch * heads * 32)
-        keep = standin_math.dropout_mask(seed, offset, (batch, heads, sq, sk), dropout_p)
+    seed, offset, keep = standin_math.dropout_draw(batch * heads * 32, (batch, heads, sq, sk), dropout_p)
     with torch.no_grad():
         out, lse = standin_math.attention_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, softmax_scale, keep, 1.0 - dropout_p, bottom_right=True
