@@ -156,21 +156,37 @@ if __name__ == "__main__":
     main()
 '''
 
-ISSUE = """### Describe the bug
-
-{title}: with context parallelism ({layout}, backend `{backend}`, {dtype}), diffusers' CP attention gives
-results that differ from the same attention on the full sequence, with no error and no NaN.
-
-Root cause as measured: {diagnosis}
-{backend_note}
-### Reproduction
+RUN_IT = """### Reproduction
 
 Save the attached `{filename}` and run it with {world} processes (CPU with gloo is enough; on GPUs it uses NCCL):
 
 ```bash
 torchrun --nproc-per-node {world} {filename}
 ```
+"""
+SYSTEM = """### System Info
 
+{system}
+
+- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
+
+### Who can help?
+
+The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
+"""
+"""The issue's parts both its shapes (a FAIL's, a crash's) share."""
+
+ISSUE = (
+    """### Describe the bug
+
+{title}: with context parallelism ({layout}, backend `{backend}`, {dtype}), diffusers' CP attention gives
+results that differ from the same attention on the full sequence, with no error and no NaN.
+
+Root cause as measured: {diagnosis}
+{backend_note}
+"""
+    + RUN_IT
+    + """
 It builds seeded inputs (B{batch} S{seq} H{heads} D{head_dim}{mask}), shards the sequence as the model hooks do,
 runs diffusers' CP attention forward and backward, and compares every rank with an fp64 full-sequence reference.
 
@@ -184,16 +200,9 @@ Observed (relative L2 error against the fp64 reference; tolerance = 2 × the sam
 
 Expected: every tensor within tolerance, as without CP (the same kernel without CP errs {baseline}).
 
-### System Info
-
-{system}
-
-- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
-
-### Who can help?
-
-The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
 """
+    + SYSTEM
+)
 
 
 def _ops_source() -> str:
@@ -346,7 +355,8 @@ def _backend_note(backend: str) -> str:
     )
 
 
-CRASH_ISSUE = """### Describe the bug
+CRASH_ISSUE = (
+    """### Describe the bug
 
 {title}: with context parallelism ({layout}, backend `{backend}`, {dtype}) inside torch's non-reentrant activation
 checkpointing (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which `enable_gradient_checkpointing()`
@@ -355,14 +365,9 @@ attention raises, so no training step with ring CP and gradient checkpointing co
 
 Root cause as measured: {diagnosis}
 {backend_note}
-### Reproduction
-
-Save the attached `{filename}` and run it with {world} processes (CPU with gloo is enough; on GPUs it uses NCCL):
-
-```bash
-torchrun --nproc-per-node {world} {filename}
-```
-
+"""
+    + RUN_IT
+    + """
 It builds seeded inputs (B{batch} S{seq} H{heads} D{head_dim}{mask}), shards the sequence as the model hooks do and
 runs diffusers' CP attention forward and backward inside `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`;
 where that completes, it compares the result with the same run without checkpointing and with an fp64
@@ -376,13 +381,6 @@ full-sequence reference.
 
 Expected: the backward completes, with the same gradients as the same run without checkpointing.
 
-### System Info
-
-{system}
-
-- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
-
-### Who can help?
-
-The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
 """
+    + SYSTEM
+)
