@@ -6,6 +6,7 @@ through it, and a launch Job carries the entry itself as its program (launch/ ne
 
 from __future__ import annotations
 
+import importlib
 from typing import Generic, TypeVar
 
 from cpdoctor.errors import Unsupported
@@ -26,6 +27,9 @@ class Examination(Generic[R]):
 
     kind: Kind
     request_type: type[R]
+    probe: str = ""
+    """The module whose `run_rank` and `evaluate` the ranks run (`cpdoctor.examinations.<kind>.probe`), imported on
+    the rank when first asked for (it imports torch and diffusers; `cpdoctor --help` must not)."""
     in_suites: bool = True
     """Whether YAML suites and the API may name this kind (internal examinations say False)."""
 
@@ -90,13 +94,14 @@ class Examination(Generic[R]):
     # -- on every rank / on rank 0 ------------------------------------------------------------------------
     def run_rank(self, case: Case, ctx: DistContext) -> RankResult:
         """On every rank: receives the case and the rank's DistContext; returns this rank's typed numbers
-        (tensors on the CPU). Raises whatever the examined code raises (it becomes a CRASH finding)."""
-        raise NotImplementedError
+        (tensors on the CPU), by default its `probe` module's. Raises whatever the examined code raises (it becomes a
+        CRASH finding)."""
+        return importlib.import_module(self.probe).run_rank(case, ctx)
 
     def evaluate(self, case: Case, results: list[RankResult], ctx: DistContext) -> CaseNumbers:
         """On rank 0: receives every rank's result in rank order; returns the case's measured numbers against
-        the reference (numbers only, no verdict)."""
-        raise NotImplementedError
+        the reference (numbers only, no verdict), by default its `probe` module's."""
+        return importlib.import_module(self.probe).evaluate(case, results, ctx)
 
     # -- judging, in the parent -------------------------------------------------------------------------------
     def finding(self, case: Case, evaluated: CaseNumbers) -> Finding:

@@ -9,28 +9,18 @@ from cpdoctor.examinations.attention import judge
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.measurement import Measurement
-from cpdoctor.launch.context import DistContext
-from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
+from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Kind
 
 
 class AttentionExamination(Examination[AttentionRequest]):
     kind = Kind.ATTENTION
+    probe = "cpdoctor.examinations.attention.probe"
     request_type = AttentionRequest
 
     def build_request(self, **fields: object) -> AttentionRequest:
         return build_request(**fields)
-
-    def run_rank(self, case: Case, ctx: DistContext) -> RankResult:
-        from cpdoctor.examinations.attention import probe
-
-        return probe.run_rank(case, ctx)
-
-    def evaluate(self, case: Case, results: list[RankResult], ctx: DistContext) -> CaseNumbers:
-        from cpdoctor.examinations.attention import probe
-
-        return probe.evaluate(case, results, ctx)
 
     def finding(self, case: Case, evaluated: Measurement) -> Finding:
         return judge.attention_finding(case.request, evaluated)

@@ -8,7 +8,7 @@ from typing import Any
 
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.request import NotEmulated, Unpatched
-from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
+from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Verdict
 from cpdoctor.report.environment import AttentionBackend, Environment, Launch
 from cpdoctor.vocabulary import Device, Kind
@@ -55,18 +55,9 @@ class FixTrainingRequest(Unpatched, NotEmulated):
 
 class FixTrainingExamination(Examination[FixTrainingRequest]):
     kind = Kind.FIX_TRAINING
+    probe = "cpdoctor.examinations.fix_training.probe"
     request_type = FixTrainingRequest
     in_suites = False
-
-    def run_rank(self, case: Case, ctx: Any) -> RankResult:
-        from cpdoctor.examinations.fix_training import probe
-
-        return probe.run_rank(case, ctx)
-
-    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
-        from cpdoctor.examinations.fix_training import probe
-
-        return probe.evaluate(case, results, ctx)
 
     def finding(self, case: Case, evaluated: Any) -> Finding:
         worst = max(evaluated.out_rel_err, evaluated.x_grad_rel_err, evaluated.worst_param_rel_err)

@@ -15,8 +15,7 @@ from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.peer import judge
 from cpdoctor.examinations.peer.request import PeerRequest, build_request
-from cpdoctor.launch.context import DistContext
-from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
+from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Device, Kind
@@ -24,6 +23,7 @@ from cpdoctor.vocabulary import Device, Kind
 
 class PeerExamination(Examination[PeerRequest]):
     kind = Kind.PEER
+    probe = "cpdoctor.examinations.peer.probe"
     request_type = PeerRequest
 
     def build_request(self, **fields: object) -> PeerRequest:
@@ -65,16 +65,6 @@ class PeerExamination(Examination[PeerRequest]):
 
     def device(self, request: PeerRequest) -> str:
         return "cpu" if request.emulate else request.device
-
-    def run_rank(self, case: Case, ctx: DistContext) -> RankResult:
-        from cpdoctor.examinations.peer import probe
-
-        return probe.run_rank(case, ctx)
-
-    def evaluate(self, case: Case, results: list[RankResult], ctx: DistContext) -> CaseNumbers:
-        from cpdoctor.examinations.peer import probe
-
-        return probe.evaluate(case, results, ctx)  # type: ignore[arg-type]
 
     def finding(self, case: Case, evaluated: Measurement) -> Finding:
         return judge.peer_finding(case.request, evaluated)
