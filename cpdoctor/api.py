@@ -16,7 +16,7 @@ from cpdoctor.examinations import registry, runner
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.peer.request import PeerRequest
-from cpdoctor.examinations.request import validate_timeout
+from cpdoctor.examinations.request import Request, validate_timeout
 from cpdoctor.examinations.runner import SuiteRun
 from cpdoctor.launch import torchrun
 from cpdoctor.launch.jobs import Case
@@ -98,7 +98,7 @@ def warm_ranks(models: bool = False) -> None:
     WARM.start(MODEL_RANK_IMPORTS if models else RANK_IMPORTS)
 
 
-def request_for(kind: Kind, **fields: Any) -> Any:
+def request_for(kind: Kind, **fields: object) -> Request:
     """The validated, prepared request of an examination from keyword fields (None = default)."""
     entry = registry.get(kind)
     return entry.prepare(entry.build_request(**fields))
@@ -157,7 +157,7 @@ def run_suite(suite: Suite, *, patch: bool = False, timeout_s: float = DEFAULT_T
     return Report.of(ran.findings, ran.environment, request, before=before, wall_s=ran.wall_s, suite=suite.name, warnings=ran.warnings)
 
 
-def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+def examine(request: Request, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
     """Run the examination `request` is for (its type names it: `AttentionRequest`, `PeerRequest`, ...; unpatched,
     then patched with `request.patch`) as one Report: the exit code and top-level verdict are the last run's; with
     patch the unpatched run is `before` (examinations/runner.py)."""

@@ -5,11 +5,19 @@ Parsing and rendering only; the plan and the run are in cpdoctor/doctor.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NoReturn, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.doctor import plan_in_words
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from cpdoctor.report import Environment, Finding, Report
+    from cpdoctor.report.sections import DoctorSummary
 
 RUNS = plan_in_words()
 """What the doctor runs, from its plan (cpdoctor/doctor.py), for `--help` and the line shown while it runs."""
@@ -21,7 +29,7 @@ DOCTOR_HELP = (
 )
 
 
-def render_doctor(report: Any, out: Any) -> None:
+def render_doctor(report: Report, out: Console) -> None:
     """A few lines of environment, one row per check, then diagnosis, remedy and command of each that failed."""
     summary = report.doctor
     befores = report.before.findings if report.before is not None else None
@@ -31,7 +39,7 @@ def render_doctor(report: Any, out: Any) -> None:
     _verdict(report, summary, befores, out)
 
 
-def _header(env: Any, summary: Any, out: Any) -> None:
+def _header(env: Environment, summary: DoctorSummary, out: Console) -> None:
     from rich.markup import escape
 
     n = summary.accelerators
@@ -48,7 +56,7 @@ def _header(env: Any, summary: Any, out: Any) -> None:
         out.print(f"  CP backend here: [bold]{escape(summary.backend)}[/] (auto: the best CP-capable backend that runs here)")
 
 
-def _table(summary: Any, findings: list[Any], befores: list[Any] | None) -> Any:
+def _table(summary: DoctorSummary, findings: Sequence[Finding], befores: Sequence[Finding] | None) -> Table:
     from rich.table import Table
 
     from cpdoctor.report import styled, worst_tensor
@@ -70,7 +78,7 @@ def _table(summary: Any, findings: list[Any], befores: list[Any] | None) -> Any:
     return table
 
 
-def _details(summary: Any, findings: list[Any], befores: list[Any] | None, out: Any) -> None:
+def _details(summary: DoctorSummary, findings: Sequence[Finding], befores: Sequence[Finding] | None, out: Console) -> None:
     """Diagnosis, remedy, the result after the fix and the closer-look command of every check that did not pass."""
     from rich.markup import escape
 
@@ -90,7 +98,7 @@ def _details(summary: Any, findings: list[Any], befores: list[Any] | None, out: 
         out.print(f"   look closer: [bold]{escape(finding.command or '')}[/]")
 
 
-def _verdict(report: Any, summary: Any, befores: list[Any] | None, out: Any) -> None:
+def _verdict(report: Report, summary: DoctorSummary, befores: Sequence[Finding] | None, out: Console) -> None:
     from cpdoctor.report import Verdict, styled
 
     label = "after the fix: " if befores is not None else ""

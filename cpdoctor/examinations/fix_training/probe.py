@@ -21,6 +21,7 @@ from cpdoctor.report.environment import Environment
 
 if TYPE_CHECKING:
     from cpdoctor.examinations.fix_training import FixTrainingRequest
+    from cpdoctor.launch.context import DistContext
 
 
 @dataclass
@@ -82,7 +83,9 @@ def _model(req: FixTrainingRequest) -> Any:
         def forward(self, x: Any, mask: Any, parallel_config: Any) -> Any:
             b, s, _ = x.shape
             q, k, v = self.to_qkv(x).view(b, s, 3, req.heads, req.head_dim).unbind(2)
-            o = compat.dispatch_module().dispatch_attention_fn(q, k, v, attn_mask=mask, backend=req.backend, parallel_config=parallel_config)
+            o = compat.dispatch_module().dispatch_attention_fn(
+                q, k, v, attn_mask=mask, backend=req.backend, parallel_config=parallel_config
+            )
             return x + self.to_out(o.flatten(2))
 
     class Tiny(torch.nn.Module):
@@ -140,7 +143,7 @@ def _rng_states() -> list:
     return states
 
 
-def run_rank(case: Case, ctx: Any) -> StepShard:
+def run_rank(case: Case, ctx: DistContext) -> StepShard:
     import torch
 
     from cpdoctor.compat import diffusers as compat
@@ -184,7 +187,7 @@ def _rel(x: Any, ref: Any) -> float:
     return (x.double() - ref).norm().item() / (ref.norm().item() or 1.0)
 
 
-def evaluate(case: Case, payloads: list[StepShard], ctx: Any) -> TrainingNumbers:
+def evaluate(case: Case, payloads: list[StepShard], ctx: DistContext) -> TrainingNumbers:
     """Rank 0: the CP step against the single-process step (relative L2 errors, worst parameter named)."""
     import torch
 
