@@ -150,3 +150,23 @@ def test_fallback_environment_names_where_the_ranks_ran(monkeypatch):
     monkeypatch.setattr(runner, "visible_gpus", lambda: 8)
     own = runner.fallback_environment(build_request(ring=2))
     assert (own.launch.device, own.launch.process_group) == ("cuda", "nccl")
+
+
+def test_the_doctors_backend_is_the_one_its_checks_chose_and_resolved_here_when_every_rank_failed(monkeypatch):
+    """0.36.0: every diffusers check's ranks raise before saying which backend `auto` chose; the doctor's line then
+    resolves `auto` here as the ranks do, not "auto". A check judged from numbers names its backend itself, and a
+    report with neither (a fed one) keeps "auto"."""
+    from cpdoctor.compat.backends import BackendFacts
+    from cpdoctor.examinations import backend_choice
+    from cpdoctor.examinations.attention.judge import AttentionEvidence
+    from cpdoctor.report import FailureEvidence, Finding, Verdict
+
+    asked = []
+    monkeypatch.setattr(backend_choice, "resolved_backend", lambda req: asked.append(req) or "cpdoctor_cpu")
+    checks = doctor.plan(0)
+    crashed = tuple(Finding("x", Verdict.CRASH, "raised", failure=FailureEvidence({0: "Traceback"})) for _ in checks)
+    assert doctor.backends_chosen(checks, crashed) == "cpdoctor_cpu" and asked == [c.request for c in checks]
+    asked.clear()
+    judged = Finding("x", Verdict.PASS, "exact", evidence=AttentionEvidence(BackendFacts("flash", registered=True)))
+    assert doctor.backends_chosen(checks, (judged, *crashed[1:])) == "flash" and not asked
+    assert doctor.backends_chosen(checks, tuple(Finding("x", Verdict.PASS, "exact") for _ in checks)) == "auto" and not asked
