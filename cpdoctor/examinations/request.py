@@ -82,6 +82,11 @@ class NotEmulated:
         return False
 
 
+def layout_asked(ring: int | None, ulysses: int | None, dtype: str | None = None, backend: str | None = None) -> Environment:
+    """`Request.asked()` of a request of these degrees, dtype and backend (None: a request without one)."""
+    return Environment(launch=Launch(ring=ring, ulysses=ulysses, dtype=dtype), attention=AttentionBackend(backend))
+
+
 def degrees_label(ring: int, ulysses: int) -> str:
     """A layout's degrees as its rows name it: "ring 3", "Ulysses 2", "ring 2 × Ulysses 2" (a degree of 1 unsaid)."""
     return " × ".join(p for p in (f"ring {ring}" if ring > 1 else "", f"Ulysses {ulysses}" if ulysses > 1 else "") if p)
@@ -176,7 +181,7 @@ class LayoutRequest:
         return self.ring * self.ulysses
 
     def asked(self) -> Environment:
-        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype), attention=AttentionBackend(self.backend))
+        return layout_asked(self.ring, self.ulysses, self.dtype, self.backend)
 
     def validate_common(self) -> None:
         validate_layout(self.ring, self.ulysses, self.dtype, self.device)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.base import Examination
-from cpdoctor.examinations.request import NotEmulated, Unpatched
+from cpdoctor.examinations.request import NotEmulated, Unpatched, layout_asked
 from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Verdict
-from cpdoctor.report.environment import AttentionBackend, Environment, Launch
+from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Device, Kind
 
 
@@ -42,7 +42,7 @@ class FixTrainingRequest(Unpatched, NotEmulated):
         return self.ring * self.ulysses
 
     def asked(self) -> Environment:
-        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype), attention=AttentionBackend(self.backend))
+        return layout_asked(self.ring, self.ulysses, self.dtype, self.backend)
 
     def validate(self) -> FixTrainingRequest:
         return self

@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import Unpatched, default_degrees, require_ints, typed_words, validate_layout
+from cpdoctor.examinations.request import Unpatched, default_degrees, layout_asked, require_ints, typed_words, validate_layout
 from cpdoctor.peer_impls import Adapter, adapter
 from cpdoctor.peer_impls.base import KernelSpec, VariantSpec, parse_impl
 from cpdoctor.peer_impls.layouts import Layout
-from cpdoctor.report.environment import Environment, Launch
+from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Device, DType, Impl, Kind
 from cpdoctor.vocabulary import Kernel as KernelName
 from cpdoctor.vocabulary import Variant as VariantName
@@ -62,7 +62,7 @@ class PeerRequest(Unpatched):
         return self.ring * self.ulysses
 
     def asked(self) -> Environment:
-        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses, dtype=self.dtype))
+        return layout_asked(self.ring, self.ulysses, self.dtype)
 
     @property
     def adapter(self) -> Adapter:
