@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, emit, waiting
-from cpdoctor.doctor import plan_in_words
+from cpdoctor.doctor import plan, plan_in_words
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cpdoctor.report.sections import DoctorSummary
 
 RUNS = plan_in_words()
-"""What the doctor runs, from its plan (cpdoctor/doctor.py), for `--help` and the line shown while it runs."""
+"""What the doctor runs, from its plan (cpdoctor/doctor.py), for `--help`."""
 
 DOCTOR_HELP = (
     f"The front door (what `cpdoctor` alone runs): the environment, then {RUNS}, on the best backend here, as one "
@@ -130,7 +130,8 @@ def doctor(
     from cpdoctor.api import warm_ranks
 
     warm_ranks()  # the ranks of every launch fork from it: torch and diffusers imported once, while the doctor plans
-    with waiting(f"examining {RUNS}", quiet="-" in (json_path, junit_path, markdown_path)):
+    checks = " · ".join(c.label for c in plan(0))
+    with waiting(f"examining {checks} and the installed peers", quiet="-" in (json_path, junit_path, markdown_path)):
         report = run_doctor(patch=patch, timeout_s=timeout_s)
     emit(report, json_path, render_doctor, junit_path=junit_path, markdown_path=markdown_path, command="doctor")
 
