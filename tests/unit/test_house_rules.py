@@ -230,7 +230,7 @@ TRACEBACK_READS = {"format_exc", "exc_info", "print_exc", "format_exception"}
 NOT_A_PROBE = re.compile(r"#.*\bnot a probe:\s*\w+\s+\w+")
 
 
-def exceptions_made_data(source: str) -> list[int]:
+def exceptions_made_data(source: str, tree: ast.AST | None = None) -> list[int]:
     """Lines of `except` handlers that keep the exception as data (they read the name they bind, or the traceback
     text, and do not end by raising) with no `# not a probe: <why>` on the handler's line or the comment line just
     above: a probe's exception becomes data only through `Attempt.of` (attempt.py). A handler that re-raises, or
@@ -243,7 +243,7 @@ def exceptions_made_data(source: str) -> list[int]:
         return bool(NOT_A_PROBE.search(lines[line - 1]) or NOT_A_PROBE.search(above))
 
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree if tree is not None else ast.parse(source)):
         if not isinstance(node, ast.ExceptHandler) or isinstance(node.body[-1], ast.Raise):
             continue
         inner = [n for stmt in node.body for n in ast.walk(stmt)]
@@ -258,7 +258,7 @@ def test_exceptions_become_data_only_through_attempt():
     offenders = {
         str(p.relative_to(PACKAGE)): lines
         for p in PACKAGE.rglob("*.py")
-        if p.relative_to(PACKAGE) != pathlib.Path("attempt.py") and (lines := exceptions_made_data(p.read_text()))
+        if p.relative_to(PACKAGE) != pathlib.Path("attempt.py") and (lines := exceptions_made_data(p.read_text(), parsed(p)))
     }
     assert not offenders, f"exceptions kept as data outside Attempt.of (use it, or say `# not a probe: why`): {offenders}"
 
