@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cpdoctor.examinations.attention import judge
-from cpdoctor.examinations.attention.request import AttentionRequest, build_request
+from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.launch.jobs import Case, RankFailure
@@ -18,9 +18,6 @@ class AttentionExamination(Examination[AttentionRequest]):
     kind = Kind.ATTENTION
     probe = "cpdoctor.examinations.attention.probe"
     request_type = AttentionRequest
-
-    def build_request(self, **fields: object) -> AttentionRequest:
-        return build_request(**fields)
 
     def finding(self, case: Case, evaluated: Measurement) -> Finding:
         return judge.attention_finding(case.request, evaluated)

@@ -14,7 +14,7 @@ from cpdoctor.errors import Unsupported, UnsupportedKind
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.peer import judge
-from cpdoctor.examinations.peer.request import PeerRequest, build_request
+from cpdoctor.examinations.peer.request import PeerRequest
 from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.report import Finding
@@ -25,9 +25,6 @@ class PeerExamination(Examination[PeerRequest]):
     kind = Kind.PEER
     probe = "cpdoctor.examinations.peer.probe"
     request_type = PeerRequest
-
-    def build_request(self, **fields: object) -> PeerRequest:
-        return build_request(**fields)
 
     def prepare(self, request: PeerRequest) -> PeerRequest:
         return request  # validated where it was built (PeerRequest.of): nothing depends on the installed software
