@@ -243,9 +243,10 @@ def preflight(
     return report
 
 
-def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callable[[Report], None] | None = None) -> None:
+def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callable[[Report], None] | None = None) -> Any:
     """The step examination on the model's first training step: a wrong step raises PreflightFailed before the
-    first optimizer.step(); a step it could not examine is a warning, not a stop."""
+    first optimizer.step(); a step it could not examine, or one whose verdict rests on a reading (WARN), is a warning,
+    not a stop. Returns the armed watch (first.FirstStep)."""
     import warnings
 
     from cpdoctor.examinations.step import arm_first_step
@@ -260,7 +261,7 @@ def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callab
         elif step.verdict is not Verdict.PASS:  # a crash, hang or refusal of the examination: could not examine
             warnings.warn(f"cpdoctor: the first training step could not be examined: {_first_not_pass(step).diagnosis}", stacklevel=2)
 
-    arm_first_step(model, judge, loss_scale=loss_scale)
+    return arm_first_step(model, judge, loss_scale=loss_scale)
 
 
 def _first_not_pass(report: Report) -> Finding:

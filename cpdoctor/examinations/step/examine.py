@@ -21,7 +21,7 @@ from cpdoctor.examinations.step.factors import Expectation, expectation, logs_of
 from cpdoctor.examinations.step.grads import Gradients
 from cpdoctor.examinations.step.group import StepGroup
 from cpdoctor.examinations.step.judge import StepSignature, first_bad_param, step_finding
-from cpdoctor.examinations.step.measure import measure, own_shard_only
+from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.messages import Arrival, PeerRecord, ReferenceOutcome
 from cpdoctor.examinations.step.observe import Recorder
 from cpdoctor.examinations.step.record import Recorded, rng_digest
@@ -147,7 +147,6 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         native=getattr(c.baseline, "native", None),
         judged=c.baseline.judged,
     )
-    shard = any(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads)))
     seen = expectation(
         logs_of([r.events for r in records]),
         group,
@@ -155,7 +154,7 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         gather_dim,
         hooks.forwards,
         c.loss_scale,
-        per_shard_loss=shard,
+        shapes=numbers.out_grads,
     )
     finding = step_finding(numbers, seen)
     finding = replace(
@@ -204,14 +203,15 @@ def evidence(numbers: Any, seen: Expectation, reference: str, plan: Any = None) 
         compute_dtype=numbers.dtype,
         forwards=max(numbers.forwards, default=1),
         expected_factor=s.expected,
-        loss_factor=seen.loss_power,
-        loss_read=seen.loss_why,
+        loss_factor=seen.readings.certain_power,
+        readings=tuple(lit.both_ways() for lit in seen.readings.literals),
+        observed=seen.readings.notes,
         clip_coefficient=_prod(c.coefficient for c in seen.clips),
         clipped=seen.clip_text,
         grad_scaler=seen.scale,
         unscaled=seen.unscaled is not None,
         reductions=tuple(r.text for r in seen.reductions),
-        not_read=tuple(seen.hidden) + tuple(seen.unobserved),
+        not_read=s.unread,
         skipped=s.skipped,
         reference_gib=None if plan is None else round(plan.total / 2**30, 3),
     )

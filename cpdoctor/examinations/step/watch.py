@@ -171,7 +171,7 @@ class StepWatch:
         if self.baseline.needs_weights_digest:  # two runs: did both start from the same weights?
             self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
         keep = (self.group.leader and self.baseline.needs_inputs) or self.baseline.judges_inputs
-        self._recorder = Recorder(self.module, self.capture, on_skip=self._skipped)
+        self._recorder = Recorder(self.module, self.capture, on_skip=self._skipped, on_inner_step=self._keep_weights)
         self._hooks = Hooks(self.module, keep_full=keep, snapshot_weights=self._weights, recorder=self._recorder)
         OBSERVING.enter(self._recorder)
         try:
@@ -194,6 +194,17 @@ class StepWatch:
                 # a plain weight does not change before the block's exit and the reference only reads it: not copied
                 out[canonical(name)] = full.clone() if swapped or hasattr(p, "full_tensor") else full
         return out
+
+    def _keep_weights(self, params: list[Any]) -> None:
+        """An optimizer is about to step these parameters inside backward: the reference keeps the weights the
+        forward used (the snapshot holds plain weights by reference)."""
+        hooks = self._hooks
+        if hooks is None or hooks.weights is None:
+            return
+        ids = {id(p) for p in params}
+        for name, p in self.module.named_parameters():
+            if id(p) in ids and canonical(name) in hooks.weights:
+                hooks.weights[canonical(name)] = watcher_comm.full_tensor(p.detach()).clone()
 
     def _skipped(self) -> None:
         if self.on_skip is not None:
