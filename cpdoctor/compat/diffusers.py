@@ -356,10 +356,10 @@ def template_class_problem(mod: Any, name: str = RING_CLASS, callers: tuple[str,
         return f"diffusers.models.attention_dispatch has no {name}"
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         return f"{name} is not a torch.autograd.Function ({cls!r})"
-    try:
-        params = tuple(inspect.signature(cls.forward).parameters)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read the signature of {name}.forward ({exc})"
+    read = Attempt.of(lambda: tuple(inspect.signature(cls.forward).parameters), catching=(TypeError, ValueError))
+    if read.value is None:
+        return f"cannot read the signature of {name}.forward ({read.error})"
+    params = read.value
     if params != TEMPLATE_FORWARD_PARAMS:
         return f"{name}.forward has the parameters ({', '.join(params)}), expected ({', '.join(TEMPLATE_FORWARD_PARAMS)})"
     if not any(name in global_names(getattr(mod, caller, None)) for caller in callers):

@@ -161,6 +161,11 @@ def emulation_note(backend: str) -> str:
     )
 
 
+def subject_marks(mask_pad: int, emulate: bool, checkpointing: bool) -> str:
+    """The end of an op-level or a model check's subject: the keys masked as padding, emulated, checkpointing."""
+    return (f" mask_pad={mask_pad}" if mask_pad else "") + (" emulated" if emulate else "") + (" checkpointing" if checkpointing else "")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Ranks that failed: CRASH / HANG, and the known crash signatures of diffusers' CP code
 # ----------------------------------------------------------------------------------------------------------

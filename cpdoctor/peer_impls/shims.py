@@ -24,12 +24,13 @@ shows (what, why, how often it acted).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
-import traceback
 import types
 from collections.abc import Iterator
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.peer_impls.base import Shim
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.vocabulary import Kernel
@@ -61,16 +62,13 @@ def import_ring_flash_attn() -> tuple[Any, Shim | None]:
         import ring_flash_attn
 
         return ring_flash_attn, _hf_shim(doc)
-    try:
-        import ring_flash_attn
-
-        return ring_flash_attn, None
-    except ImportError as exc:
-        tb = traceback.format_exc()
-        frame = peer_frame(tb, "ring_flash_attn")
-        if frame is None or "adapters" not in frame.location:
-            raise
-        reason = f"{type(exc).__name__}: {exc} at {frame.location}"
+    imported = Attempt.of(lambda: importlib.import_module("ring_flash_attn"), trace=True, catching=(ImportError,))
+    if imported.error is None:
+        return imported.value, None
+    frame = peer_frame(imported.trace or "", "ring_flash_attn")
+    if frame is None or "adapters" not in frame.location:
+        raise imported.error
+    reason = f"{type(imported.error).__name__}: {imported.error} at {frame.location}"
     _purge("ring_flash_attn")
     sys.modules[HF_ADAPTER] = _hf_adapter_stub(reason)
     import ring_flash_attn

@@ -20,7 +20,7 @@ from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Kind
 
 
-class ModelExamination(Examination):
+class ModelExamination(Examination[ModelRequest]):
     kind = Kind.MODEL
     request_type = ModelRequest
 

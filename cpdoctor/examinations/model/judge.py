@@ -22,10 +22,12 @@ from cpdoctor.examinations.judging import (
     join_remedies,
     judge_row,
     judge_rows,
+    subject_marks,
     tolerance,
     unsupported_finding,
 )
 from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement, op_level
+from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.launch.jobs import Case
 from cpdoctor.report import TENSOR_LABELS, BlockRow, Finding, JudgedRow, ParamRow, TensorRow, Verdict
 
@@ -37,7 +39,7 @@ orders of magnitude past (0.39.0 tiny Flux ring 2: 3.27 against ~1e-7)."""
 MASK_REMEDIES = ("cpdoctor.patch() (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)")
 
 
-def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None = None) -> str:
+def describe_model(req: ModelRequest, backend: str | None = None, model: ModelInfo | None = None) -> str:
     name = model.short_name if model is not None else req.model
     source = None if model is None else model.source
     source = "" if source is None else (" tiny" if source == "tiny config" else f" from {source}")
@@ -48,9 +50,7 @@ def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None
     return (
         f"model {name}{source} ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} "
         f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
-        + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
-        + (" emulated" if getattr(req, "emulate", False) else "")
-        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
+        + subject_marks(req.mask_pad, req.emulate, req.checkpointing)
     )
 
 
@@ -377,10 +377,10 @@ def _op_summaries(req: Any, evaluated: ModelMeasurement) -> list[OpLevelSummary]
     return out
 
 
-def model_finding(req: Any, evaluated: ModelMeasurement) -> Finding:
+def model_finding(req: ModelRequest, evaluated: ModelMeasurement) -> Finding:
     """The finding for one evaluated model case."""
     subject = describe_model(req, evaluated.backend, evaluated.model)
-    emulated = emulation_note(evaluated.backend) if getattr(req, "emulate", False) else None
+    emulated = emulation_note(evaluated.backend) if req.emulate else None
     evidence = ModelEvidence(evaluated.facts, evaluated.model, baseline_error=evaluated.baseline_error, memory_plan=req.memory)
     if evaluated.unsupported is not None:
         return unsupported_finding(subject, evaluated.unsupported, evidence=evidence, emulated=emulated)

@@ -314,7 +314,8 @@ def _op_level(op_request: LayoutRequest, i: int, case: Case, shards: list[ModelS
 
 
 def _environment(ctx: Any, backend: str, req: ModelRequest, emulated: str | None) -> Environment:
-    return rank_environment(ctx, backend, req, emulated).replace(model=req.model)
+    env = rank_environment(ctx, backend, req, emulated)
+    return env.replace(launch=env.launch.replace(model=req.model))
 
 
 def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layout: ParamLayout, read: Any) -> ModelInfo:

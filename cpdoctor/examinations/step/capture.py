@@ -169,6 +169,7 @@ class Capturing:
         if self.depth == 1 and not self.finished and id(module) not in self.by_module:
             try:
                 self._consider(module)
+            # not a probe: a hook inside the user's forward, which must never raise into it
             except Exception:  # noqa: BLE001 - never raised into the user's forward; said when the step is judged
                 progress.advise(f"cpdoctor could not watch {type(module).__name__}: {sys.exc_info()[1]}")
 

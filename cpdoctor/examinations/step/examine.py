@@ -9,10 +9,10 @@ gradients, gradients, events, those layouts) to its CP group's first rank; there
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat import parallel_config as compat
 from cpdoctor.examinations.step import agree
 from cpdoctor.examinations.step.baseline import Baseline
@@ -28,6 +28,7 @@ from cpdoctor.examinations.step.record import Recorded, rng_digest
 from cpdoctor.examinations.step.reference import ReferenceTooLarge
 from cpdoctor.launch import watcher_comm
 from cpdoctor.report import Environment, Finding, Report, Verdict
+from cpdoctor.report.environment import Launch, Software
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ def report_of(c: Closing, findings: list[Finding]) -> Report:
     from cpdoctor.compat.diffusers import diffusers_version
 
     g = c.group
-    env = Environment(torch=str(torch.__version__), diffusers=diffusers_version(), world_size=g.world, device=str(c.recorded.device))
+    env = Environment(
+        Software(torch=str(torch.__version__), diffusers=diffusers_version()), Launch(str(c.recorded.device), world_size=g.world)
+    )
     request = WatchedStep(g.ring, g.ulysses, g.world, g.index, c.baseline.name)
     return Report.of(findings, env, request, wall_s=time.perf_counter() - c.started)
 
@@ -91,12 +94,14 @@ def close(c: Closing) -> Report:
     expected_mine, outcome = None, ReferenceOutcome()
     if group.leader:
         assert records is not None
-        try:
-            expected_mine = c.baseline.expected(group, c.recorded, records, grads.param_names)
-        except ReferenceTooLarge as exc:  # not examined, and said before anything was allocated
-            outcome = ReferenceOutcome(refused=str(exc))
-        except Exception:  # noqa: BLE001 - the reference's failure is reported on every rank, no rank left waiting
-            outcome = ReferenceOutcome(failed=traceback.format_exc())
+        # the reference's failure is reported on every rank, no rank left waiting; too large: not examined, and said
+        # before anything was allocated
+        computed = Attempt.of(lambda: c.baseline.expected(group, c.recorded, records, grads.param_names), trace=True)
+        expected_mine = computed.value
+        if isinstance(computed.error, ReferenceTooLarge):
+            outcome = ReferenceOutcome(refused=str(computed.error))
+        elif computed.error is not None:
+            outcome = ReferenceOutcome(failed=computed.trace or "")
     stop = agree.reference_outcome(group, outcome, c.baseline.name)
     if stop is not None:
         return report_of(c, [stop])

@@ -58,6 +58,7 @@ def _load(path: str, package: str | None) -> None:
     sys.modules["sitecustomize"] = module
     try:
         spec.loader.exec_module(module)
+    # not a probe: what site.py itself does with a failing sitecustomize, before cpdoctor can be imported
     except Exception as exc:  # noqa: BLE001 - as site.py does with a failing sitecustomize: said, not raised
         print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}", file=sys.stderr)
 
@@ -132,6 +133,7 @@ def armer(directory: str) -> object:
                 entry = json.load(fh)["entry"]
             module, _, function = entry.partition(":")
             getattr(importlib.import_module(module), function)(directory)
+        # not a probe: the startup module imports nothing of cpdoctor's until armed; written for the parent
         except Exception as exc:  # noqa: BLE001 - the user's job must start all the same; the parent reports it
             folder = os.path.join(directory, "raised")
             os.makedirs(folder, exist_ok=True)

@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.diffusers import cp_plan, quiet
 from cpdoctor.errors import CannotExamine, first_line
 from cpdoctor.model_zoo.catalog import build_model
@@ -121,12 +122,11 @@ class SplitRecorder:
         self.handles: list[Any] = []
         display = display_modules(plan)
         for module_id, spec in plan.items():
-            try:
-                modules = find_modules(model, module_id)
-            except LookupError as exc:
-                self.skipped[module_id or "<model>"] = f"module not found ({exc})"
+            found = Attempt.of(lambda m=module_id: find_modules(model, m), catching=(LookupError,))
+            if found.value is None:
+                self.skipped[module_id or "<model>"] = f"module not found ({found.error})"
                 continue
-            for mod in modules:
+            for mod in found.value:
                 self._attach(mod, display[module_id], spec)
 
     def _note(self, key: Key, tensor: Any, spec: Any) -> None:
