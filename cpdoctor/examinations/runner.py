@@ -34,7 +34,7 @@ def fallback_environment(request: Request, world_size: int | None = None, ranks_
     from cpdoctor.launch.context import device_and_group
 
     world_size = registry.of(request).world_size(request) if world_size is None else world_size
-    software = Software(torch=installed_version("torch"), diffusers=installed_version("diffusers"), python=platform.python_version())
+    software = installed_software()
     asked = request.asked()
     launch = asked.launch.replace(world_size=world_size)
     if ranks_ran:
@@ -43,6 +43,11 @@ def fallback_environment(request: Request, world_size: int | None = None, ranks_
     if request.emulate:
         launch = launch.replace(emulated=emulation_note(str(asked.attention.backend or "auto")))
     return Environment(software, launch, asked.attention)
+
+
+def installed_software() -> Software:
+    """The versions installed here, read without importing them: what a report says where no rank reported."""
+    return Software(torch=installed_version("torch"), diffusers=installed_version("diffusers"), python=platform.python_version())
 
 
 def visible_gpus() -> int:

@@ -273,10 +273,13 @@ def judged(request: CommandRequest, run: Launched) -> list[Finding]:
 
 
 def report_of(request: CommandRequest, findings: list[Finding], launched: list[Launched], start: float) -> Report:
-    from cpdoctor.examinations.runner import fallback_environment
+    from cpdoctor.examinations.runner import installed_software
+    from cpdoctor.report.environment import Environment, Launch
 
     reports = [o.report for run in launched for o in run.outcomes.values() if o.report is not None]
-    environment = reports[0].environment if reports else fallback_environment(launched[-1].degrees.world, request, ranks_ran=False)
+    last = launched[-1].degrees
+    asked = Environment(installed_software(), Launch(world_size=last.world, ring=last.ring, ulysses=last.ulysses))
+    environment = reports[0].environment if reports else asked
     advice = tuple(dict.fromkeys(line for run in launched for line in run.advice))
     return Report.of(findings, environment, request, wall_s=time.monotonic() - start, advice=advice,
                      runs=tuple(run.row() for run in launched))  # fmt: skip
