@@ -69,3 +69,27 @@ def write_results(path: str, what: str, rows: object, load_before: list[float], 
     }
     with open(path, "w") as fh:
         json.dump(record, fh, indent=2)
+
+
+SEEDED_SPREAD = "none: seeded steps; `deterministic` says whether a second pass gave the same numbers; times: the first pass, one run each"
+
+
+def write_seeded(path: str, what: str, rows: object, load_before: list[float], script: str, deterministic: bool, **extra: object) -> None:
+    """The results file of a seeded examination run twice (`deterministic`: the two passes agreed exactly, the
+    convention's stand-in for repetitions), with its run's record and what the script adds (`extra`)."""
+    import json
+    import sys
+
+    record = {
+        "what": what,
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "versions": {**versions(), **extra.pop("versions", {})},  # type: ignore[dict-item]
+        "load_average": {"before": load_before, "after": load_average()},
+        "deterministic": deterministic,
+        "spread": SEEDED_SPREAD,
+        **extra,
+        "rows": rows,
+    }
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=1, ensure_ascii=False)

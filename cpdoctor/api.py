@@ -10,17 +10,22 @@ builds its examination's request (every request names its kind, `request.kind`) 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cpdoctor.examinations import registry, runner
 from cpdoctor.examinations.attention.request import AttentionRequest, build_request
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.peer.request import PeerRequest
-from cpdoctor.examinations.request import validate_timeout
+from cpdoctor.examinations.request import Request, validate_timeout
+from cpdoctor.examinations.runner import SuiteRun
 from cpdoctor.launch import torchrun
 from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Report, RunResult, Verdict
 from cpdoctor.vocabulary import Device, DType, Kind
+
+if TYPE_CHECKING:
+    from cpdoctor.examinations.attention.repro import Repro
+    from cpdoctor.suite import Suite, SuiteRequest
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -38,6 +43,8 @@ __all__ = [
     "check_model",
     "check_peer",
     "examine",
+    "examine_command",
+    "examine_suite",
     "examine_environment",
     "examine_step",
     "watch_step",
@@ -92,7 +99,7 @@ def warm_ranks(models: bool = False) -> None:
     WARM.start(MODEL_RANK_IMPORTS if models else RANK_IMPORTS)
 
 
-def request_for(kind: Kind, **fields: Any) -> Any:
+def request_for(kind: Kind, **fields: object) -> Request:
     """The validated, prepared request of an examination from keyword fields (None = default)."""
     entry = registry.get(kind)
     return entry.prepare(entry.build_request(**fields))
@@ -130,20 +137,28 @@ def check_model(
     return examine(req, timeout_s=timeout_s, on_tick=on_tick)
 
 
-def run_suite(suite: Any, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
-    """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
-    `before`). Checks of the same world size and device share one launch (examinations/runner.py)."""
+def examine_suite(
+    suite: Suite, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None
+) -> tuple[SuiteRequest, SuiteRun]:
+    """Every check of a suite run (examinations/runner.py: checks of the same world size and device share one
+    launch), with what the suite asked: what `run_suite` and the doctor build their reports from."""
     from cpdoctor.suite import SuiteRequest, build_requests
 
     validate_timeout(timeout_s)
     requests = build_requests(suite, patch)
     ran = runner.run_requests(requests, patch=patch, timeout_s=timeout_s, on_tick=on_tick)
+    return SuiteRequest(suite.name, suite.source, patch, tuple(requests)), ran
+
+
+def run_suite(suite: Suite, *, patch: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+    """Every check of a suite as one Report, in the suite's order (with `patch`, the unpatched runs under
+    `before`). Checks of the same world size and device share one launch (examinations/runner.py)."""
+    request, ran = examine_suite(suite, patch=patch, timeout_s=timeout_s, on_tick=on_tick)
     before = RunResult.of(ran.before) if ran.before is not None else None
-    request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
     return Report.of(ran.findings, ran.environment, request, before=before, wall_s=ran.wall_s, suite=suite.name, warnings=ran.warnings)
 
 
-def examine(request: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
+def examine(request: Request, *, timeout_s: float = DEFAULT_TIMEOUT_S, on_tick: Tick = None) -> Report:
     """Run the examination `request` is for (its type names it: `AttentionRequest`, `PeerRequest`, ...; unpatched,
     then patched with `request.patch`) as one Report: the exit code and top-level verdict are the last run's; with
     patch the unpatched run is `before` (examinations/runner.py)."""
@@ -229,9 +244,10 @@ def preflight(
     return report
 
 
-def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callable[[Report], None] | None = None) -> None:
+def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callable[[Report], None] | None = None) -> Any:
     """The step examination on the model's first training step: a wrong step raises PreflightFailed before the
-    first optimizer.step(); a step it could not examine is a warning, not a stop."""
+    first optimizer.step(); a step it could not examine, or one whose verdict rests on a reading (WARN), is a warning,
+    not a stop. Returns the armed watch (first.FirstStep)."""
     import warnings
 
     from cpdoctor.examinations.step import arm_first_step
@@ -246,7 +262,7 @@ def _arm_first_step(model: Any, loss_scale: float | None = None, on_step: Callab
         elif step.verdict is not Verdict.PASS:  # a crash, hang or refusal of the examination: could not examine
             warnings.warn(f"cpdoctor: the first training step could not be examined: {_first_not_pass(step).diagnosis}", stacklevel=2)
 
-    arm_first_step(model, judge, loss_scale=loss_scale)
+    return arm_first_step(model, judge, loss_scale=loss_scale)
 
 
 def _first_not_pass(report: Report) -> Finding:
@@ -320,6 +336,27 @@ def examine_step(
     return examine(request, timeout_s=timeout_s)
 
 
+def examine_command(
+    command: list[str] | tuple[str, ...],
+    *,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    dp: int | None = None,
+    emulate: tuple[str, ...] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    cwd: str = "",
+) -> Report:
+    """`cpdoctor step -- COMMAND`: the user's own launch command run twice, without CP and with CP (placeholders
+    {cp} {ring} {ulysses} {dp} {world} {nproc} give each run its degrees), its first optimizer step captured in
+    every rank and judged as two runs are (docs/STEP_COMMAND.md)."""
+    from cpdoctor.examinations.step.command import CommandRequest
+    from cpdoctor.examinations.step.command_run import examine_command as run_twice
+
+    validate_timeout(timeout_s)
+    request = CommandRequest.of(command, ring, ulysses, dp, tuple(emulate), cwd)
+    return run_twice(request, timeout_s)
+
+
 def examine_environment(device: str = "auto", dtype: str = "auto", emulate: bool = False) -> Report:
     """`cpdoctor env` in this process: versions, devices, one row per attention backend (found by trying it),
     the known defects of the installed code (see cpdoctor.examinations.env)."""
@@ -353,10 +390,11 @@ def list_models() -> list[Any]:
     return catalog.list_models()
 
 
-def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
+def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> Repro:
     """For an op-level FAIL (or the ring backward's CRASH under `checkpointing`): DIR/repro.py (torch + diffusers
     only) and DIR/ISSUE.md; with `fix_timeout_s`, also DIR/fix.diff for a known defect of diffusers' code, once
-    verified on a patched copy; the paths written."""
+    verified on a patched copy; the paths written and what became of the fix (`Repro`: the check's report with it
+    is `dataclasses.replace(report, upstream_fix=repro.upstream_fix)`)."""
     from cpdoctor.examinations.attention import repro
 
     return repro.write_repro(report, directory, command, fix_timeout_s)

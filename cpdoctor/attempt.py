@@ -32,12 +32,13 @@ class Attempt(Generic[T]):
     trace: str | None = None
 
     @classmethod
-    def of(cls, fn: Callable[[], T], *, trace: bool = False) -> Attempt[T]:
+    def of(cls, fn: Callable[[], T], *, trace: bool = False, catching: tuple[type[Exception], ...] = (Exception,)) -> Attempt[T]:
         """Call `fn()` and keep whatever it returned or raised. `trace`: keep the traceback text too (a rank's
-        failure shows it; a probe's one-line fact does not need it)."""
+        failure shows it; a probe's one-line fact does not need it). `catching`: the exceptions that are facts here
+        (a refusal the caller reports, such as BadInput); any other propagates as it would without the attempt."""
         try:
             return cls(fn())
-        except Exception as exc:  # noqa: BLE001 - the one place a probe's exception, whatever it is, becomes data
+        except catching as exc:  # noqa: BLE001 - the one place a probe's exception, whatever it is, becomes data
             return cls(None, exc, traceback.format_exc() if trace else None)
 
     @property

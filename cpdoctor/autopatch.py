@@ -34,13 +34,21 @@ class AutoPatch:
         value = environ.get(ENV, "").strip().lower()
         if value not in ("1", "force"):
             return
-        try:
-            from cpdoctor.fix import patch
+        from cpdoctor.attempt import Attempt
 
-            self.report = patch.apply(force=value == "force")
-            print(self.report.summary(), file=sys.stderr)
-        except Exception as exc:  # noqa: BLE001 - an import-time hook must not take the training script down
-            print(f"cpdoctor: {ENV}={value} but diffusers' CP attention was NOT patched: {exc}", file=sys.stderr)
+        applied = Attempt.of(lambda: _apply(force=value == "force"))  # an import-time hook must not take the script down
+        self.report = applied.value
+        if applied.value is not None:
+            print(applied.value.summary(), file=sys.stderr)
+        else:
+            print(f"cpdoctor: {ENV}={value} but diffusers' CP attention was NOT patched: {applied.error}", file=sys.stderr)
+
+
+def _apply(force: bool) -> Any:
+    """cpdoctor's fix patched in (fix/patch.py's `PatchReport`), its import included in what may fail."""
+    from cpdoctor.fix import patch
+
+    return patch.apply(force=force)
 
 
 AUTOPATCH = AutoPatch()

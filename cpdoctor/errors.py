@@ -33,6 +33,7 @@ class UnsupportedKind(enum.Enum):
     NO_LSE = "no LSE"  # ring attention needs one to merge blocks
     REFUSED_BY_RELEASE = "refused by this release"  # the installed code refuses the layout with its own message
     NOT_EXAMINED = "not examined"  # an earlier case of the same launch stopped the job
+    PLAN_DOES_NOT_FIT = "plan does not fit the model"  # a _cp_plan entry the model built from this config lacks
 
 
 @dataclasses.dataclass(frozen=True)

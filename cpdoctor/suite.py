@@ -10,6 +10,11 @@
 Each check is a one-key mapping: the kind of examination (`attention`, the op-level `cpdoctor check`; `model`,
 `cpdoctor model`) and the same fields as the Python API and the CLI options. Loading validates every check
 into its request, so a malformed suite is one line of bad input before any process starts.
+
+A model check may name `each: video` (or `image`, `all`) instead of a `model:`: it becomes one check per class
+of that family in the installed diffusers (found by scanning it, as `cpdoctor plan --list` does: 0.42.1 has six
+video classes, 0.39.0 five), keeping only the classes the check's fields apply to: with `mask_pad`, those whose
+forward takes a text mask; with `checkpointing`, those that support gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -112,7 +117,8 @@ def build_requests(suite: Suite, patch: bool) -> list[Any]:
     """Each check as its validated, prepared request, the same object the CLI and the API build (a model check is
     resolved: the parent imports diffusers); each names its kind (`request.kind`)."""
     requests = []
-    for i, check in enumerate(suite.checks, 1):
+    numbered = [(i, one) for i, check in enumerate(suite.checks, 1) for one in _each(check, suite.source, i)]
+    for i, check in numbered:
         built = not isinstance(check, tuple)
         kind, fields = (check.kind, {}) if built else check
         entry = registry.get(kind)
@@ -129,3 +135,28 @@ def build_requests(suite: Suite, patch: bool) -> list[Any]:
         except TypeError as exc:  # an unknown field name
             raise BadInput(f"suite {suite.source}: check {i} ({kind}): {exc}") from exc
     return requests
+
+
+def _each(check: Any, source: str, i: int) -> list[Any]:
+    """A model check with `each: video|image|all`, one check per class of that family in the installed diffusers
+    that the check's fields apply to (a text mask for `mask_pad`, gradient checkpointing for `checkpointing`);
+    any other check as it is."""
+    if not isinstance(check, tuple) or check[0] is not Kind.MODEL or "each" not in check[1]:
+        return [check]
+    from cpdoctor.compat import diffusers as compat
+    from cpdoctor.model_zoo.catalog import models_of
+    from cpdoctor.model_zoo.inputs import builder_for
+
+    fields = dict(check[1])
+    kind = fields.pop("each")
+    if "model" in fields:
+        raise BadInput(f"suite {source}: check {i}: give `model` or `each`, not both")
+    try:
+        classes = models_of(str(kind))
+    except BadInput as exc:
+        raise BadInput(f"suite {source}: check {i}: {exc}") from None
+    if fields.get("mask_pad"):
+        classes = [(c, e) for c, e in classes if builder_for(c).text_mask_param in compat.forward_params(c)]
+    if fields.get("checkpointing"):
+        classes = [(c, e) for c, e in classes if compat.supports_gradient_checkpointing(c)]
+    return [(Kind.MODEL, dict(fields, model=entry.short_name)) for _, entry in classes]

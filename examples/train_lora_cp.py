@@ -3,7 +3,9 @@
 adapters cast back to fp32, gradient accumulation, clip_grad_norm_ before optimizer.step(); the CP ranks' gradients
 summed over the CP group. `cpdoctor.preflight(model=model)` at the top examines diffusers' CP attention at the
 model's degrees (patching in cpdoctor's fix when the stock one is wrong) and arms the step examination on the
-first training step: a wrong step raises PreflightFailed before its optimizer.step(); a correct one goes on.
+first training step: a wrong step raises PreflightFailed before its optimizer.step(); a correct one goes on. At CP 2
+with 2 micro-batches the one run cannot tell the loss's `/ accumulation` (0.5) from 1/cp, so it says so (a WARN,
+the job goes on); the two runs below decide.
 
     torchrun --nproc-per-node 2 examples/train_lora_cp.py                 # tiny Flux, CP 2, CPU ranks (gloo)
     torchrun --nproc-per-node 2 examples/train_lora_cp.py --steps 5 --accumulation 2

@@ -9,11 +9,29 @@ import hashlib
 import os
 from pathlib import Path
 
-from cpdoctor.model_zoo.tiny import TINY_CONFIGS
-
-TINY_FLUX = TINY_CONFIGS["flux"]
-TINY_QWEN_IMAGE = TINY_CONFIGS["qwen-image"]
-"""docs/FACTS.md "Tiny models": the same configs `cpdoctor model flux|qwen-image` builds."""
+TINY_FLUX = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 4, 8),
+)
+TINY_QWEN_IMAGE = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=16,
+    axes_dims_rope=(8, 4, 4),
+)
+"""docs/FACTS.md "Tiny models": small checkpoints to save and load (the tests' fixtures; `cpdoctor model flux`
+derives its own tiny config from the class, cpdoctor/model_zoo/tiny.py)."""
 
 FLUX_DEV = dict(
     patch_size=1,

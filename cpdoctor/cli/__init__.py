@@ -20,7 +20,7 @@ app = typer.Typer(
     name="cpdoctor",
     help=(
         "Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers. "
-        "Without a command: the doctor (same as `cpdoctor doctor`): the examinations that matter here, one verdict table."
+        f"Without a command: the doctor (same as `cpdoctor doctor`): {doctor.RUNS}, one verdict table."
     ),
     no_args_is_help=False,  # `cpdoctor` alone is the doctor (cli/doctor.py)
     add_completion=False,
@@ -48,12 +48,8 @@ def _root(
     ] = None,
     json_path: JsonPath = None,
 ) -> None:
-    """Finds and fixes silent context-parallel (ring / Ulysses) attention bugs in diffusers.
-
-    Without a command it is the doctor (`cpdoctor doctor`): the environment, then ring 2, ring 3, ring over all
-    accelerators, Ulysses 2, ring 2 × Ulysses 2 and a padded-mask ring as one verdict table, with the diagnosis,
-    remedy and closer-look command of each check that did not pass. Exit 0 nothing wrong, 1 corruption/crash/hang,
-    2 bad input, 3 cannot examine."""
+    """Without a command: the doctor (`cpdoctor doctor`, whose checks its `--help` lists from its plan); with one,
+    refuse the doctor's options given before it (the app's `help` is what `cpdoctor --help` shows)."""
     if ctx.invoked_subcommand is None:
         doctor.doctor(patch=patch, timeout=timeout, json_path=json_path)
     elif patch or timeout is not None or json_path is not None:
@@ -71,7 +67,7 @@ def register_commands(app: typer.Typer) -> None:
     app.command("env", help=env.ENV_HELP, cls=Command)(env.env)
     app.command("model", help=model.MODEL_HELP, cls=Command)(model.model)
     app.command("plan", help=plan.PLAN_HELP, cls=Command)(plan.plan)
-    app.command("run", cls=Command)(run.run)
+    app.command("run", help=run.RUN_HELP, cls=Command)(run.run)
     app.command("step", cls=Command)(step.step)
 
 
@@ -87,12 +83,12 @@ def main() -> None:
     code: int | str | None = 0
     try:
         app()
-    except SystemExit as exc:
+    except SystemExit as exc:  # not a probe: the command's own exit code
         code = exc.code
-    except BadInput as exc:
+    except BadInput as exc:  # not a probe: bad input is one line and exit 2
         print(f"cpdoctor: error: {exc}", file=sys.stderr)
         code = 2
-    except CannotExamine as exc:
+    except CannotExamine as exc:  # not a probe: what cannot run here is one line and exit 3
         print(f"cpdoctor: cannot examine: {exc}", file=sys.stderr)
         code = 3
     except KeyboardInterrupt:

@@ -5,20 +5,31 @@ Parsing and rendering only; the plan and the run are in cpdoctor/doctor.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NoReturn, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, emit, waiting
+from cpdoctor.doctor import plan, plan_in_words
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from cpdoctor.report import Environment, Finding, Report
+    from cpdoctor.report.sections import DoctorSummary
+
+RUNS = plan_in_words()
+"""What the doctor runs, from its plan (cpdoctor/doctor.py), for `--help`."""
 
 DOCTOR_HELP = (
-    "The front door (what `cpdoctor` alone runs): the environment, then ring 2, ring 3, ring over every visible "
-    "accelerator, Ulysses 2, ring 2 × Ulysses 2 and a padded-mask ring on the best backend here, as one verdict "
-    "table, with the diagnosis, remedy and closer-look command of every check that did not pass. "
+    f"The front door (what `cpdoctor` alone runs): the environment, then {RUNS}, on the best backend here, as one "
+    "verdict table, with the diagnosis, remedy and closer-look command of every check that did not pass. "
     "Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."
 )
 
 
-def render_doctor(report: Any, out: Any) -> None:
+def render_doctor(report: Report, out: Console) -> None:
     """A few lines of environment, one row per check, then diagnosis, remedy and command of each that failed."""
     summary = report.doctor
     befores = report.before.findings if report.before is not None else None
@@ -28,16 +39,16 @@ def render_doctor(report: Any, out: Any) -> None:
     _verdict(report, summary, befores, out)
 
 
-def _header(env: Any, summary: Any, out: Any) -> None:
+def _header(env: Environment, summary: DoctorSummary, out: Console) -> None:
     from rich.markup import escape
 
     n = summary.accelerators
     out.print("[bold]cpdoctor[/] — the context-parallel examinations that matter on this machine")
-    out.print(f"  torch {env.torch} · diffusers {env.diffusers} · python {env.python}")
+    out.print(f"  torch {env.software.torch} · diffusers {env.software.diffusers} · python {env.software.python}")
     seen = f"accelerators visible: {n}" + ("" if n >= 2 else " (no ring over all accelerators)")
     if summary.torchrun_world:
         seen += f" · torchrun world {summary.torchrun_world}"
-    device, group = (v if v is not None else "?" for v in (env.device, env.process_group))
+    device, group = (v if v is not None else "?" for v in (env.launch.device, env.launch.process_group))
     out.print(f"  device {escape(str(device))} · process group {group} · {seen}")
     if summary.backend == "auto":
         out.print("  CP backend here: [bold]auto[/] (asked for; no rank got far enough to say which backend it chose)")
@@ -45,7 +56,7 @@ def _header(env: Any, summary: Any, out: Any) -> None:
         out.print(f"  CP backend here: [bold]{escape(summary.backend)}[/] (auto: the best CP-capable backend that runs here)")
 
 
-def _table(summary: Any, findings: list[Any], befores: list[Any] | None) -> Any:
+def _table(summary: DoctorSummary, findings: Sequence[Finding], befores: Sequence[Finding] | None) -> Table:
     from rich.table import Table
 
     from cpdoctor.report import styled, worst_tensor
@@ -67,7 +78,7 @@ def _table(summary: Any, findings: list[Any], befores: list[Any] | None) -> Any:
     return table
 
 
-def _details(summary: Any, findings: list[Any], befores: list[Any] | None, out: Any) -> None:
+def _details(summary: DoctorSummary, findings: Sequence[Finding], befores: Sequence[Finding] | None, out: Console) -> None:
     """Diagnosis, remedy, the result after the fix and the closer-look command of every check that did not pass."""
     from rich.markup import escape
 
@@ -87,7 +98,7 @@ def _details(summary: Any, findings: list[Any], befores: list[Any] | None, out: 
         out.print(f"   look closer: [bold]{escape(finding.command or '')}[/]")
 
 
-def _verdict(report: Any, summary: Any, befores: list[Any] | None, out: Any) -> None:
+def _verdict(report: Report, summary: DoctorSummary, befores: Sequence[Finding] | None, out: Console) -> None:
     from cpdoctor.report import Verdict, styled
 
     label = "after the fix: " if befores is not None else ""
@@ -119,9 +130,8 @@ def doctor(
     from cpdoctor.api import warm_ranks
 
     warm_ranks()  # the ranks of every launch fork from it: torch and diffusers imported once, while the doctor plans
-    with waiting(
-        "examining ring 2, ring 3, Ulysses, ring × Ulysses and a padded mask", quiet="-" in (json_path, junit_path, markdown_path)
-    ):
+    checks = " · ".join(c.label for c in plan(0))
+    with waiting(f"examining {checks} and the installed peers", quiet="-" in (json_path, junit_path, markdown_path)):
         report = run_doctor(patch=patch, timeout_s=timeout_s)
     emit(report, json_path, render_doctor, junit_path=junit_path, markdown_path=markdown_path, command="doctor")
 

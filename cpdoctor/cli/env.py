@@ -6,7 +6,7 @@ torch and diffusers are imported inside the command so that `cpdoctor --help` st
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -14,16 +14,19 @@ from cpdoctor.cli.options import Emulate, JsonPath
 from cpdoctor.vocabulary import Device as DeviceName
 from cpdoctor.vocabulary import ProbeDType
 
-ENV_HELP = (
-    "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
-    "per diffusers attention backend (installed, CP-capable, runs here, LSE, backward, LSE saved for training, RNG, "
-    "and whether ring, Ulysses and training can use it here: found by trying each on tiny tensors), and the "
-    "defects of the installed diffusers, each with its remedy and the `cpdoctor check` command that settles it. "
-    "One process, no ranks. Exit 0 nothing wrong (warnings included), 1 a FAIL finding, 2 bad input, 3 cannot examine."
-)
+if TYPE_CHECKING:
+    from cpdoctor.report import Environment
 
 MARK = {True: "✓", False: "✗", None: "–"}
 COLUMNS = ("backend", "installed", "CP", "runs here", "LSE", "backward", "saves LSE", "RNG", "ring", "Ulysses", "training", "note")
+
+ENV_HELP = (
+    "Report the environment (torch, diffusers, attention packages, CUDA/cuDNN/NCCL, devices, torchrun), one row "
+    f"per diffusers attention backend ({' · '.join(COLUMNS[1:-1])}: whether ring, Ulysses and training can use it "
+    "here, found by trying each on tiny tensors), and the defects of the installed diffusers, each with its remedy "
+    "and the `cpdoctor check` command that settles it. One process, no ranks. Exit 0 nothing wrong (warnings "
+    "included), 1 a FAIL finding, 2 bad input, 3 cannot examine."
+)
 
 
 def _cell_values(row: Any) -> list[tuple[Optional[bool], str]]:
@@ -74,7 +77,7 @@ def _fmt_value(value: Any) -> str:
     return str(value)
 
 
-def _env_lines(env: Any) -> list[tuple[str, str]]:
+def _env_lines(env: Environment) -> list[tuple[str, str]]:
     """(label, value) lines of the environment list, in report order."""
     lines = []
     for key, value in env.items():
@@ -89,7 +92,7 @@ def _env_lines(env: Any) -> list[tuple[str, str]]:
     return lines
 
 
-def _render_environment(env: Any, console: Any) -> None:
+def _render_environment(env: Environment, console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -110,7 +113,7 @@ def _render_backends(report: Any, console: Any) -> None:
 
     env = report.environment
     table = Table(
-        title=f"attention backends on {env.probe_device} ({env.probe_dtype})",
+        title=f"attention backends on {env.attention.probe_device} ({env.attention.probe_dtype})",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -132,14 +135,14 @@ def _render_backends(report: Any, console: Any) -> None:
         console.print(f"  [dim]✗ {escape(', '.join(names))}: {escape(note)}[/]")
 
 
-def _peer_line(peer: Any, env: Any) -> str:
+def _peer_line(peer: Any, env: Environment) -> str:
     """One peer: installed version (and the version CI tests), what it offers, and how it runs on this device."""
     if not peer.installed:
         return f"{peer.impl}: not installed ({peer.install})"
     tested = (
         "" if peer.installed_version == peer.tested_version or peer.tested_version.startswith("(") else f", CI tests {peer.tested_version}"
     )
-    where = "CPU ranks through cpdoctor's kernel stand-ins" if str(env.probe_device or "cpu").startswith("cpu") else "this GPU"
+    where = "CPU ranks through cpdoctor's kernel stand-ins" if str(env.attention.probe_device or "cpu").startswith("cpu") else "this GPU"
     ulysses = " × Ulysses" if peer.ulysses else ""
     lse = f"; LSE from {', '.join(peer.lse)}" if peer.lse else ""
     return (
@@ -148,7 +151,7 @@ def _peer_line(peer: Any, env: Any) -> str:
     )
 
 
-def _render_peers(peers: list[Any], env: Any, console: Any) -> None:
+def _render_peers(peers: list[Any], env: Environment, console: Any) -> None:
     from rich.markup import escape
 
     if peers:
@@ -194,7 +197,7 @@ def markdown(report: Any) -> str:
     env = report.environment
     out = [f"### `cpdoctor env`: {report.verdict} (exit {int(report.exit_code)})", "", "| fact | value |", "|---|---|"]
     out += [f"| {_md(label)} | {_md(value)} |" for label, value in _env_lines(env)]
-    out += ["", f"Attention backends on {env.probe_device} ({env.probe_dtype}):", ""]
+    out += ["", f"Attention backends on {env.attention.probe_device} ({env.attention.probe_dtype}):", ""]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in report.backends or ():
         out.append("| " + " | ".join([f"`{row.name}`"] + [_md(text) for _, text in _cell_values(row)]) + " |")

@@ -36,8 +36,9 @@ from cpdoctor.vocabulary import ExaminedDType, Kind
 MODEL_HELP = (
     "Run a real diffusers model class through its own enable_parallelism (ring / Ulysses) on every rank, forward "
     "and backward, and compare the gathered output and every parameter gradient (summed over the CP group) with "
-    "the same model in one process in fp64. MODEL: a short name (flux, qwen-image, wan: a tiny config of that "
-    "architecture, random weights seeded alike on every rank), a class name, a hub id (org/name, found in the "
+    "the same model in one process in fp64. MODEL: a short name (flux, ltx, helios, ... every class with a _cp_plan: "
+    "a tiny config derived from the class, random weights seeded alike on every rank; --config FILE for a config "
+    "of your own, full width with random weights), a class name, a hub id (org/name, found in the "
     "local Hugging Face cache; --download fetches it) or a pipeline / transformer directory (loaded from "
     "safetensors). Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input, 3 cannot examine."
 )
@@ -128,7 +129,8 @@ def print_plan(request: Any) -> None:
         return
     err = console(stderr=True)
     timing = request.timing.lines() if request.timing is not None else []
-    for line in plan.lines() + timing:
+    tiny = request.tiny.lines() if request.tiny is not None else []
+    for line in tiny + plan.lines() + timing:
         err.print(line, markup=False, highlight=False, style="yellow" if "warning:" in line else None)
 
 
@@ -137,7 +139,7 @@ def model(
         str,
         typer.Argument(
             metavar="MODEL",
-            help="short name (flux, qwen-image, wan), class name, hub id (org/name, from the local Hugging Face cache), or a pipeline / transformer directory",
+            help="short name (flux, ltx, wan, helios, ... see `cpdoctor plan --list`), class name, hub id (org/name, from the local Hugging Face cache), or a pipeline / transformer directory",
         ),
     ],
     ring: Ring = None,
@@ -170,6 +172,13 @@ def model(
             help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only).",
         ),
     ] = False,
+    config: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            help="A config.json for MODEL's class (e.g. a checkpoint's, full width): that model with seeded random weights instead of the tiny config; --blocks cuts it.",
+        ),
+    ] = None,
     blocks: Annotated[
         Optional[int],
         typer.Option(
@@ -209,6 +218,7 @@ def model(
         variant=variant,
         download=download,
         allow_pickle=allow_pickle,
+        config=config,
         blocks=blocks,
         emulate=emulate,
         checkpointing=checkpointing,

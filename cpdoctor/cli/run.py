@@ -1,4 +1,4 @@
-"""`cpdoctor run SUITE`: every examination of a YAML suite (shipped: quick, training, flux, qwen-image)."""
+"""`cpdoctor run SUITE`: every examination of a YAML suite (a shipped one, cpdoctor/suites/, or the user's)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,16 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
+from cpdoctor import suite as suites
 from cpdoctor.cli.options import DEFAULT_TIMEOUT_S, JsonPath, JunitPath, LaunchTimeout, MarkdownPath, flag
 from cpdoctor.cli.output import check_run_options, console, emit, waiting
 from cpdoctor.vocabulary import Kind
+
+RUN_HELP = (
+    f"Run a suite of examinations: a shipped one ({', '.join(suites.shipped())}; --list says what each holds) or a YAML "
+    "file. Checks of the same world size and device share one launch, whatever their kind. "
+    "Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input (a malformed suite too), 3 cannot examine."
+)
 
 
 def render_suite(report: Any, out: Any) -> None:
@@ -54,9 +61,6 @@ def run(
     markdown_path: MarkdownPath = None,
     list_suites: Annotated[bool, flag("--list", help="List the shipped suites and exit.")] = False,
 ) -> NoReturn:
-    """Run a suite of examinations; checks of the same kind and world size share one launch.
-    Exit 0 nothing wrong, 1 corruption/crash/hang, 2 bad input (a malformed suite too), 3 cannot examine."""
-    from cpdoctor import suite as suites
     from cpdoctor.errors import BadInput
 
     if list_suites:

@@ -1,8 +1,9 @@
-"""`cpdoctor step path/to/train.py:function`: the user's own CP training step on every rank, examined against
-one process (the command face of `cpdoctor.watch_step`)."""
+"""`cpdoctor step path/to/train.py:function` (the user's step function on every rank: the command face of
+`cpdoctor.watch_step`) and `cpdoctor step -- COMMAND` (the user's own launch command, run twice)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, NoReturn, Optional
 
 import typer
@@ -12,40 +13,72 @@ from cpdoctor.cli.output import check_run_options, emit, waiting
 from cpdoctor.vocabulary import Device as DeviceName
 from cpdoctor.vocabulary import Reference
 
+FUNCTION_FORM = re.compile(r"^[^-].*:[A-Za-z_][A-Za-z0-9_]*$")
+"""`path/to/train.py:function`: one argument, a colon, an identifier. Anything else is a command (after `--`)."""
+
 
 def step(
-    target: Annotated[str, typer.Argument(metavar="path/to/train.py:function", help="The script and its step function (see below).")],
+    target: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="path/to/train.py:function | -- COMMAND...",
+            help="The script and its step function, or your launch command after -- (see below).",
+        ),
+    ] = None,
     nproc: Annotated[
         Optional[int], typer.Option("--nproc", help="Ranks to start (default: dp × ring × ulysses, or 2; torchrun decides under torchrun).")
     ] = None,
     ring: Annotated[
-        Optional[int], typer.Option("--ring", help="Ring degree handed to a function that takes its degrees (default 2).")
+        Optional[int],
+        typer.Option("--ring", help="Ring degree handed to a function that takes its degrees, or to the command's {ring} (default 2)."),
     ] = None,
     ulysses: Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree handed to it (default 1).")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size handed to it (default 1).")] = None,
     device: Device = DeviceName.AUTO,
     reference: Annotated[Reference, typer.Option("--reference", help="Precision of the one-process recomputation.")] = Reference.FP64,
+    emulate: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--emulate",
+            help="With a command: fake an environment in its processes where CPU ranks differ from GPU ones (diffusers-cpu, torchtitan-cpu).",
+        ),
+    ] = None,
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
     markdown_path: MarkdownPath = None,
 ) -> NoReturn:
-    """Run FUNCTION from the script on every rank and examine the CP training step it watches against one process.
+    """Examine your CP training step against the same step without CP: your own launch command run twice, or a step function.
+
+    cpdoctor step [--ring R] [--ulysses U] [--dp D] -- COMMAND... runs your unmodified launch command twice: without CP ({cp} = {ring} = {ulysses} = 1, {world} = {nproc} = dp processes), then with CP ({ring} = R, {ulysses} = U, {cp} = R × U, {world} = {nproc} = dp × cp). Placeholders stand anywhere in an argument, e.g. `cpdoctor step --ring 2 -- torchrun --nproc-per-node {nproc} train.py --cp {cp}`. cpdoctor arms every Python process of it (a startup module on its PYTHONPATH), captures its first optimizer step (the model's inputs, the gradients before any clip, after the sync) and ends the job on every rank before the optimizer changes anything; run 2's gradients are compared with run 1's parameter by parameter, its inputs by layout. The command must train one model with one optimizer, seed its weights and data by the data-parallel rank, and set its CP degree from the placeholders. A command that is the same in both runs, or whose program is not found, is bad input.
 
     A function that takes its degrees (parameters named cp, ring, ulysses, dp, job, watch_step) runs twice: as the same job without CP (dp processes, cp = 1), then with CP (dp × ring × ulysses ranks); the final gradients of every watched step are compared parameter by parameter. Its own loss scaling, clipping, accumulation, adapters and wrappers run in both, so nothing is guessed. A function with one other parameter gets watch_step and runs once, against the step recomputed in one fp64 process from what it recorded.
 
     Examined: the inputs and RNG states of every CP peer, the gradient of the loss at the model's output, the gradient reduction (a constant factor: cp, 1/cp, dp), the gradients themselves (the attention), the first bad parameter.
 
-    The contract: FUNCTION runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's: do not initialise or destroy it). It builds its model (enable_parallelism when cp > 1) and mesh from the degrees it is given, seeds weights and data the same way whatever the degrees, and runs its step inside `with watch_step(model):` (forward, loss, backward, gradient sync; optimizer.step() after the block).
+    The function's contract: it runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's: do not initialise or destroy it). It builds its model (enable_parallelism when cp > 1) and mesh from the degrees it is given, seeds weights and data the same way whatever the degrees, and runs its step inside `with watch_step(model):` (forward, loss, backward, gradient sync; optimizer.step() after the block).
 
-    Exit 0 the step is right, 1 wrong / crash / hang, 2 bad input, 3 nothing examined (e.g. the step never called backward)."""
+    Exit 0 the step is right, 1 wrong / crash / hang, 2 bad input, 3 nothing examined (e.g. the step never called backward, the command never reached an optimizer step)."""
     from cpdoctor import api
+    from cpdoctor.errors import BadInput
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
-    api.warm_ranks(models=True)
-    with waiting(f"running {target}", quiet="-" in (json_path, junit_path, markdown_path)):
-        report = api.examine_step(
-            target, nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference, timeout_s=timeout
-        )
+    words = list(target or [])
+    quiet = "-" in (json_path, junit_path, markdown_path)
+    if len(words) == 1 and FUNCTION_FORM.match(words[0]):
+        if emulate:
+            raise BadInput("--emulate applies to a command (cpdoctor step -- COMMAND), not to a step function")
+        api.warm_ranks(models=True)
+        with waiting(f"running {words[0]}", quiet=quiet):
+            report = api.examine_step(
+                words[0], nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference, timeout_s=timeout
+            )
+    else:
+        if nproc is not None:
+            raise BadInput("--nproc is for a step function: your command starts its own processes (give it {nproc})")
+        if reference is not Reference.FP64:
+            raise BadInput("--reference is for a step function run once: a command is compared with its own run without CP")
+        with waiting(f"running {' '.join(words)} twice", quiet=quiet):
+            report = api.examine_command(words, ring=ring, ulysses=ulysses, dp=dp, emulate=tuple(emulate or ()), timeout_s=timeout)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="step")

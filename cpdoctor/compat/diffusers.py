@@ -264,6 +264,17 @@ def accelerator_count_at_least_one() -> Iterator[None]:
         acc.device_count = original
 
 
+def count_accelerators_as_at_least_one() -> None:
+    """`accelerator_count_at_least_one` for the rest of the process (a process of the user's command emulated on a
+    CPU host: its own calls to enable_parallelism run later, outside any scope cpdoctor could open)."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    original = getattr(acc, "device_count", None)
+    if original is not None and original() == 0:
+        acc.device_count = lambda: 1
+
+
 def meshless_parallel_config(ring: int, ulysses: int, device: Any = None) -> Any:
     """A ParallelConfig as diffusers' CP templates hand it to a backend's forward op on rank 0, but without a
     process group or mesh: the identity fields `setup()` fills (`_rank`, `_world_size`, `_ring_local_rank`,
@@ -345,10 +356,10 @@ def template_class_problem(mod: Any, name: str = RING_CLASS, callers: tuple[str,
         return f"diffusers.models.attention_dispatch has no {name}"
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         return f"{name} is not a torch.autograd.Function ({cls!r})"
-    try:
-        params = tuple(inspect.signature(cls.forward).parameters)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read the signature of {name}.forward ({exc})"
+    read = Attempt.of(lambda: tuple(inspect.signature(cls.forward).parameters), catching=(TypeError, ValueError))
+    if read.value is None:
+        return f"cannot read the signature of {name}.forward ({read.error})"
+    params = read.value
     if params != TEMPLATE_FORWARD_PARAMS:
         return f"{name}.forward has the parameters ({', '.join(params)}), expected ({', '.join(TEMPLATE_FORWARD_PARAMS)})"
     if not any(name in global_names(getattr(mod, caller, None)) for caller in callers):

@@ -39,39 +39,35 @@ from typing import Optional
 
 import torch
 
-from cpdoctor.cpu_kernels import standins as _s
+from cpdoctor.cpu_kernels import standin_checks, standin_math, standins
+from cpdoctor.cpu_kernels.standin_checks import check
 from cpdoctor.vocabulary import HALF, DType
 
-_require_emulation = _s.flash_attn_require_emulation
-_unsupported = _s.flash_attn_unsupported
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise RuntimeError(message)
+_require_emulation = standins.flash_attn_require_emulation
+_unsupported = standin_checks.flash_attn_unsupported
 
 
 def varlen_checks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
     """mha_varlen_fwd / mha_varlen_bwd's TORCH_CHECKs, in their order and wording (flash_api.cpp v2.7.4)."""
-    _check(DType.of_torch(q.dtype) in HALF, "FlashAttention only support fp16 and bf16 data type")
-    _check(k.dtype == q.dtype, "query and key must have the same dtype")
-    _check(v.dtype == q.dtype, "query and value must have the same dtype")
-    _check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
-    _check(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
-    _check(q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "Input tensor must have contiguous last dimension")
-    _check(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
-    _check(cu_seqlens_k.is_contiguous(), "cu_seqlens_k must be contiguous")
-    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
+    check(DType.of_torch(q.dtype) in HALF, "FlashAttention only support fp16 and bf16 data type")
+    check(k.dtype == q.dtype, "query and key must have the same dtype")
+    check(v.dtype == q.dtype, "query and value must have the same dtype")
+    check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
+    check(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    check(q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+    check(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
+    check(cu_seqlens_k.is_contiguous(), "cu_seqlens_k must be contiguous")
+    check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
     batch = cu_seqlens_q.numel() - 1
     total_q, heads, head = q.shape
     total_k, heads_k = k.shape[0], k.shape[1]
-    _check(batch > 0, "batch size must be positive")
-    _check(head <= 256, "FlashAttention forward only supports head dimension at most 256")
-    _check(head % 8 == 0, "query, key, value, and out_ must have a head_size that is a multiple of 8")
-    _check(heads % heads_k == 0, "Number of heads in key/value must divide number of heads in query")
-    _check(tuple(k.shape) == (total_k, heads_k, head), "k must have shape (total_k, num_heads_k, head_size)")
-    _check(tuple(v.shape) == (total_k, heads_k, head), "v must have shape (total_k, num_heads_k, head_size)")
-    _check(tuple(cu_seqlens_k.shape) == (batch + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
+    check(batch > 0, "batch size must be positive")
+    check(head <= 256, "FlashAttention forward only supports head dimension at most 256")
+    check(head % 8 == 0, "query, key, value, and out_ must have a head_size that is a multiple of 8")
+    check(heads % heads_k == 0, "Number of heads in key/value must divide number of heads in query")
+    check(tuple(k.shape) == (total_k, heads_k, head), "k must have shape (total_k, num_heads_k, head_size)")
+    check(tuple(v.shape) == (total_k, heads_k, head), "v must have shape (total_k, num_heads_k, head_size)")
+    check(tuple(cu_seqlens_k.shape) == (batch + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
 
 
 def _no_paging(block_table, leftpad_k, seqused_k) -> None:
@@ -82,6 +78,11 @@ def _no_paging(block_table, leftpad_k, seqused_k) -> None:
 def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
     bounds = [int(x) for x in cu.tolist()]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(query rows, key rows) of every sequence that has both (an empty one has nothing to attend)."""
+    return [(sq, sk) for sq, sk in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)) if sq[1] > sq[0] and sk[1] > sk[0]]
 
 
 def _seq(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
@@ -122,10 +123,10 @@ def _flash_attn_varlen_forward(
     out = torch.zeros_like(q)
     lse = torch.full((heads, total_q), float("inf"), dtype=torch.float32)
     with torch.no_grad():
-        for sq, sk in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)):
-            if sq[1] == sq[0] or sk[1] == sk[0]:
-                continue
-            o, seq_lse = _s.attention_forward(_seq(q, sq), _seq(k, sk), _seq(v, sk), None, causal, softmax_scale, bottom_right=True)
+        for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+            o, seq_lse = standin_math.attention_forward(
+                _seq(q, sq), _seq(k, sk), _seq(v, sk), None, causal, softmax_scale, bottom_right=True
+            )
             out[sq[0] : sq[1]] = o[0].transpose(0, 1).to(q.dtype)
             lse[:, sq[0] : sq[1]] = torch.where(torch.isneginf(seq_lse[0]), float("inf"), seq_lse[0])
     s_dmask = torch.empty((0,), dtype=q.dtype, device=q.device)
@@ -163,37 +164,32 @@ def _flash_attn_varlen_backward(
     if dropout_p > 0.0:
         raise NotImplementedError("cpdoctor's flash-attn stand-in does not emulate dropout in the varlen interface")
     total_q, heads, _ = q.shape
-    _check(tuple(out.shape) == tuple(q.shape), "out must have shape (total_q, num_heads, head_size)")
-    _check(tuple(dout.shape) == tuple(q.shape), "dout must have shape (total_q, num_heads, head_size)")
-    lse = _s._lse_as_kernel_reads_it(softmax_lse, (heads, total_q), "flash-attn varlen backward")
-    gq, gk, gv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    check(tuple(out.shape) == tuple(q.shape), "out must have shape (total_q, num_heads, head_size)")
+    check(tuple(dout.shape) == tuple(q.shape), "dout must have shape (total_q, num_heads, head_size)")
+    lse = standin_math.lse_as_kernel_reads_it(softmax_lse, (heads, total_q), "flash-attn varlen backward")
     batch = cu_seqlens_q.numel() - 1
     softmax_d = torch.zeros((heads, total_q + 128 * batch), dtype=torch.float32)
     with torch.no_grad():
-        for sq, sk in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k)):
-            if sq[1] == sq[0] or sk[1] == sk[0]:
-                continue
-            seq_lse = lse[:, sq[0] : sq[1]].unsqueeze(0).contiguous()  # +inf on a row without keys: P = exp(s - inf) = 0
-            a, b, c = _s.attention_backward(
-                _seq(dout, sq),
-                _seq(q, sq),
-                _seq(k, sk),
-                _seq(v, sk),
-                _seq(out, sq),
-                seq_lse,
-                None,
-                causal,
-                softmax_scale,
-                bottom_right=True,
-            )
-            gq[sq[0] : sq[1]] = a[0].transpose(0, 1)
-            gk[sk[0] : sk[1]] += b[0].transpose(0, 1)
-            gv[sk[0] : sk[1]] += c[0].transpose(0, 1)
-        for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
+        grads = _grads_by_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        for dst, src in zip((dq, dk, dv), grads):
             if dst is not None:
                 dst.copy_(src)
         softmax_d[:, :total_q] = (dout.float() * out.float()).sum(-1).transpose(0, 1)
     return softmax_d
+
+
+def _grads_by_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale) -> tuple[torch.Tensor, ...]:
+    """fp32 dQ, dK, dV of the packed sequences, each sequence's backward on its own (bottom-right causal)."""
+    gq, gk, gv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        seq_lse = lse[:, sq[0] : sq[1]].unsqueeze(0).contiguous()  # +inf on a row without keys: P = exp(s - inf) = 0
+        a, b, c = standin_math.attention_backward(
+            _seq(dout, sq), _seq(q, sq), _seq(k, sk), _seq(v, sk), _seq(out, sq), seq_lse, None, causal, softmax_scale, bottom_right=True
+        )
+        gq[sq[0] : sq[1]] = a[0].transpose(0, 1)
+        gk[sk[0] : sk[1]] += b[0].transpose(0, 1)
+        gv[sk[0] : sk[1]] += c[0].transpose(0, 1)
+    return gq, gk, gv
 
 
 _wrapped_flash_attn_varlen_forward = _flash_attn_varlen_forward

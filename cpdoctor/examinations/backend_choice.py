@@ -49,6 +49,21 @@ def prepare_emulation(req: Any) -> None:
         standins.uninstall()
 
 
+def resolved_backend(req: BackendAsk | Any, measured: str | None = None) -> str:
+    """The backend the ranks ran: the one the measurement names or, when none came back to say so (a CRASH), the
+    backend asked for, `auto` resolved here as the ranks resolve it on their device (`select_backend`): what
+    `--repro`'s script names and what the doctor's line says. Imports torch and diffusers."""
+    if measured and measured != "auto":
+        return measured
+    if req.backend != "auto":
+        return req.backend
+    import torch
+
+    cuda = req.device == "cuda" or (req.device == "auto" and torch.cuda.is_available())
+    name, _ = select_backend(req, torch.device("cuda" if cuda else "cpu"))
+    return name
+
+
 def select_backend(req: BackendAsk | Any, device: Any) -> tuple[str, Any]:
     """The backend name to examine and its facts; BadInput for a name this diffusers does not know."""
     import difflib

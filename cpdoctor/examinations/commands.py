@@ -6,10 +6,13 @@ judge for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from cpdoctor.examinations.request import default_seq
+from cpdoctor.examinations.request import LayoutRequest, default_seq
 from cpdoctor.vocabulary import DType
+
+if TYPE_CHECKING:
+    from cpdoctor.examinations.attention.request import AttentionRequest
 
 
 @dataclass(frozen=True)
@@ -19,8 +22,8 @@ class OpLayout:
 
     ring: int
     ulysses: int
-    dtype: DType = DType.FP32
-    backend: str = "auto"
+    dtype: DType = LayoutRequest.dtype
+    backend: str = LayoutRequest.backend
     mask_pad: int = 0
     seq: int | None = None
     emulate: bool = False
@@ -31,23 +34,25 @@ class OpLayout:
         return self.ring * self.ulysses
 
 
-def check_command(req: Any, patch: bool = False) -> str:
-    """The exact `cpdoctor check` command that examines this layout."""
+def check_command(req: OpLayout | AttentionRequest, patch: bool = False) -> str:
+    """The exact `cpdoctor check` command that examines this layout: the options that differ from the request's
+    defaults (`LayoutRequest`'s; the degrees' rule, `default_degrees`: `--ring` unless only `--ulysses` is given)."""
     parts = ["cpdoctor check"]
     if req.ring != 1 or req.ulysses == 1:
         parts.append(f"--ring {req.ring}")
     if req.ulysses != 1:
         parts.append(f"--ulysses {req.ulysses}")
-    for name, default in (("dtype", "fp32"), ("backend", "auto")):
-        if getattr(req, name) != default:
-            parts.append(f"--{name} {getattr(req, name)}")
-    if getattr(req, "seq", None) not in (None, default_seq(req.world_size)):
+    if req.dtype != LayoutRequest.dtype:
+        parts.append(f"--dtype {req.dtype}")
+    if req.backend != LayoutRequest.backend:
+        parts.append(f"--backend {req.backend}")
+    if req.seq not in (None, default_seq(req.world_size)):
         parts.append(f"--seq {req.seq}")
     if req.mask_pad:
         parts.append(f"--mask-pad {req.mask_pad}")
-    if getattr(req, "emulate", False):
+    if req.emulate:
         parts.append("--emulate")
-    if getattr(req, "checkpointing", False):
+    if req.checkpointing:
         parts.append("--checkpointing")
     if patch:
         parts.append("--patch")

@@ -62,6 +62,10 @@ UNSUPPORTED_REMEDIES: dict[UnsupportedKind, str] = {
     UnsupportedKind.NO_LSE: LSE_REMEDY,
     UnsupportedKind.REFUSED_BY_RELEASE: "use a layout this release supports, or a release that supports this one",
     UnsupportedKind.NOT_EXAMINED: "run this check alone",
+    UnsupportedKind.PLAN_DOES_NOT_FIT: (
+        "examine a model the plan fits: every block the plan names (no --blocks below them; the tiny config keeps them), "
+        "a config of the class's own shape; nothing about the attention was measured"
+    ),
 }
 """The remedy of each kind of UNSUPPORTED (a unit test checks that every kind has one)."""
 
@@ -157,6 +161,11 @@ def emulation_note(backend: str) -> str:
     )
 
 
+def subject_marks(mask_pad: int, emulate: bool, checkpointing: bool) -> str:
+    """The end of an op-level or a model check's subject: the keys masked as padding, emulated, checkpointing."""
+    return (f" mask_pad={mask_pad}" if mask_pad else "") + (" emulated" if emulate else "") + (" checkpointing" if checkpointing else "")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Ranks that failed: CRASH / HANG, and the known crash signatures of diffusers' CP code
 # ----------------------------------------------------------------------------------------------------------
@@ -220,6 +229,26 @@ CRASH_SIGNATURES: tuple[CrashSignature, ...] = (
         "the ring merge got an LSE of another rank (number of dimensions) than it expects: older releases choose "
         "the LSE layout by the torch version, not by the tensor the kernel returned",
         "cpdoctor.patch() (its merge takes the kernel's LSE as returned); or a diffusers release that checks the LSE's shape",
+    ),
+    CrashSignature(
+        "Ulysses leaves a per-head mask whole",
+        (r"is invalid for input of size|must match the size of tensor b", r"[Uu]lysses"),
+        "the model passes a mask with one row per attention head (B, H, 1, S_k: LTX-Video and LTX-2 build their text "
+        "mask so); Ulysses all-gathers a mask along the keys but leaves its heads whole, so after the all-to-all each "
+        "rank's H/U query heads meet a mask of H heads and the kernel refuses the shapes (diffusers 0.39.0 and 0.42.1; "
+        "cpdoctor's patched Ulysses too): a crash, never a silent error",
+        "ring CP for this model (with `cpdoctor.patch()`, whose ring rotates the mask with its keys: `cpdoctor model "
+        "MODEL --ring 2 --mask-pad 3 --patch`); or a mask without the heads dimension (B, 1, 1, S_k)",
+    ),
+    CrashSignature(
+        "rotary table not split",
+        (r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)", r"rotary"),
+        "a rotary table of the whole sequence met a query that the model's _cp_plan split (or the other way round): the "
+        "model builds a rotary table in its forward that its plan does not split with the tokens (LTX-2's audio-video "
+        "cross-attention rope in diffusers 0.42.1), so every rank's shard and the table disagree in length before any "
+        "attention runs; not the attention",
+        "nothing to fix in the attention: the class's _cp_plan misses a split (`cpdoctor plan MODEL` lists what it "
+        "splits); report it upstream with this traceback, and run this model without CP until its plan splits that table",
     ),
     CrashSignature(
         "no LSE",

@@ -4,13 +4,17 @@ rank 0 measured for one case (judged later, in the parent)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpdoctor.errors import Unsupported
 from cpdoctor.launch.jobs import CaseNumbers
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import AttentionBackend, Environment, Launch, Software
 from cpdoctor.report.numbers import Comparison, TensorRow
 from cpdoctor.vocabulary import DType
+
+if TYPE_CHECKING:
+    from cpdoctor.examinations.request import LayoutRequest
+    from cpdoctor.launch.context import DistContext
 
 
 @dataclass
@@ -62,7 +66,7 @@ def sharded_row(shards: list[Any], order: list[int], refs: list[Any], whole_ref:
     return TensorRow.of(whole, worst_rank=worst, per_rank_rel_err=tuple(per_rank), baseline_rel_err=baseline)
 
 
-def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = None) -> Environment:
+def rank_environment(ctx: DistContext, backend: str, req: LayoutRequest, emulated: str | None = None) -> Environment:
     """The environment line of a report, as rank 0 saw it."""
     import platform
 
@@ -74,15 +78,8 @@ def rank_environment(ctx: Any, backend: str, req: Any, emulated: str | None = No
     if ctx.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(ctx.device)})"
     return Environment(
-        torch=str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
-        diffusers=compat.diffusers_version(),
-        python=platform.python_version(),
-        device=device,
-        process_group=ctx.pg_backend,
-        world_size=ctx.world_size,
-        ring=req.ring,
-        ulysses=req.ulysses,
-        backend=backend,
-        dtype=req.dtype,
-        emulated=emulated or None,
+        # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
+        Software(torch=str(torch.__version__), diffusers=compat.diffusers_version(), python=platform.python_version()),
+        Launch(device, ctx.pg_backend, ctx.world_size, req.ring, req.ulysses, dtype=req.dtype, emulated=emulated or None),
+        AttentionBackend(backend),
     )

@@ -1,17 +1,60 @@
-"""What every examination's request shares: the CP layout (ring × Ulysses degrees, backend, dtype, device),
-the patch flag, the seed and the padding mask, validated in one place (BadInput, one line) before any process
-starts, and the plain-data round trip (to_dict / from_dict) that the JSON report and suites use."""
+"""What every examination's request is to the runner (`Request`, the protocol the registry, the runner and a report
+read), and what the requests of diffusers' layouts share (`LayoutRequest`): the CP layout (ring × Ulysses degrees,
+backend, dtype, device), the patch flag, the seed and the padding mask, validated in one place (BadInput, one line)
+before any process starts, and the plain-data round trip (to_dict / from_dict) that the JSON report and suites use."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from cpdoctor.errors import BadInput
-from cpdoctor.vocabulary import Device, DType, Word, parse
+from cpdoctor.report.environment import AttentionBackend, Environment, Launch
+from cpdoctor.vocabulary import Device, DType, Kind, Word, parse
 
 R = TypeVar("R", bound="LayoutRequest")
+
+
+class Request(Protocol):
+    """A launched examination's request, as the registry, the runner and a report read it: `AttentionRequest`,
+    `ModelRequest`, `PeerRequest`, `StepRequest`, `FixTrainingRequest`, each a frozen dataclass built once where the
+    input arrives and validated there (a variant of one, such as `--repro`'s cases, is `dataclasses.replace` of it).
+    Nothing reads a request's field by name: what the runner needs is here, what an examination needs is its own
+    request type's (`Examination[R]`)."""
+
+    kind: ClassVar[Kind]
+    """The examination it is for (`registry.of`)."""
+
+    @property
+    def world_size(self) -> int:
+        """The ranks its cases run on (ring × Ulysses for a layout; the step's dp × CP)."""
+        ...
+
+    @property
+    def device(self) -> Device:
+        """auto (a GPU per rank when there are enough, else the CPU), cpu or cuda."""
+        ...
+
+    @property
+    def patch(self) -> bool:
+        """Its cases run again with cpdoctor's fix patched in (the unpatched run is the report's `before`)."""
+        ...
+
+    @property
+    def emulate(self) -> bool:
+        """Its ranks run the CUDA kernels' CPU stand-ins (they import diffusers after them: fresh interpreters)."""
+        ...
+
+    def asked(self) -> Environment:
+        """The layout as asked (degrees, dtype, the backend as requested): what a report says of a launch that no rank
+        reported on."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON `request`."""
+        ...
+
 
 DEFAULT_SEQ = 512
 """The op-level examination's sequence length (`cpdoctor check`), before rounding to the CP world size."""
@@ -20,6 +63,33 @@ DEFAULT_SEQ = 512
 def default_seq(world_size: int) -> int:
     """512 rounded up to a multiple of the CP world size, so `--ring 3` works without choosing a length."""
     return -(-DEFAULT_SEQ // world_size) * world_size
+
+
+class Unpatched:
+    """Mixed into a request whose cases never run with cpdoctor's fix (it concerns diffusers' CP attention): a peer's,
+    the user's step, the fix's own training step (`Request.patch` False)."""
+
+    @property
+    def patch(self) -> bool:
+        return False
+
+
+class NotEmulated:
+    """Mixed into a request whose ranks never run the CUDA kernels' CPU stand-ins (`Request.emulate` False)."""
+
+    @property
+    def emulate(self) -> bool:
+        return False
+
+
+def layout_asked(ring: int | None, ulysses: int | None, dtype: str | None = None, backend: str | None = None) -> Environment:
+    """`Request.asked()` of a request of these degrees, dtype and backend (None: a request without one)."""
+    return Environment(launch=Launch(ring=ring, ulysses=ulysses, dtype=dtype), attention=AttentionBackend(backend))
+
+
+def degrees_label(ring: int, ulysses: int) -> str:
+    """A layout's degrees as its rows name it: "ring 3", "Ulysses 2", "ring 2 × Ulysses 2" (a degree of 1 unsaid)."""
+    return " × ".join(p for p in (f"ring {ring}" if ring > 1 else "", f"Ulysses {ulysses}" if ulysses > 1 else "") if p)
 
 
 def validate_timeout(timeout_s: float) -> None:
@@ -109,6 +179,9 @@ class LayoutRequest:
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
+
+    def asked(self) -> Environment:
+        return layout_asked(self.ring, self.ulysses, self.dtype, self.backend)
 
     def validate_common(self) -> None:
         validate_layout(self.ring, self.ulysses, self.dtype, self.device)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from cpdoctor import launch
 from cpdoctor.attempt import Attempt
@@ -17,33 +16,38 @@ from cpdoctor.compat.packages import installed_version
 from cpdoctor.errors import BadInput, CannotExamine, Unsupported, UnsupportedKind
 from cpdoctor.examinations import registry
 from cpdoctor.examinations.judging import emulation_note, unsupported_finding
-from cpdoctor.examinations.request import validate_timeout
+from cpdoctor.examinations.request import Request, validate_timeout
 from cpdoctor.launch.jobs import Case, CaseOutcome, Job
 from cpdoctor.report import Finding, Report, RunResult, Verdict
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import Environment, Software
 from cpdoctor.report.sections import Warnings
 from cpdoctor.vocabulary import Kind
 
 Tick = Callable[[], None] | None
 
 
-def fallback_environment(world_size: int, req: Any = None, ranks_ran: bool = True) -> Environment:
+def fallback_environment(request: Request, world_size: int | None = None, ranks_ran: bool = True) -> Environment:
     """What the parent knows when no rank got far enough to report: the versions installed, where the ranks
     ran (`ranks_ran`: the device and process group they chose by their own rule, `launch.context.
     device_and_group`; it costs importing torch to count the GPUs), and the layout asked for (the backend as
-    requested, e.g. "auto")."""
+    requested, e.g. "auto"). `world_size`: the launch's, where it is not the request's (the step's run without CP)."""
     from cpdoctor.launch.context import device_and_group
 
-    env = Environment(
-        torch=installed_version("torch"), diffusers=installed_version("diffusers"), python=platform.python_version(), world_size=world_size
-    )
+    world_size = registry.of(request).world_size(request) if world_size is None else world_size
+    software = installed_software()
+    asked = request.asked()
+    launch = asked.launch.replace(world_size=world_size)
     if ranks_ran:
-        device, group = device_and_group(str(getattr(req, "device", "auto")), visible_gpus(), world_size)
-        env = env.replace(device=device, process_group=group)
-    asked = {key: getattr(req, key) for key in ("backend", "ring", "ulysses", "dtype") if req is not None and hasattr(req, key)}
-    if getattr(req, "emulate", False):
-        asked["emulated"] = emulation_note(str(getattr(req, "backend", "auto")))
-    return env.replace(**asked)
+        device, group = device_and_group(str(request.device), visible_gpus(), world_size)
+        launch = launch.replace(device=device, process_group=group)
+    if request.emulate:
+        launch = launch.replace(emulated=emulation_note(str(asked.attention.backend or "auto")))
+    return Environment(software, launch, asked.attention)
+
+
+def installed_software() -> Software:
+    """The versions installed here, read without importing them: what a report says where no rank reported."""
+    return Software(torch=installed_version("torch"), diffusers=installed_version("diffusers"), python=platform.python_version())
 
 
 def visible_gpus() -> int:
@@ -88,13 +92,14 @@ def outcome_findings(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
     return entry.failure_findings(outcome.case, outcome.failures, timeout_s)
 
 
+def reported(outcome: CaseOutcome) -> Environment | None:
+    """The environment a case's ranks reported with their numbers (None when they reported none)."""
+    return outcome.evaluated.environment if outcome.evaluated is not None else None
+
+
 def ran_in(outcome: CaseOutcome) -> Environment:
     """The environment a case's ranks reported with their numbers, else what the parent knows of where they ran."""
-    ran = getattr(outcome.evaluated, "environment", None)
-    if ran is not None:
-        return ran
-    request = outcome.case.request
-    return fallback_environment(registry.of(request).world_size(request), request)
+    return reported(outcome) or fallback_environment(outcome.case.request)
 
 
 def outcome_findings_in(outcome: CaseOutcome, timeout_s: float) -> list[Finding]:
@@ -130,14 +135,10 @@ def warnings_seen(outcomes: list[CaseOutcome]) -> Warnings | None:
 
 def first_environment(outcomes: list[CaseOutcome], fallback: Callable[[], Environment]) -> Environment:
     """The environment the first evaluated case reported, else what the parent knows (`fallback()`)."""
-    for outcome in outcomes:
-        env = getattr(outcome.evaluated, "environment", None)
-        if env is not None:
-            return env
-    return fallback()
+    return next((env for outcome in outcomes if (env := reported(outcome)) is not None), None) or fallback()
 
 
-def examine(request: Any, *, timeout_s: float, on_tick: Tick = None) -> Report:
+def examine(request: Request, *, timeout_s: float, on_tick: Tick = None) -> Report:
     """Run the examination `request` is for (its type names it: `AttentionRequest`, `PeerRequest`, ...; unpatched,
     then patched with `request.patch`) and assemble its Report: the exit code and top-level verdict are the last
     run's; with patch the unpatched run is `before`. Under torchrun every rank returns the same report (rank 0's)."""
@@ -146,7 +147,7 @@ def examine(request: Any, *, timeout_s: float, on_tick: Tick = None) -> Report:
     missing = entry.unsupported_here(request)
     if missing is not None:  # answered from the parent, before any rank starts
         finding = entry.unsupported_finding(request, missing)
-        environment = fallback_environment(entry.world_size(request), request, ranks_ran=False)
+        environment = fallback_environment(request, ranks_ran=False)
         return Report.of([finding], environment, request)
     req = entry.prepare(request)
     advice: list[str] = []
@@ -162,10 +163,10 @@ def examine(request: Any, *, timeout_s: float, on_tick: Tick = None) -> Report:
     runs = [RunResult.of(outcome_findings_in(o, timeout_s)) for o in result.outcomes]
     if not runs:
         return Report.of([Finding(entry.describe(req), Verdict.HANG, "no rank reported", "rerun with a longer timeout")],
-                         fallback_environment(world, req), req, wall_s=result.wall_s, advice=tuple(advice))  # fmt: skip
+                         fallback_environment(req, world), req, wall_s=result.wall_s, advice=tuple(advice))  # fmt: skip
     final = runs[-1]
-    before = runs[0] if getattr(req, "patch", False) and len(runs) > 1 else None
-    env = first_environment(result.outcomes, lambda: fallback_environment(entry.world_size(req), req))
+    before = runs[0] if req.patch and len(runs) > 1 else None
+    env = first_environment(result.outcomes, lambda: fallback_environment(req))
     warnings = warnings_seen(result.outcomes)
     return Report.of(final.findings, env, req, before=before, wall_s=result.wall_s, warnings=warnings, advice=tuple(advice))
 
@@ -184,7 +185,7 @@ class SuiteRun:
     warnings: Warnings | None = None
 
 
-def run_requests(requests: list[Any], *, patch: bool, timeout_s: float, on_tick: Tick = None) -> SuiteRun:
+def run_requests(requests: list[Request], *, patch: bool, timeout_s: float, on_tick: Tick = None) -> SuiteRun:
     """Every request's cases, in the requests' order of findings. Requests of one world size, device and interpreter
     need share one launch whatever their kind (the ranks import torch and diffusers once); with `patch` (or a request
     that asks for it) the unpatched findings come back under `before`."""
@@ -215,12 +216,12 @@ def run_requests(requests: list[Any], *, patch: bool, timeout_s: float, on_tick:
                 before[i] = finding
                 final[i] = final[i] or finding
     widest = max(requests, key=lambda r: registry.of(r).world_size(r))
-    ran = first_environment(outcomes_seen, lambda: fallback_environment(registry.of(widest).world_size(widest), widest))
+    ran = first_environment(outcomes_seen, lambda: fallback_environment(widest))
     environment = ran.machine_only()  # each finding keeps its own (Finding.environment); the suite's is the machine's
-    if environment.diffusers is None:  # a peer's ranks do not report it
-        environment = environment.replace(diffusers=installed_version("diffusers"))
+    if environment.software.diffusers is None:  # a peer's ranks do not report it
+        environment = environment.replace(software=environment.software.replace(diffusers=installed_version("diffusers")))
     before_run = None
-    if patch or any(getattr(r, "patch", False) for r in requests):
+    if patch or any(r.patch for r in requests):
         before_run = [b for b in before if b is not None]
     findings = [f for f in final if f is not None]
     return SuiteRun(findings, before_run, environment, wall, launches, warnings_seen(outcomes_seen))

@@ -198,8 +198,9 @@ def read_text(path: str) -> str | None:
 
 class ActiveLog:
     """The step log `tick` writes to in this process, and the files `raised` and `advise` write to. Lifetime: set
-    once per rank by the worker (`activate`) before its first case, kept for the rank's life; None in every other
-    process (the parent, a training script), where `tick` and `raised` are no-ops and `advise` prints. `advised`
+    once per rank by the worker (`activate`) before its first case, or by launch/armed.py in a process of a command
+    `cpdoctor step -- cmd` launched, kept for the process's life; None in every other process (the parent, a
+    training script), where `tick` and `raised` are no-ops and `advise` prints. `advised`
     holds the advice given so far in this process (each said once)."""
 
     def __init__(self) -> None:

@@ -32,7 +32,7 @@ from cpdoctor.launch.jobs import (
 )
 from cpdoctor.launch.progress import Milestone, blame, read_advice, read_raised, read_step, read_text, show_advice
 from cpdoctor.launch.warm import WARM, WarmRank
-from cpdoctor.launch.worker import advice_path, flight_path, outcome_path, raised_path, status_path, step_path
+from cpdoctor.launch.worker import RankFile, outcome_path, rank_file
 
 RankProcess = subprocess.Popen | WarmRank
 """A rank the parent supervises: spawned (Popen) or forked from the warm server; both have pid, poll and wait."""
@@ -116,7 +116,7 @@ class _Watch:
     def read_advice(self) -> None:
         """Print each line of advice a rank gave, the first time it is read (on stderr, above a spinner)."""
         for rank in range(len(self.procs)):
-            for line in read_advice(advice_path(self.out_dir, rank)):
+            for line in read_advice(rank_file(self.out_dir, rank, RankFile.ADVICE)):
                 if line not in self.advice:
                     self.advice.append(line)
                     show_advice(line)
@@ -124,9 +124,9 @@ class _Watch:
     def watch_progress(self, now: float) -> None:
         """Note every rank whose step file or flight record changed since the last poll: it moved."""
         for rank in range(len(self.procs)):
-            text = read_text(step_path(self.out_dir, rank))
+            text = read_text(rank_file(self.out_dir, rank, RankFile.STEP))
             if text is not None:
-                text += "\n" + (read_text(flight_path(self.out_dir, rank)) or "")
+                text += "\n" + (read_text(rank_file(self.out_dir, rank, RankFile.FLIGHT)) or "")
             if text is not None and text != self.seen.get(rank):
                 self.seen[rank] = text
                 self.moved[rank] = now
@@ -146,8 +146,8 @@ class _Watch:
                 break
             self.outcomes[i] = outcome  # type: ignore[assignment]
         for rank, p in enumerate(self.procs):
-            if os.path.exists(status_path(self.out_dir, rank)):  # the latest error of this rank
-                got = _load(status_path(self.out_dir, rank))
+            if os.path.exists(rank_file(self.out_dir, rank, RankFile.STATUS)):  # the latest error of this rank
+                got = _load(rank_file(self.out_dir, rank, RankFile.STATUS))
                 if got is not None:
                     self.errors[rank] = got  # type: ignore[assignment]
             code = p.poll()
@@ -180,11 +180,12 @@ def _failures(watch: _Watch, index: int, timeout_s: float) -> list[RankFailure]:
     (progress.blame) are HANG and the rest were waiting; at the wall bound, the ranks still moving are the ones the others were waiting for."""
     crashed = {r: p for r, (i, p) in watch.errors.items() if p.status is RankStatus.ERROR and not p.timed_out and i in (index, -1)}
     steps: dict[int, Milestone | None] = {
-        r: read_step(step_path(watch.out_dir, r), flight_path(watch.out_dir, r)) for r in range(len(watch.procs))
+        r: read_step(rank_file(watch.out_dir, r, RankFile.STEP), rank_file(watch.out_dir, r, RankFile.FLIGHT))
+        for r in range(len(watch.procs))
     }
     failures = [RankFailure(r, FailureKind.CRASH, p.message, p.traceback, where=_where(steps[r])) for r, p in crashed.items()]
     for r in sorted(set(steps) - set(crashed)):  # an exception the examination caught, then a peer never arrived
-        noted = read_raised(raised_path(watch.out_dir, r))
+        noted = read_raised(rank_file(watch.out_dir, r, RankFile.RAISED))
         if noted is not None:
             crashed[r] = RankPayload(RankStatus.ERROR, message=noted[0], traceback=noted[1])
             failures.append(RankFailure(r, FailureKind.CRASH, noted[0], noted[1], where=_where(steps[r])))

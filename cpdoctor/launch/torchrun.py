@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.launch.context import DistContext
 from cpdoctor.launch.jobs import CaseOutcome, FailureKind, Job, LaunchResult, RankFailure
 from cpdoctor.launch.progress import StepLog
@@ -106,12 +107,12 @@ def run_in_this_process(job: Job) -> LaunchResult:
         outcomes = execute_job(job, ctx, StepLog(None))
         peer_lost = ctx.rank == 0 and _lost_peer(outcomes or [])
         if not peer_lost:  # a lost peer would never join the broadcast
-            try:
-                outcomes = ctx.broadcast_from_root(outcomes)
-            except Exception as exc:  # noqa: BLE001 - rank 0 saw a lost peer and did not share
-                failure = RankFailure(0, FailureKind.HANG, f"rank 0 did not share the result ({type(exc).__name__})")
+            shared = Attempt.of(lambda: ctx.broadcast_from_root(outcomes))  # rank 0 saw a lost peer and did not share
+            if shared.error is not None:
+                failure = RankFailure(0, FailureKind.HANG, f"rank 0 did not share the result ({type(shared.error).__name__})")
                 peer_lost = True
                 return LaunchResult([CaseOutcome(job.cases[0], failures=[failure])], wall_s=time.monotonic() - start, launches=1)
+            outcomes = shared.value
     finally:
         if peer_lost or not HELD.keep(ctx):
             ctx.close(sync=not peer_lost)

@@ -6,6 +6,7 @@ leaves the rest to the supervising parent (spawn.py), which relaunches them."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import pickle
 import signal
@@ -118,14 +119,14 @@ def execute_job(
         if payload.status is RankStatus.ERROR and on_local_error is not None:
             on_local_error(index, payload)
         log.mark(index, "reporting")
-        try:
-            gathered = ctx.gather_to_root(payload)
-        except Exception as exc:  # noqa: BLE001 - a peer never reported (under torchrun nobody else says so)
+        reported = Attempt.of(lambda p=payload: ctx.gather_to_root(p))  # a peer never reported (under torchrun nobody else says so)
+        if reported.error is not None:
             if ctx.rank != 0:
                 return None
-            lost = RankPayload(RankStatus.LOST, message=f"did not report ({type(exc).__name__})")
+            lost = RankPayload(RankStatus.LOST, message=f"did not report ({type(reported.error).__name__})")
             outcomes.append(CaseOutcome(case, failures=failures_from_payloads([payload] + [lost] * (ctx.world_size - 1))))
             return outcomes
+        gathered = reported.value
         go_on = True
         log.mark(index, "evaluating" if ctx.rank == 0 else "awaiting")
         if ctx.rank == 0:
@@ -162,24 +163,19 @@ def write_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def status_path(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, f"rank{rank}.status")
+class RankFile(str, enum.Enum):
+    """The files a spawned rank writes for its supervising parent, one of each per rank (`rank<R>.<kind>`): its
+    latest error, its step log, its flight record, the exception its code noted, its advice."""
+
+    STATUS = "status"
+    STEP = "step"
+    FLIGHT = "flight"
+    RAISED = "raised"
+    ADVICE = "advice"
 
 
-def step_path(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, f"rank{rank}.step")
-
-
-def flight_path(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, f"rank{rank}.flight")
-
-
-def raised_path(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, f"rank{rank}.raised")
-
-
-def advice_path(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, f"rank{rank}.advice")
+def rank_file(out_dir: str, rank: int, kind: RankFile) -> str:
+    return os.path.join(out_dir, f"rank{rank}.{kind.value}")
 
 
 def outcome_path(out_dir: str, index: int) -> str:
@@ -192,20 +188,20 @@ def worker_main(job_path: str, out_dir: str) -> int:
     with open(job_path, "rb") as fh:
         job: Job = pickle.load(fh)
     rank = int(os.environ["RANK"])
-    log = StepLog(step_path(out_dir, rank), flight_path=flight_path(out_dir, rank))
+    log = StepLog(rank_file(out_dir, rank, RankFile.STEP), flight_path=rank_file(out_dir, rank, RankFile.FLIGHT))
     log.mark(0, "joining")
-    activate(log, raised_path(out_dir, rank), advice_path(out_dir, rank))
+    activate(log, rank_file(out_dir, rank, RankFile.RAISED), rank_file(out_dir, rank, RankFile.ADVICE))
     heartbeat = Heartbeat()  # importing torch and joining move too
 
     def report_error(index: int, payload: RankPayload) -> None:
-        write_atomic(status_path(out_dir, rank), (index, payload))
+        write_atomic(rank_file(out_dir, rank, RankFile.STATUS), (index, payload))
 
-    try:
-        ctx = DistContext.join(job.timeout_s, job.device)
-    except (BadInput, CannotExamine) as exc:
-        status = RankStatus.BAD_INPUT if isinstance(exc, BadInput) else RankStatus.CANNOT_EXAMINE
-        report_error(0, RankPayload(status, message=str(exc)))
+    joined = Attempt.of(lambda: DistContext.join(job.timeout_s, job.device), catching=(BadInput, CannotExamine))
+    if joined.value is None:  # the device or group asked for cannot be had here: the ranks' refusal, exit 2 or 3
+        status = RankStatus.BAD_INPUT if isinstance(joined.error, BadInput) else RankStatus.CANNOT_EXAMINE
+        report_error(0, RankPayload(status, message=str(joined.error)))
         return 0
+    ctx = joined.value
     heartbeat.enabled = ctx.device.type == "cpu"  # a CUDA rank's host thread may spin while it waits: no proof of work
     try:
         ran = Attempt.of(

@@ -105,6 +105,25 @@ def list_models() -> list[ModelEntry]:
     return [entry for _, entry in _scan()]
 
 
+FAMILY_KINDS = ("video", "image", "all")
+"""What a suite's `each:` names: the classes whose input family is video, image, or every class with a plan."""
+
+
+def models_of(family: str) -> list[tuple[type, ModelEntry]]:
+    """The classes with a `_cp_plan` in the installed diffusers (detected, never listed) of `family`
+    (`FAMILY_KINDS`), with their entries, sorted by short name; classes without an input builder are left out."""
+    from cpdoctor.model_zoo.inputs import BUILDERS
+
+    if family not in FAMILY_KINDS:
+        raise BadInput(f"each: must be one of {', '.join(FAMILY_KINDS)}, got {family!r}")
+    chosen = []
+    for cls, entry in _scan():
+        builder = BUILDERS.get(entry.builder or "")
+        if builder is not None and (family == "all" or builder.is_video == (family == "video")):
+            chosen.append((cls, entry))
+    return chosen
+
+
 @dataclasses.dataclass
 class ResolvedModel:
     """A model class plus the config to build it with ({} means the class's own defaults)."""
@@ -207,3 +226,12 @@ def build_model(cls: type, config: Mapping[str, Any] | None = None, device: Any 
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
+
+
+def model_outputs(result: Any) -> list[Any]:
+    """The tensors a model's forward returned, in order: one for most classes (`(sample,)` with return_dict=False),
+    the video and the audio for LTX-2 and MiniMax-H3 (each is gathered by the CP plan and each is examined)."""
+    import torch
+
+    items = list(result) if isinstance(result, (tuple, list)) else [getattr(result, "sample", result)]
+    return [t for t in items if isinstance(t, torch.Tensor)]

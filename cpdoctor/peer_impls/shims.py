@@ -24,12 +24,13 @@ shows (what, why, how often it acted).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
-import traceback
 import types
 from collections.abc import Iterator
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.peer_impls.base import Shim
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.vocabulary import Kernel
@@ -61,16 +62,13 @@ def import_ring_flash_attn() -> tuple[Any, Shim | None]:
         import ring_flash_attn
 
         return ring_flash_attn, _hf_shim(doc)
-    try:
-        import ring_flash_attn
-
-        return ring_flash_attn, None
-    except ImportError as exc:
-        tb = traceback.format_exc()
-        frame = peer_frame(tb, "ring_flash_attn")
-        if frame is None or "adapters" not in frame.location:
-            raise
-        reason = f"{type(exc).__name__}: {exc} at {frame.location}"
+    imported = Attempt.of(lambda: importlib.import_module("ring_flash_attn"), trace=True, catching=(ImportError,))
+    if imported.error is None:
+        return imported.value, None
+    frame = peer_frame(imported.trace or "", "ring_flash_attn")
+    if frame is None or "adapters" not in frame.location:
+        raise imported.error
+    reason = f"{type(imported.error).__name__}: {imported.error} at {frame.location}"
     _purge("ring_flash_attn")
     sys.modules[HF_ADAPTER] = _hf_adapter_stub(reason)
     import ring_flash_attn
@@ -149,12 +147,17 @@ CUDA_OPS = {
 """The CUDA SDPA op of each backend (what PyTorch's context_parallel intercepts)."""
 
 
-def _router(kernel: Kernel) -> Any:
+def sdpa_router(kernel: Kernel, others: Any = None) -> Any:
+    """What `F.scaled_dot_product_attention` becomes: the CUDA op of `kernel`, with a logsumexp when an input needs
+    gradients. A call with a mask or GQA goes to `others` (the original SDPA: a text encoder's masked attention,
+    which no CP attention is) and raises without it (the examinations pass neither)."""
     import torch
 
     op = getattr(torch.ops.aten, CUDA_OPS[kernel])
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
+        if (attn_mask is not None or enable_gqa) and others is not None:
+            return others(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if attn_mask is not None or enable_gqa:
             raise NotImplementedError("cpdoctor's CUDA SDPA routing takes no mask and no GQA (the examination passes neither)")
         lse = any(t.requires_grad for t in (query, key, value))
@@ -174,7 +177,7 @@ def cuda_sdpa_routing(kernel: Kernel) -> Iterator[list[int]]:
     import torch.nn.functional as F
 
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _router(kernel)
+    F.scaled_dot_product_attention = sdpa_router(kernel)
     try:
         yield [1]
     finally:

@@ -6,13 +6,14 @@ documents that travel: JUnit (`junit.py`), Markdown (`markdown.py`), plain text 
 from __future__ import annotations
 
 from cpdoctor.report.environment import Environment
-from cpdoctor.report.findings import FailureEvidence, Finding, Report, Request, RunResult
+from cpdoctor.report.findings import Asked, FailureEvidence, Finding, Report, RunResult
 from cpdoctor.report.numbers import BlockRow, Comparison, JudgedRow, ParamRow, TensorRow
 from cpdoctor.report.render import TENSOR_LABELS, environment_line, fmt, render, render_finding, styled, tensor_table, worst_tensor
 from cpdoctor.report.verdict import SEVERITY, ExitCode, Verdict, overall
 
 __all__ = [
     "SEVERITY",
+    "Asked",
     "TENSOR_LABELS",
     "BlockRow",
     "Comparison",
@@ -23,7 +24,6 @@ __all__ = [
     "JudgedRow",
     "ParamRow",
     "Report",
-    "Request",
     "RunResult",
     "TensorRow",
     "Verdict",

@@ -14,6 +14,7 @@ typed section (report/sections.py): a suite's name, the ranks' `warnings` and `a
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -107,31 +108,38 @@ class Finding:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunResult:
-    """The findings of one examination run (patched or not)."""
+    """The findings of one examination run (patched or not), built once."""
 
     verdict: Verdict
-    findings: list[Finding]
+    findings: tuple[Finding, ...]
 
     @classmethod
-    def of(cls, findings: list[Finding]) -> RunResult:
+    def of(cls, findings: Iterable[Finding]) -> RunResult:
+        findings = tuple(findings)
         return cls(overall(findings)[0], findings)
+
+    def ran_in(self, environment: Environment) -> RunResult:
+        """This run, each finding that does not know where it ran knowing it ran in `environment`."""
+        return replace(self, findings=tuple(f.ran_in(environment) for f in self.findings))
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": Verdict(self.verdict).value, "findings": [f.to_dict() for f in self.findings]}
 
 
-class Request(Protocol):
-    """What a report says was asked: the examination's request dataclass itself (`AttentionRequest`, ...), a
-    suite's, the doctor's or a watched step's; JSON `request` is its `to_dict()`."""
+class Asked(Protocol):
+    """What a report says was asked: the examination's request dataclass itself (`AttentionRequest`, ...: an
+    `examinations.request.Request`), a suite's, the doctor's, env's, a plan's or a watched step's; JSON `request` is
+    its `to_dict()`."""
 
     def to_dict(self) -> dict[str, Any]: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Report:
-    """Everything one command found, with its verdict and exit code, and the sections an examination adds under
+    """Everything one command found, with its verdict and exit code, built once (`Report.of`) and frozen: what a
+    later step adds (`--repro`'s upstream fix) makes a new report. The sections an examination adds under
     their own top-level JSON keys (each None, or empty, and then absent from the JSON, where the examination adds
     none): `suite` (a suite's name), `warnings` and `advice` (what the ranks raised or advised), `backends` and
     `peers` (`cpdoctor env`'s rows), `plan` (`cpdoctor plan`'s measured split, its own keys), `doctor` (the
@@ -140,8 +148,8 @@ class Report:
     verdict: Verdict
     exit_code: ExitCode
     environment: Environment
-    request: Request
-    findings: list[Finding]
+    request: Asked
+    findings: tuple[Finding, ...]
     before: RunResult | None = None
     wall_s: float = 0.0
     suite: str | None = None
@@ -152,16 +160,18 @@ class Report:
     peers: tuple[Row, ...] | None = None
     doctor: DoctorSummary | None = None
     upstream_fix: UpstreamFixOutcome | None = None
+    runs: tuple[Row, ...] | None = None
+    """`cpdoctor step -- cmd`'s two launches of the user's command (each its command line, processes, exit, wall)."""
 
     @classmethod
-    def of(cls, findings: list[Finding], environment: Environment, request: Request, **kwargs: Any) -> Report:
+    def of(
+        cls, findings: Iterable[Finding], environment: Environment, request: Asked, *, before: RunResult | None = None, **sections: Any
+    ) -> Report:
         """The report of `findings`, its verdict and exit code derived from them; a finding (or a `before`
-        finding) that does not know where it ran ran in `environment`."""
+        finding) that does not know where it ran ran in `environment`. `sections`: the other fields, by name."""
+        findings = tuple(f.ran_in(environment) for f in findings)
         verdict, code = overall(findings)
-        before = kwargs.get("before")
-        if before is not None:
-            before.findings = [f.ran_in(environment) for f in before.findings]
-        return cls(verdict, code, environment, request, [f.ran_in(environment) for f in findings], **kwargs)
+        return cls(verdict, code, environment, request, findings, None if before is None else before.ran_in(environment), **sections)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -189,7 +199,7 @@ class Report:
             data["advice"] = list(self.advice)
         if self.plan is not None:
             data.update(to_jsonable(self.plan.to_dict()))
-        for key, rows in (("backends", self.backends), ("peers", self.peers)):
+        for key, rows in (("backends", self.backends), ("peers", self.peers), ("runs", self.runs)):
             if rows is not None:
                 data[key] = [to_jsonable(r.to_dict()) for r in rows]
         if self.doctor is not None:

@@ -28,7 +28,7 @@ def styled(verdict: Verdict | str) -> str:
 def environment_line(env: Environment) -> str:
     keys = ("torch", "diffusers", "device", "process_group", "world_size", "backend", "dtype", "emulated")
     names = {"world_size": "ranks", "process_group": "pg"}
-    return " · ".join(f"{names.get(k, k)} {_plain(v)}" for k in keys if (v := getattr(env, k)) is not None)
+    return " · ".join(f"{names.get(k, k)} {_plain(v)}" for k in keys if (v := env.get(k)) is not None)
 
 
 def _plain(value: Any) -> str:

@@ -155,6 +155,9 @@ def test_prepare_fills_small_divisible_shapes():
     assert (flux.height, flux.width, flux.text_len, flux.frames) == (128, 128, 8, None)
     wan = api.request_for("model", model="wan", ring=2)
     assert wan.frames == 5 and wan.height == 128
+    # no shape given: the small defaults move to the nearest that divide (plan's measured remedies)
+    flux3 = api.request_for("model", model="flux", ring=3)
+    assert (flux3.height, flux3.width, flux3.text_len) == (128, 144, 9)
     assert registry.get("model").build_request(model="flux", ulysses=2).ring == 1
 
 
@@ -162,12 +165,12 @@ def test_prepare_fills_small_divisible_shapes():
     "fields, words",
     [
         (dict(model="flux", mask_pad=3), "takes no text mask"),
-        (dict(model="flux", ring=3), "not divisible by ring × ulysses = 3"),
+        (dict(model="flux", ring=3, height=128, width=128), "not divisible by ring × ulysses = 3"),
         (dict(model="flux", height=144, width=144), "hidden_states 81"),
         (dict(model="flux", ulysses=4), "do not divide by --ulysses 4"),
         (dict(model="qwen-image", mask_pad=8), "--mask-pad"),
         (dict(model="flux", frames=5), "image model"),
-        (dict(model="ltx", ring=2), "no tiny config for ltx"),
+        (dict(model="ltx", ring=2, config="/nonexistent/config.json"), "cannot read --config"),
     ],
 )
 def test_bad_input_before_any_process(fields, words):
@@ -178,12 +181,12 @@ def test_bad_input_before_any_process(fields, words):
 def test_checkpoint_directory_is_loaded(tmp_path, has_stale_kv_backward):
     """The real loading path: save_pretrained(safe_serialization=True), then the CLI with --patch, JSON out."""
     import torch
+    from hub_cache import TINY_FLUX
 
     from cpdoctor.model_zoo.catalog import resolve_model
-    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     torch.manual_seed(3)
-    model = resolve_model("flux").cls(**TINY_CONFIGS["flux"])
+    model = resolve_model("flux").cls(**TINY_FLUX)
     model.save_pretrained(str(tmp_path), safe_serialization=True)
     run = run_cli("model", str(tmp_path), "--ring", "2", "--patch", "--json", "-")
     data = run.json

@@ -1,7 +1,8 @@
 """The watcher under a real compiler: `torch.compile(model, backend="aot_eager")` (which traces forward and backward
 graphs, unlike "eager", which compiles nothing) and `backend="inductor"` where this machine has a C++ compiler
-(inductor builds its CPU kernels with one): the watched step PASSes and its gradients are bit-identical to the
-same compiled step's without the watcher (its hooks run outside dynamo, so they change nothing it computes).
+(inductor builds its CPU kernels with one): the watched step is judged as uncompiled (its `loss * 2` read through the
+compiled model: right if the 2 is cp, which its mean over the CP ranks makes up for, and wrong if it is a weight, a
+WARN naming both readings) and its gradients are bit-identical to the same compiled step's without the watcher (its hooks run outside dynamo, so they change nothing it computes).
 Issue 29: under aot_eager the watcher raised `setStorage ... out of bounds` inside the watched forward.
 
 Full tier (CPDOCTOR_TESTS=full): inductor compiles the tiny model's kernels with gcc on every rank (minutes on 2
@@ -52,6 +53,9 @@ def test_a_compiled_model_is_watched_without_changing_its_step(tmp_path, record_
     results = json.loads(out.read_text())
     for backend in backends:
         got = results[backend]
-        assert got["verdict"] == "PASS", (backend, got)
-        assert "multiplied by 2 = cp" in got["diagnosis"], (backend, got["diagnosis"])
+        assert got["verdict"] == "WARN", (backend, got)
+        assert "the 2 on the loss is cp = 2 or a weight of the step's own: right if the 2 on the loss is cp = 2" in got["diagnosis"], (
+            backend,
+            got["diagnosis"],
+        )
         assert got["identical_on_every_rank"] == [True, True], (backend, got)

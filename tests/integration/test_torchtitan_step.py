@@ -22,16 +22,15 @@ CP trainers" gives the local command. The correct step and the reduction fault r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from titan_ranks import simulated_rank
 
 pytest.importorskip("torchtitan.models.flux.trainer", reason="torchtitan is not installed (cpdoctor[titan])")
 torch = pytest.importorskip("torch")
@@ -119,25 +118,6 @@ def one_process():
         dist.destroy_process_group()
         if not had_standins:
             standins.uninstall()
-
-
-@contextlib.contextmanager
-def simulated_rank(rank: int, world: int) -> Iterator[None]:
-    """Rank `rank` of a world of `world` on torch's fake process group, in this process (nothing is exchanged:
-    what torchtitan builds from the layout can be read, not run); this process's own group is restored after."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    had = dist.is_initialized()
-    if had:
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        if had:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def titan_seeds(example, cp: int) -> list[int]:

@@ -75,7 +75,7 @@ def test_the_suite_runs_the_planned_requests_patched_as_asked():
     ],
 )
 def test_command_for_each_check(fields, patch, expected):
-    assert doctor.command_for(doctor.PlannedCheck.attention("x", "", **fields), patch=patch) == expected
+    assert doctor.command_for(doctor.PlannedCheck.attention("", **fields), patch=patch) == expected
 
 
 def test_every_planned_command_parses_as_the_same_request():
@@ -98,7 +98,8 @@ def test_under_torchrun_only_the_checks_of_its_world_size():
     assert _plan(8, torchrun_world=3) == [BASE[1]]
     assert _plan(0, torchrun_world=4) == [("ring 4", {"ring": 4}), BASE[3]]
     assert _plan(8, torchrun_world=8) == [("ring 8", {"ring": 8})]
-    ring4 = doctor.PlannedCheck.attention("ring 4", "", ring=4)
+    ring4 = doctor.PlannedCheck.attention("", ring=4)
+    assert ring4.label == "ring 4"
     assert doctor.command_for(ring4, patch=True, torchrun_world=4) == "torchrun --nproc-per-node 4 -m cpdoctor check --ring 4 --patch"
 
 
@@ -140,12 +141,32 @@ def test_fallback_environment_names_where_the_ranks_ran(monkeypatch):
     from cpdoctor.examinations.attention.request import build_request
 
     monkeypatch.setattr(runner, "visible_gpus", lambda: 0)
-    env = runner.fallback_environment(2, build_request(ring=2))
-    assert (env.device, env.process_group, env.backend) == ("cpu", "gloo", "auto")
+    env = runner.fallback_environment(build_request(ring=2))
+    assert (env.launch.device, env.launch.process_group, env.attention.backend) == ("cpu", "gloo", "auto")
     assert {"torch", "diffusers", "python"} <= set(env.to_jsonable())
     monkeypatch.setattr(runner, "visible_gpus", lambda: 1)
-    shared = runner.fallback_environment(2, build_request(ring=2))
-    assert (shared.device, shared.process_group) == ("cuda", "gloo")  # two ranks share one GPU
+    shared = runner.fallback_environment(build_request(ring=2))
+    assert (shared.launch.device, shared.launch.process_group) == ("cuda", "gloo")  # two ranks share one GPU
     monkeypatch.setattr(runner, "visible_gpus", lambda: 8)
-    own = runner.fallback_environment(2, build_request(ring=2))
-    assert (own.device, own.process_group) == ("cuda", "nccl")
+    own = runner.fallback_environment(build_request(ring=2))
+    assert (own.launch.device, own.launch.process_group) == ("cuda", "nccl")
+
+
+def test_the_doctors_backend_is_the_one_its_checks_chose_and_resolved_here_when_every_rank_failed(monkeypatch):
+    """0.36.0: every diffusers check's ranks raise before saying which backend `auto` chose; the doctor's line then
+    resolves `auto` here as the ranks do, not "auto". A check judged from numbers names its backend itself, and a
+    report with neither (a fed one) keeps "auto"."""
+    from cpdoctor.compat.backends import BackendFacts
+    from cpdoctor.examinations import backend_choice
+    from cpdoctor.examinations.attention.judge import AttentionEvidence
+    from cpdoctor.report import FailureEvidence, Finding, Verdict
+
+    asked = []
+    monkeypatch.setattr(backend_choice, "resolved_backend", lambda req: asked.append(req) or "cpdoctor_cpu")
+    checks = doctor.plan(0)
+    crashed = tuple(Finding("x", Verdict.CRASH, "raised", failure=FailureEvidence({0: "Traceback"})) for _ in checks)
+    assert doctor.backends_chosen(checks, crashed) == "cpdoctor_cpu" and asked == [c.request for c in checks]
+    asked.clear()
+    judged = Finding("x", Verdict.PASS, "exact", evidence=AttentionEvidence(BackendFacts("flash", registered=True)))
+    assert doctor.backends_chosen(checks, (judged, *crashed[1:])) == "flash" and not asked
+    assert doctor.backends_chosen(checks, tuple(Finding("x", Verdict.PASS, "exact") for _ in checks)) == "auto" and not asked

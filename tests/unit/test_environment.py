@@ -1,7 +1,9 @@
 """The typed Environment writes the JSON the environment dicts wrote before it: for each producer (an attention
 rank, a model rank, a peer rank, `cpdoctor env`, `cpdoctor plan`) the dict the earlier code built from the same
 inputs, spelled out here, and the Environment it builds now serialise to the same keys and values; a key the
-earlier code did not write stays absent. A report's findings keep the environment they ran in."""
+earlier code did not write stays absent. The environment's four parts (the machine's software, the launch, the
+attention backend, a peer's layout) hold every JSON key once; a report's findings keep the environment they ran
+in."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from cpdoctor.report import Environment, Finding, Report, Verdict
-from cpdoctor.report.environment import PER_CHECK
+from cpdoctor.report.environment import KEYS, PARTS, AttentionBackend, Launch, PeerLayout, Software
 from cpdoctor.report.serialize import to_jsonable
 from cpdoctor.vocabulary import DType
 
@@ -120,7 +122,9 @@ def test_env_lists_its_facts_in_the_order_it_did_before():
     assert list(env.to_jsonable()) == ENV_KEYS
     before = dict(env.items())  # the values the facts gathered, as the earlier dict held them
     _same_json(env, before)
-    probed = env.replace(emulated="stand-ins", probe_device="cpu", probe_dtype="fp32", ring_class="x.Ring")
+    probed = Environment(
+        env.software, Launch(emulated="stand-ins"), AttentionBackend(probe_device="cpu", probe_dtype="fp32", ring_class="x.Ring")
+    )
     assert list(probed.to_jsonable()) == [*ENV_KEYS, "emulated", "probe_device", "probe_dtype", "ring_class"]
 
 
@@ -140,9 +144,9 @@ def test_an_unknown_key_is_refused():
 
 
 def test_a_finding_keeps_the_environment_it_ran_in():
-    ran = Environment(torch="2.9", world_size=2, impl="torch 2.9", variant="allgather", dtype=DType.BF16)
+    ran = Environment(Software(torch="2.9"), Launch(world_size=2, dtype=DType.BF16), peer=PeerLayout("torch 2.9", "allgather"))
     peer = Finding("torch ring 2", Verdict.PASS, "fine", environment=ran)
-    machine = Environment(torch="2.9", python="3.12")
+    machine = Environment(Software(torch="2.9", python="3.12"))
     plain = Finding("ring 2", Verdict.PASS, "fine")
     report = Report.of([peer, plain], machine, SimpleNamespace(to_dict=dict))
     data = report.to_dict()
@@ -155,5 +159,14 @@ def test_a_finding_keeps_the_environment_it_ran_in():
     }
     assert data["findings"][1]["environment"] == data["environment"] == {"torch": "2.9", "python": "3.12"}
     assert ran.machine_only().to_jsonable() == {"torch": "2.9"}
-    assert {"impl", "variant", "kernel", "layout", "backend", "world_size"} <= set(PER_CHECK)
-    assert not {"torch", "diffusers", "python", "device", "process_group"} & set(PER_CHECK)
+
+
+def test_the_parts_hold_every_key_once_and_a_suite_keeps_the_machine_and_where_its_ranks_ran():
+    names = [f for part in PARTS for f in part.__dataclass_fields__]
+    assert sorted(names) == sorted(KEYS) and len(names) == len(set(names)) == 31
+    everything = Environment.from_dict({key: key for key in KEYS})
+    assert list(everything.to_jsonable()) == list(KEYS)
+    kept = set(everything.machine_only().to_jsonable())
+    per_check = {"world_size", "ring", "ulysses", "backend", "dtype", "model", "impl", "variant", "kernel", "layout", "emulated"}
+    assert kept == set(KEYS) - per_check
+    assert {"torch", "diffusers", "python", "device", "process_group"} <= kept

@@ -226,6 +226,57 @@ def test_the_broad_except_rule_catches_an_offender():
     assert unexplained_broad_excepts(planted) == [4, 8, 10, 14]
 
 
+TRACEBACK_READS = {"format_exc", "exc_info", "print_exc", "format_exception"}
+NOT_A_PROBE = re.compile(r"#.*\bnot a probe:\s*\w+\s+\w+")
+
+
+def exceptions_made_data(source: str, tree: ast.AST | None = None) -> list[int]:
+    """Lines of `except` handlers that keep the exception as data (they read the name they bind, or the traceback
+    text, and do not end by raising) with no `# not a probe: <why>` on the handler's line or the comment line just
+    above: a probe's exception becomes data only through `Attempt.of` (attempt.py). A handler that re-raises, or
+    that maps a narrow, expected exception to a default without keeping it (`except ImportError: return None`),
+    keeps nothing of it and is not one."""
+    lines = source.splitlines()
+
+    def justified(line: int) -> bool:
+        above = lines[line - 2] if line > 1 and lines[line - 2].lstrip().startswith("#") else ""
+        return bool(NOT_A_PROBE.search(lines[line - 1]) or NOT_A_PROBE.search(above))
+
+    found = []
+    for node in ast.walk(tree if tree is not None else ast.parse(source)):
+        if not isinstance(node, ast.ExceptHandler) or isinstance(node.body[-1], ast.Raise):
+            continue
+        inner = [n for stmt in node.body for n in ast.walk(stmt)]
+        reads = node.name is not None and any(isinstance(n, ast.Name) and n.id == node.name for n in inner)
+        traced = any(isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) in TRACEBACK_READS for n in inner)
+        if (reads or traced) and not justified(node.lineno):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_exceptions_become_data_only_through_attempt():
+    offenders = {
+        str(p.relative_to(PACKAGE)): lines
+        for p in PACKAGE.rglob("*.py")
+        if p.relative_to(PACKAGE) != pathlib.Path("attempt.py") and (lines := exceptions_made_data(p.read_text(), parsed(p)))
+    }
+    assert not offenders, f"exceptions kept as data outside Attempt.of (use it, or say `# not a probe: why`): {offenders}"
+
+
+def test_the_attempt_rule_catches_an_offender():
+    planted = (
+        "import traceback\n"
+        "try:\n    f()\nexcept ValueError as exc:\n    why = str(exc)\n"  # 4: the message kept
+        "try:\n    f()\nexcept Exception:  # noqa: BLE001 - reported\n    tb = traceback.format_exc()\n"  # 8: the traceback kept
+        "try:\n    f()\nexcept OSError as exc:\n    log(exc)\n    raise\n"  # re-raised: fine
+        "try:\n    f()\nexcept ImportError:\n    x = None\n"  # a default, nothing kept: fine
+        "try:\n    f()\nexcept KeyError as exc:  # not a probe: the caller's one-line error\n    print(exc)\n"
+        "try:\n    f()\n# not a probe: the command's exit code\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "try:\n    f()\nexcept TypeError as exc:  # not a probe:\n    print(exc)\n"  # 30: a marker without a reason
+    )
+    assert exceptions_made_data(planted) == [4, 8, 30]
+
+
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     parts = [root.name, *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -489,10 +540,12 @@ STATE_OWNERS = {
     "cpu_kernels/standins.py": "LIBRARY",
     "examinations/step/watch.py": "WATCHED",
     "examinations/step/observe.py": "OBSERVING",
+    "examinations/step/capture.py": "CAPTURE",
     "autopatch.py": "AUTOPATCH",
     "peer_impls/yunchang.py": "GROUPS",
     "examinations/model/spec.py": "SURVEYS",
     "model_zoo/catalog.py": "SCANNED",
+    "model_zoo/tiny.py": "DERIVED",
     "compat/requirements.py": "READ",
 }
 """The owners of cpdoctor's process-wide state (module -> its module-level owner instance), each listed with its

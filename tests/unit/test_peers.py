@@ -191,7 +191,9 @@ def test_catalog_lists_every_peer_and_the_doctor_rows_only_installed_ones():
     infos = {p.impl: p for p in installed_peers()}
     assert set(infos) == {"ring-flash-attn", "yunchang", "torch"}
     assert infos["torch"].installed and infos["ring-flash-attn"].lse == ("basic", "zigzag", "stripe", "llama3")
-    rows = doctor_checks()
+    from cpdoctor.doctor import RINGS
+
+    rows = doctor_checks(RINGS)
     assert {r.request.impl for r in rows} == {p.impl for p in infos.values() if p.installed}
     assert sorted({r.request.ring for r in rows}) == [2, 3]
 

@@ -45,9 +45,9 @@ def test_ticks_without_a_supervisor_are_nothing():
 
 def test_advice_reaches_the_parent_once_and_is_printed_as_it_comes(tmp_path, capsys):
     from cpdoctor.launch.spawn import _Watch
-    from cpdoctor.launch.worker import advice_path
+    from cpdoctor.launch.worker import RankFile, rank_file
 
-    progress.activate(StepLog(None), advice_path=advice_path(str(tmp_path), 1))
+    progress.activate(StepLog(None), advice_path=rank_file(str(tmp_path), 1, RankFile.ADVICE))
     try:
         progress.advise("bf16 is 243× slower\nthan fp32 here")
         progress.advise("bf16 is 243× slower\nthan fp32 here")  # said once per process

@@ -36,7 +36,11 @@ def test_json_keys_and_plain_strings():
     row = JudgedRow(2.19, 3.0, 0, worst_rank=1, baseline_rel_err=4e-7, tolerance=1e-6, verdict=Verdict.FAIL)
     before = RunResult.of([finding("FAIL", tensors={"dq": row})])
     report = Report.of(
-        [finding("PASS")], Environment(torch="x"), SimpleNamespace(to_dict=lambda: {"ring": 2}), before=before, wall_s=1.23456
+        [finding("PASS")],
+        Environment.from_dict({"torch": "x"}),
+        SimpleNamespace(to_dict=lambda: {"ring": 2}),
+        before=before,
+        wall_s=1.23456,
     )
     data = json.loads(report.to_json())
     assert {"verdict", "exit_code", "environment", "request", "findings", "wall_s", "before"} <= set(data)
@@ -51,7 +55,7 @@ def test_render_shows_before_and_after_and_tracebacks():
     crash = finding("CRASH", failure=FailureEvidence(tracebacks={1: "Traceback (most recent call last): boom"}))
     report = Report.of(
         [finding("PASS", tensors={"dq": JudgedRow(4e-7, 3.0, 0, worst_rank=1, baseline_rel_err=4e-7, tolerance=1e-6)})],
-        Environment(torch="2.x", world_size=2),
+        Environment.from_dict({"torch": "2.x", "world_size": 2}),
         SimpleNamespace(to_dict=dict),
         before=RunResult.of([crash]),
     )

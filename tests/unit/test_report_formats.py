@@ -36,7 +36,7 @@ def report() -> Report:
         ),
         Finding("attention ring=2 mask", Verdict.HANG, "rank 1 did not finish within 25 s", "raise --timeout"),
     ]
-    return Report.of(findings, Environment(torch="2.13", diffusers="0.42.1"), SimpleNamespace(to_dict=dict), wall_s=12.5)
+    return Report.of(findings, Environment.from_dict({"torch": "2.13", "diffusers": "0.42.1"}), SimpleNamespace(to_dict=dict), wall_s=12.5)
 
 
 def test_junit_parses_with_one_testcase_per_finding(tmp_path):
@@ -77,3 +77,31 @@ def test_markdown_has_a_summary_and_the_failing_tables():
     assert "| 2 | `attention ring=3` | **FAIL** |" in text
     assert "| dK | 1.16e+00 | 3.00e+00 | 9.60e-07 | 4.20e-07 | 1 | 0 | **FAIL** |" in text
     assert "Look closer: `cpdoctor check --ring 3 --patch`" in text and "<summary>rank 1 traceback</summary>" in text
+
+
+def test_the_command_renderers_read_every_part_of_the_environment():
+    """`cpdoctor env`'s table and Markdown, the doctor's header, a suite's table and every report's environment line,
+    fed reports in process (the environment's parts, not a flat bag: a renderer reading a field the wrong way raises)."""
+    import io
+
+    from rich.console import Console
+
+    from cpdoctor.cli import doctor as doctor_cli
+    from cpdoctor.cli import env as env_cli
+    from cpdoctor.cli import run as run_cli
+    from cpdoctor.report import environment_line, render
+    from cpdoctor.report.sections import DoctorSummary
+
+    facts = {"torch": "2.x", "diffusers": "0.x", "python": "3.x", "device": "cpu", "process_group": "gloo"}
+    everything = Environment.from_dict({**facts, "probe_device": "cpu", "probe_dtype": "fp32", "backend": "flash"})
+    out = Console(file=io.StringIO(), width=200)
+    env_report = Report.of(report().findings, everything, SimpleNamespace(to_dict=dict), backends=(), peers=())
+    env_cli.render(env_report, out)
+    assert "attention backends on cpu (fp32)" in out.file.getvalue()
+    assert "Attention backends on cpu (fp32)" in env_cli.markdown(env_report)
+    assert environment_line(everything) == "torch 2.x · diffusers 0.x · device cpu · pg gloo · backend flash"
+    doctor_cli._header(everything, DoctorSummary(0, None, "flash", 3, (), ()), out)
+    assert "torch 2.x · diffusers 0.x · python 3.x" in out.file.getvalue() and "device cpu · process group gloo" in out.file.getvalue()
+    suite = Report.of(report().findings, everything, SimpleNamespace(suite="quick", source="quick.yaml", to_dict=dict))
+    run_cli.render_suite(suite, out)
+    render(suite, out)

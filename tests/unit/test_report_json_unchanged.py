@@ -8,7 +8,9 @@ plan) serialises to the text main (954b298) wrote for the same ingredients throu
 (golden/sections_*.json).
 
 Every place that used to change a finding after building it is on the way: the doctor's `command`, a failure
-finding's `emulated` (attention) and `command` (peer), the runner's per-case `environment`, and `Report.of`'s."""
+finding's `emulated` (attention) and `command` (peer), the runner's per-case `environment`, and `Report.of`'s; and
+every place that changed a report after building it: the doctor (which builds its own from the suite's run) and
+`--repro` (whose upstream fix is a field given to the report it builds)."""
 
 from __future__ import annotations
 
@@ -23,18 +25,19 @@ from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.env.backend_table import BackendRow, Cell, OpProbe
 from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.peer.request import build_request as peer_request
+from cpdoctor.examinations.runner import SuiteRun
 from cpdoctor.launch.jobs import Case, CaseOutcome, FailureKind, RankFailure
 from cpdoctor.model_zoo.splits.measure import SplitKind
 from cpdoctor.model_zoo.splits.result import HeadsCheck, Plan, Problem, Remedy, SkippedRow, SplitRow
 from cpdoctor.peer_impls.installed import PeerInfo
-from cpdoctor.report import Finding, Report, RunResult, TensorRow, Verdict
-from cpdoctor.report.environment import Environment
+from cpdoctor.report import Finding, Report, TensorRow, Verdict
+from cpdoctor.report.environment import AttentionBackend, Environment
 from cpdoctor.report.sections import UpstreamFixOutcome
 from cpdoctor.suite import SuiteRequest, build_requests
 from cpdoctor.vocabulary import Kind
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-ENV = Environment(torch="2.x", diffusers="0.x", device="cpu", world_size=2)
+ENV = Environment.from_dict({"torch": "2.x", "diffusers": "0.x", "device": "cpu", "world_size": 2})
 BASE = 4e-7
 
 
@@ -73,21 +76,23 @@ def _doctor_report(monkeypatch, patch: bool) -> Report:
     """The doctor on a CPU (no accelerator, no peer), its suite answered by fed findings: the diffusers checks at
     ring 3 fail (before the fix too), the others pass; with `patch` every check passes after the fix."""
 
-    def run_suite(suite, *, patch: bool, timeout_s: float, on_tick=None) -> Report:  # api.run_suite, answered
+    def examine_suite(suite, *, patch: bool, timeout_s: float, on_tick=None):  # api.examine_suite, answered
         def finding(req, fixed: bool) -> Finding:
             bad = req.ring == 3 and not fixed
             verdict = Verdict.FAIL if bad else Verdict.PASS
             return Finding(
-                f"check ring {req.ring}", verdict, "dK/dV wrong" if bad else "exact", environment=ENV.replace(backend="cpdoctor_cpu")
+                f"check ring {req.ring}",
+                verdict,
+                "dK/dV wrong" if bad else "exact",
+                environment=ENV.replace(attention=AttentionBackend("cpdoctor_cpu")),
             )
 
         requests = build_requests(suite, patch)
         after = [finding(r, fixed=patch) for r in requests]
-        before = RunResult.of([finding(r, fixed=False) for r in requests]) if patch else None
-        request = SuiteRequest(suite.name, suite.source, patch, tuple(requests))
-        return Report.of(after, ENV, request, before=before, suite=suite.name)
+        before = [finding(r, fixed=False) for r in requests] if patch else None
+        return SuiteRequest(suite.name, suite.source, patch, tuple(requests)), SuiteRun(after, before, ENV, 0.0, 3)
 
-    monkeypatch.setattr("cpdoctor.api.run_suite", run_suite)
+    monkeypatch.setattr("cpdoctor.api.examine_suite", examine_suite)
     monkeypatch.setattr(doctor, "_torchrun_world", lambda: None)
     monkeypatch.setattr(doctor, "peer_checks", lambda device="auto": ())
     return doctor.run_doctor(patch=patch, accelerators=0)
@@ -175,8 +180,9 @@ def section_reports() -> dict[str, Report]:
     items = list(WARNINGS.items())
     outcomes = [CaseOutcome(Case(SECTION_REQ), warnings=dict(items[:1])), CaseOutcome(Case(SECTION_REQ), warnings=dict(items[1:]))]
     warnings = runner.warnings_seen(outcomes)
-    check = Report.of(SECTION_FINDINGS, ENV, SECTION_REQ, wall_s=1.5, warnings=warnings, advice=ADVICE)
-    check.upstream_fix = UpstreamFixOutcome(True, *FIX)
+    check = Report.of(
+        SECTION_FINDINGS, ENV, SECTION_REQ, wall_s=1.5, warnings=warnings, advice=ADVICE, upstream_fix=UpstreamFixOutcome(True, *FIX)
+    )
     request = SuiteRequest("quick", "quick.yaml", False, (SECTION_REQ,))
     suite = Report.of(SECTION_FINDINGS, ENV, request, suite="quick", warnings=warnings)
     env = Report.of([], ENV, SECTION_REQ, backends=tuple(backend_rows()), peers=tuple(peers()))

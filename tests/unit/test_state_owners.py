@@ -193,6 +193,49 @@ def test_the_watch_counter_reset_and_counted_twice(monkeypatch):
         assert [WATCHED.next(), WATCHED.next(), WATCHED.next()] == [1, 2, 3] and WATCHED.count == 3
 
 
+def test_the_capture_armed_captured_and_disarmed_twice(tmp_path, monkeypatch):
+    """`cpdoctor step -- cmd`'s capture in one process (no process group, run 1's role): armed, the first optimizer
+    step of the model that ran with gradients is saved and the job's end is called; disarmed, torch's global hooks
+    are gone and nothing is kept. Twice: nothing of the first use is left for the next."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    from cpdoctor.examinations.step.capture import CAPTURE, ArmSpec, Ending
+    from cpdoctor.examinations.step.observe import OBSERVING
+    from cpdoctor.examinations.step.request import Role
+    from cpdoctor.examinations.step.watch import WATCHED
+
+    monkeypatch.setattr(WATCHED, "count", WATCHED.count)
+    monkeypatch.delenv("RANK", raising=False)
+
+    def global_hooks() -> tuple[int, int, int]:  # the watcher's own step hook stays for the process (observe.py)
+        steps = len(optim_module._global_optimizer_pre_hooks) - (OBSERVING.step_hook is not None)
+        return len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks), steps
+
+    hooks_before = global_hooks()
+    for n in range(2):
+        WATCHED.reset()
+        ended: list[float] = []
+        directory = tmp_path / f"use{n}"
+        CAPTURE.arm(str(directory), ArmSpec(Role.WITHOUT_CP, str(directory / "saved"), 1, 1, 1, 30.0), ended.append)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.no_grad():
+            model(torch.ones(2, 4))  # no gradients: not a candidate
+        assert not CAPTURE.candidates
+        model(torch.ones(2, 4)).sum().backward()
+        assert [c.module for c in CAPTURE.candidates] == [model] and OBSERVING.recorders
+        opt.step()
+        outcome = CAPTURE.outcome
+        assert ended == [30.0] and outcome is not None and outcome.ending is Ending.SAVED and outcome.forwards == 1
+        assert (directory / "saved" / "step1-rank0.safetensors").exists() and (directory / "outcome" / f"{outcome.who}.pkl").exists()
+        CAPTURE.disarm()
+        assert not CAPTURE.handles and not CAPTURE.candidates and CAPTURE.spec is None and not OBSERVING.recorders
+        assert global_hooks() == hooks_before and not nn_module._has_any_global_hook()
+
+
 # ------------------------------------------------------------------------------------------------- caches
 
 
@@ -258,14 +301,25 @@ def _filled_twice(memo, fill):
 
 def test_the_survey_memo_filled_twice():
     pytest.importorskip("diffusers")
+    from hub_cache import TINY_FLUX
+
     from cpdoctor.examinations.model.spec import SURVEYS, ModelSpec, model_survey
     from cpdoctor.model_zoo.catalog import resolve_model
-    from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
     resolved = resolve_model("flux")
-    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_CONFIGS["flux"]), "test", None)
+    spec = ModelSpec(resolved.cls, "flux", resolved.cls.__name__, dict(TINY_FLUX), "test", None)
     first, second = _filled_twice(SURVEYS, lambda: model_survey(spec))
     assert first.stacks == second.stacks
+
+
+def test_the_tiny_config_memo_filled_twice():
+    pytest.importorskip("diffusers")
+    from cpdoctor.model_zoo import tiny
+    from cpdoctor.model_zoo.catalog import resolve_model
+
+    wan = resolve_model("wan").cls
+    first, second = _filled_twice(tiny.DERIVED, lambda: tiny.derive(wan))
+    assert first.config == second.config and first.config["num_layers"] == 1
 
 
 def test_the_model_scan_memo_filled_twice():

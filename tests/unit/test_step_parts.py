@@ -10,15 +10,29 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from cpdoctor.examinations.step.events import ClipNorm, ClipValue, GradScale, ScalerScale, ScalerStep, ScalerUnscale, Source  # noqa: E402
-from cpdoctor.examinations.step.factors import Counts, degree_powers, read_term  # noqa: E402
+from cpdoctor.examinations.step.events import (  # noqa: E402
+    ClipNorm,
+    ClipValue,
+    EventLog,
+    GradScale,
+    InnerStep,
+    ScalerScale,
+    ScalerStep,
+    ScalerUnscale,
+    Source,
+)
+from cpdoctor.examinations.step.factors import expectation  # noqa: E402
+from cpdoctor.examinations.step.group import StepGroup  # noqa: E402
 from cpdoctor.examinations.step.loss_graph import read_root  # noqa: E402
+from cpdoctor.examinations.step.measure import OutGrad  # noqa: E402
 from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder  # noqa: E402
 from cpdoctor.examinations.step.record import Hooks, compute_dtype, unwrap  # noqa: E402
 from cpdoctor.examinations.step.reference import ReferencePlan, canonical, reference_plan  # noqa: E402
 from cpdoctor.examinations.step.two_runs import StepJob, call_arguments, parameters_of, takes_degrees  # noqa: E402
 
 CP = 2
+GROUP = StepGroup(rank=0, world=CP, ranks=(0, 1), ring=CP, ulysses=1, seq=1, index=1, timeout_s=1.0, cp_groups=((0, 1),))
+SHARDED, SAME = OutGrad.PER_SHARD, OutGrad.REPLICATED
 
 
 def _shard(x):
@@ -26,53 +40,72 @@ def _shard(x):
 
 
 SPELLINGS = {
-    # name: (loss of (out, target), the degree power λ it carries at CP 2 with one micro-batch)
-    "mean": (lambda o, t: F.mse_loss(o, t), 1.0),
-    "python factor": (lambda o, t: F.mse_loss(o, t) * CP, 2.0),
-    "0-dim tensor factor": (lambda o, t: F.mse_loss(o, t) * torch.tensor(float(CP)), 2.0),
-    "1-element tensor factor": (lambda o, t: F.mse_loss(o, t) * torch.tensor([float(CP)]), 2.0),
-    "factor first": (lambda o, t: torch.tensor(float(CP)) * F.mse_loss(o, t), 2.0),
-    "inside the reduction": (lambda o, t: (CP * (o - t) ** 2).mean(), 2.0),
-    "method call inside": (lambda o, t: ((o - t) ** 2).mul(CP).mean(), 2.0),
-    "divided": (lambda o, t: F.mse_loss(o, t) / CP, 0.5),
-    "nested means": (lambda o, t: torch.mean(((o - t) ** 2).reshape(1, -1), 1).mean(), 1.0),
-    "weighted inside": (lambda o, t: (torch.linspace(0, 1, 16).reshape(1, 16, 1) * (o - t) ** 2).mean() * CP, 2.0),
-    "two terms, both × cp": (lambda o, t: F.mse_loss(o, t) * CP + 0.1 * o.pow(2).mean() * CP, 2.0),
-    "shard sum / full count": (lambda o, t: (_shard(o) - _shard(t)).pow(2).sum() / o.numel(), 1.0),
-    "shard sum / shard count": (lambda o, t: (_shard(o) - _shard(t)).pow(2).sum() / _shard(o).numel(), 2.0),
-    "shard mean": (lambda o, t: F.mse_loss(_shard(o), _shard(t)), 2.0),
-    "shard mean / cp": (lambda o, t: F.mse_loss(_shard(o), _shard(t)) / CP, 1.0),
-    "a constant that is no degree": (lambda o, t: F.mse_loss(o, t) / 0.707, 1.0),
-}
+    # name: (loss of (out, target), what the peers' output gradients are, the loss's factor of the degrees at CP 2
+    # with one micro-batch under each reading (one value: observed, nothing read))
+    "mean": (lambda o, t: F.mse_loss(o, t), SAME, {1.0}),
+    "python factor": (lambda o, t: F.mse_loss(o, t) * CP, SAME, {1.0, 2.0}),
+    "0-dim tensor factor": (lambda o, t: F.mse_loss(o, t) * torch.tensor(float(CP)), SAME, {1.0, 2.0}),
+    "1-element tensor factor": (lambda o, t: F.mse_loss(o, t) * torch.tensor([float(CP)]), SAME, {1.0, 2.0}),
+    "factor first": (lambda o, t: torch.tensor(float(CP)) * F.mse_loss(o, t), SAME, {1.0, 2.0}),
+    "inside the reduction": (lambda o, t: (CP * (o - t) ** 2).mean(), SAME, {1.0, 2.0}),
+    "method call inside": (lambda o, t: ((o - t) ** 2).mul(CP).mean(), SAME, {1.0, 2.0}),
+    "divided": (lambda o, t: F.mse_loss(o, t) / CP, SAME, {1.0, 0.5}),
+    "half a weight": (lambda o, t: 0.5 * F.mse_loss(o, t), SAME, {1.0, 0.5}),
+    "nested means": (lambda o, t: torch.mean(((o - t) ** 2).reshape(1, -1), 1).mean(), SAME, {1.0}),
+    "weighted inside": (lambda o, t: (torch.linspace(0, 1, 16).reshape(1, 16, 1) * (o - t) ** 2).mean() * CP, SAME, {1.0, 2.0}),
+    "two terms, both × cp": (lambda o, t: F.mse_loss(o, t) * CP + 0.1 * o.pow(2).mean() * CP, SAME, {1.0, 2.0}),
+    "a mean over half the output, replicated": (lambda o, t: F.mse_loss(o[:, :8], t[:, :8]), SAME, {1.0}),
+    "two halves of the batch, chunked": (lambda o, t: F.mse_loss(*[x.chunk(2, 1)[0] for x in (o, t)]) + F.mse_loss(*[x.chunk(2, 1)[1] for x in (o, t)]), SAME, {1.0}),
+    "shard sum / full count": (lambda o, t: (_shard(o) - _shard(t)).pow(2).sum() / o.numel(), SHARDED, {1.0}),
+    "shard sum / shard count": (lambda o, t: (_shard(o) - _shard(t)).pow(2).sum() / _shard(o).numel(), SHARDED, {1.0, 2.0, 0.5}),  # 1/32: also 1/cp over the 16 tokens
+    "shard mean": (lambda o, t: F.mse_loss(_shard(o), _shard(t)), SHARDED, {2.0}),
+    "shard mean / cp": (lambda o, t: F.mse_loss(_shard(o), _shard(t)) / CP, SHARDED, {2.0, 1.0}),
+    "a constant that is no degree": (lambda o, t: F.mse_loss(o, t) / 0.707, SAME, {1.0}),
+}  # fmt: skip
 
 
-def _read(loss_fn, micro: int = 1):
+def _read(loss_fn, shape: OutGrad = SAME, micro: int = 1):
     lin = torch.nn.Linear(4, 4)
     out = lin(torch.randn(1, 16, 4))
     root = read_root(loss_fn(out, torch.randn(1, 16, 4)), {id(out.grad_fn): 0}, frozenset(id(p) for p in lin.parameters()), {})
-    counts = Counts.of(tuple(out.shape), 1, CP, (micro,))
-    return root, [read_term(t, counts, degree_powers(CP, 1, 1)) for t in root.terms]
+    return root, expectation([EventLog([root])], GROUP, tuple(out.shape), 1, micro, shapes=(shape,)).readings
 
 
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
-def test_every_spelling_of_a_factor_of_the_degrees_is_read_by_value(name):
-    loss_fn, power = SPELLINGS[name]
-    root, terms = _read(loss_fn)
-    assert terms and not root.hidden and not root.param_paths
-    assert {t.power for t in terms} == {power}, [t.why for t in terms]
+def test_every_spelling_is_read_by_what_was_observed_and_each_number_both_ways(name):
+    """A mean is observed (the elements it averaged, with what the peers' output gradients are); a number equal to a
+    power of the degrees is read every way its value fits (a weight of the step's own, or each power); any other
+    number is the same in one process."""
+    loss_fn, shape, powers = SPELLINGS[name]
+    root, readings = _read(loss_fn, shape)
+    assert root.terms and not root.hidden and not root.param_paths and not readings.unknown
+    assert {o.loss_power for o in readings.outcomes()} == powers, [lit.both_ways() for lit in readings.literals]
+    assert (readings.certain_power is not None) == (len(powers) == 1)
 
 
 def test_the_factor_over_the_micro_batches_as_one_python_number():
-    """`loss * (cp / accum)` is one constant 2/3 with 3 micro-batches: cp, and the accumulation's 1/3."""
-    root, terms = _read(lambda o, t: F.mse_loss(o, t) * (CP / 3), micro=3)
-    assert [t.power for t in terms] == [2.0] and "cp / 3 micro-batches" in terms[0].why
-    root, terms = _read(lambda o, t: F.mse_loss(o, t) / 2 / CP, micro=2)  # the accumulation's 1/2 once, then 1/cp
-    assert [t.power for t in terms] == [0.5]
+    """`loss * (cp / accum)` is one constant 2/3 with 3 micro-batches (the model's forwards): cp, and the
+    accumulation's 1/3; `loss / 2 / cp` with 2 micro-batches is two numbers, each read both ways."""
+    _, readings = _read(lambda o, t: F.mse_loss(o, t) * (CP / 3), micro=3)
+    assert {o.loss_power for o in readings.outcomes()} == {1.0, 2.0} and "cp / 3 micro-batches" in readings.literals[0].meaning(1)
+    _, readings = _read(lambda o, t: F.mse_loss(o, t) / 2 / CP, micro=2)
+    assert sorted(o.loss_power for o in readings.outcomes()) == [0.25, 0.5, 0.5, 1.0]
+    assert "the mean over its 2 micro-batches" in readings.literals[0].weight
+
+
+def test_backward_roots_are_not_micro_batches():
+    """Three roots of one forward (a loss per term, each with its own backward): the micro-batches are the forwards
+    (one), so 2/3 is no degree power over them: a weight, the same in one process (it was read as cp / 3)."""
+    lin = torch.nn.Linear(4, 4)
+    out = lin(torch.randn(1, 16, 4))
+    roots = [read_root(F.mse_loss(out, torch.zeros_like(out)) * (CP / 3), {id(out.grad_fn): 0}, frozenset(), {}) for _ in range(3)]
+    readings = expectation([EventLog(roots)], GROUP, tuple(out.shape), 1, 1, shapes=(SAME,)).readings
+    assert readings.certain_power == 1.0 and not readings.literals
 
 
 def test_what_the_walk_cannot_read_is_said():
-    _, terms = _read(lambda o, t: F.mse_loss(o, t) * CP + 0.1 * o.pow(2).mean())
-    assert sorted(t.power for t in terms) == [1.0, 2.0]  # terms with different factors: factors.py says so
+    _, readings = _read(lambda o, t: F.mse_loss(o, t) * CP + 0.1 * o.pow(2).mean())
+    assert [o.loss_power for o in readings.outcomes()] == [1.0, None]  # × cp read as cp: the terms carry different factors
     lin = torch.nn.Linear(4, 4)
     out = lin(torch.randn(1, 16, 4))
     reg = F.mse_loss(out, torch.zeros_like(out)) + 1e-3 * lin.weight.pow(2).sum()
@@ -81,6 +114,8 @@ def test_what_the_walk_cannot_read_is_said():
     compiled = torch.compile(lambda o: o.pow(2).mean() * CP, backend="aot_eager")
     root = read_root(compiled(out), {id(out.grad_fn): 0}, frozenset(), {})
     assert root.hidden == ("CompiledFunctionBackward",)
+    readings = expectation([EventLog([root])], GROUP, tuple(out.shape), 1, 1, shapes=(SAME,)).readings
+    assert readings.unknown and [o.factor for o in readings.outcomes()] == [None]  # a hidden node: nothing to compare with
 
 
 def test_a_marked_node_is_the_scaler_not_a_constant():
@@ -89,8 +124,8 @@ def test_a_marked_node_is_the_scaler_not_a_constant():
     scaled = F.mse_loss(out, torch.zeros_like(out)) * torch.tensor(65536.0)
     root = read_root(scaled, {id(out.grad_fn): 0}, frozenset(), {id(scaled.grad_fn): Source.SCALER})
     assert [f.source for f in root.terms[0].factors][:1] == [Source.SCALER]
-    counts = Counts.of(tuple(out.shape), 1, CP, ())
-    assert read_term(root.terms[0], counts, degree_powers(CP, 1, 1)).power == 1.0
+    readings = expectation([EventLog([root])], GROUP, tuple(out.shape), 1, 1, shapes=(SAME,)).readings
+    assert readings.certain_power == 1.0 and not readings.literals
 
 
 def _watched(capture: Capture = Capture.VALUE_CLIPS):
@@ -250,3 +285,66 @@ def test_a_watch_closed_by_an_optimizer_step_takes_the_gradients_it_found_and_le
     opt.step()  # and the next step runs as without a watch
     assert closed == [True] and not OBSERVING.recorders and not OBSERVING.step_listeners
     assert torch.equal(recorder.as_compared().flat, expected)
+
+
+def test_torch_autograd_grad_is_a_backward_root_when_it_differentiates_the_model():
+    """`torch.autograd.grad(loss, model.parameters())` (a generator, read once) is observed as a backward root, so
+    the loss's numbers are read (they were assumed to be 1); a grad of something else is not a root of this step."""
+    model, recorder, hooks = _watched()
+    try:
+        out = model(torch.randn(2, 4))
+        grads = torch.autograd.grad(out.pow(2).mean() * 2, model.parameters())
+        x = torch.randn(2, 4, requires_grad=True)
+        torch.autograd.grad(model(x).sum(), x)
+    finally:
+        _stop(recorder, hooks)
+    assert len(grads) == 2 and len(recorder.log.roots) == 1 and recorder.log.roots[0].reaches_output
+    assert [f.value for f in recorder.log.roots[0].terms[0].factors if f.source is Source.CONSTANT] == [2.0]
+    assert torch.autograd.grad.__name__ == "grad" and not OBSERVING.recorders
+
+
+def test_each_norm_clip_is_divided_out_of_the_parameters_it_clipped_only():
+    """One clip per parameter group (the weight's, then the bias's), each active: the compared gradients are the
+    gradients before both clips (they were divided by the product of every clip's coefficient)."""
+    model, recorder, hooks = _watched()
+    try:
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        before = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        torch.nn.utils.clip_grad_norm_([model.weight], 1e-3)
+        torch.nn.utils.clip_grad_norm_([model.bias], 1e-4)
+    finally:
+        _stop(recorder, hooks)
+    clips = recorder.log.of(ClipNorm)
+    assert [c.params for c in clips] == [1, 1] and all(c.active for c in clips)
+    assert torch.allclose(recorder.as_compared().flat, before, rtol=1e-5, atol=0)
+
+
+def test_an_optimizer_stepping_inside_backward_neither_ends_the_step_nor_narrows_it():
+    """An optimizer per parameter stepped from its post-accumulate-grad hook, which zeroes the gradient after: every
+    parameter is compared as its own step found it (not one parameter, with the others zero), the watch's own
+    optimizer-step capture is not taken, and a step's end waits for the backward (`after_backward`)."""
+    model, recorder, hooks = _watched()
+    kept, ended = [], []
+    recorder.on_inner_step = lambda params: kept.extend(params)
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+        OBSERVING.after_backward(lambda: ended.append(len(kept)))
+
+    handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+    x = torch.randn(8, 4)
+    expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))])
+    weights = [p.detach().clone() for p in model.parameters()]
+    try:
+        model(x).pow(2).mean().backward()
+    finally:
+        _stop(recorder, hooks)
+        for h in handles:
+            h.remove()
+    assert all(p.grad is None for p in model.parameters()) and not all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    assert recorder.stepped is None and sum(e.params for e in recorder.log.of(InnerStep)) == 2 and len(kept) == 2
+    assert ended == [2, 2]  # each callback after the whole backward, not at its step
+    compared = recorder.as_compared()
+    assert compared.missing == () and torch.allclose(compared.flat, expected, rtol=1e-6, atol=1e-7)

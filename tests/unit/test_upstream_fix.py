@@ -274,15 +274,15 @@ def _finding(req: AttentionRequest, **errors: float) -> Finding:
 
 def test_the_defects_a_fail_names():
     ring3 = AttentionRequest(ring=3, seq=513)
-    assert defects_of(ring3.to_dict(), _finding(ring3, dk=1.16, dv=0.93)) == (D,)
+    assert defects_of(ring3, _finding(ring3, dk=1.16, dv=0.93)) == (D,)
     masked = AttentionRequest(ring=3, seq=513, mask_pad=40)
     fail = _finding(masked, out=0.35, dq=0.35, dk=1.17, dv=0.96)
-    assert defects_of(masked.to_dict(), fail) == (M,)  # the diagnosis names the mask only ...
-    assert defects_of(masked.to_dict(), fail, has=lambda d: d is not UpstreamDefect.STALE_KV) == (D, M)  # ring 3 runs through the direction
-    assert UpstreamDefect.STALE_KV in defects_of(masked.to_dict(), fail, has=lambda d: True)
-    assert defects_of(masked.to_dict(), fail, has=lambda d: False) == (M,)
+    assert defects_of(masked, fail) == (M,)  # the diagnosis names the mask only ...
+    assert defects_of(masked, fail, has=lambda d: d is not UpstreamDefect.STALE_KV) == (D, M)  # ring 3 runs through the direction
+    assert UpstreamDefect.STALE_KV in defects_of(masked, fail, has=lambda d: True)
+    assert defects_of(masked, fail, has=lambda d: False) == (M,)
     ring2 = AttentionRequest(ring=2, seq=512)
-    assert defects_of(ring2.to_dict(), _finding(ring2, dq=2.19, dk=1.7, dv=1.5), has=lambda d: True) == (UpstreamDefect.STALE_KV,)
+    assert defects_of(ring2, _finding(ring2, dq=2.19, dk=1.7, dv=1.5), has=lambda d: True) == (UpstreamDefect.STALE_KV,)
 
 
 def test_issue_section_carries_the_diff_and_the_before_after_table():
@@ -291,7 +291,7 @@ def test_issue_section_carries_the_diff_and_the_before_after_table():
         True, "fix verified", {"out": 4e-7, "dq": 4.6e-7, "dk": 1.16, "dv": 0.93}, {"out": 4e-7, "dq": 4.6e-7, "dk": 4.1e-7, "dv": 3.9e-7}
     )
     v.cases = [CaseCheck(3, 1, 0, Verdict.PASS, {"out": 4e-7, "dq": 4e-7, "dk": 4e-7, "dv": 4e-7}, {"dk": 1.16})]
-    section = issue_section(fix, v, AttentionRequest(ring=3, seq=513).to_dict())
+    section = issue_section(fix, v, AttentionRequest(ring=3, seq=513))
     assert "```diff\n--- a/src/diffusers" in section and "| dK | 1.16 | 4.1e-07 |" in section and "| ring 3 | PASS |" in section
     issue = with_section("### Logs\nx\n### System Info\ny\n", section)
     assert issue.index("### Logs") < issue.index("### Proposed fix") < issue.index("### System Info")
@@ -302,15 +302,15 @@ def test_issue_section_carries_the_diff_and_the_before_after_table():
 def test_the_cases_a_fix_is_verified_on():
     from cpdoctor.examinations.attention.upstream import _cases
 
-    ring3 = AttentionRequest(ring=3, seq=513).to_dict()
-    layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(ring3, (D,))]
+    ring3 = AttentionRequest(ring=3, seq=513)
+    layouts = [(c.ring, c.ulysses, c.mask_pad) for c in _cases(ring3, (D,))]
     assert layouts == [(3, 1, 0), (2, 1, 0), (4, 1, 0), (1, 2, 0)]  # the FAIL's own case first, ring 2-4, the guard
-    masked = AttentionRequest(ring=3, seq=513, mask_pad=40).to_dict()
-    layouts = [(c["ring"], c["ulysses"], c["mask_pad"]) for c in _cases(masked, (M,))]
+    masked = AttentionRequest(ring=3, seq=513, mask_pad=40)
+    layouts = [(c.ring, c.ulysses, c.mask_pad) for c in _cases(masked, (M,))]
     assert layouts == [(3, 1, 40), (2, 1, 0), (1, 2, 0)]
     # the mask fix: the FAIL's own case again on every other backend it is verified on (stand-ins in bf16)
     backends = FixBackends((("cpdoctor_cpu", False), ("_native_cudnn", True)), (("flash", "its CP path takes no mask"),))
-    extra = [(c["backend"], c["emulate"], c["dtype"], c["mask_pad"]) for c in _cases(masked, (M,), backends)][3:]
+    extra = [(c.backend, c.emulate, c.dtype, c.mask_pad) for c in _cases(masked, (M,), backends)][3:]
     assert extra == [("_native_cudnn", True, "bf16", 40)]
 
 
@@ -459,7 +459,7 @@ def test_the_installed_ring_backward_gets_the_saved_once_fix():
 def test_the_defects_behind_the_rings_crash_under_checkpointing():
     from cpdoctor.report.findings import FailureEvidence
 
-    ring2 = AttentionRequest(ring=2, checkpointing=True).to_dict()
+    ring2 = AttentionRequest(ring=2, checkpointing=True)
     crash = Finding("x", Verdict.CRASH, "rank 0 raised", failure=FailureEvidence(tracebacks={0: UNPACKED_TWICE, 1: UNPACKED_TWICE}))
     assert defects_of(ring2, crash) == (S,)
     # the verification runs ring 3 and 4 with checkpointing: the direction fix joins where the source shows it
@@ -467,20 +467,20 @@ def test_the_defects_behind_the_rings_crash_under_checkpointing():
     assert UpstreamDefect.STALE_KV in defects_of(ring2, crash, has=lambda d: d is UpstreamDefect.STALE_KV)  # refused: no diff
     other = Finding("x", Verdict.CRASH, "rank 0 raised", failure=FailureEvidence(tracebacks={0: "RuntimeError: something else"}))
     assert defects_of(ring2, other, has=lambda d: True) == ()
-    assert defects_of(AttentionRequest(ring=2).to_dict(), crash, has=lambda d: True) == ()  # not a checkpointing run
+    assert defects_of(AttentionRequest(ring=2), crash, has=lambda d: True) == ()  # not a checkpointing run
 
 
 def test_the_cases_the_saved_once_fix_is_verified_on():
     from cpdoctor.examinations.attention.upstream import _cases
 
-    ring2 = AttentionRequest(ring=2, checkpointing=True).to_dict()
-    cases = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (D, S))]
+    ring2 = AttentionRequest(ring=2, checkpointing=True)
+    cases = [(c.ring, c.ulysses, c.checkpointing) for c in _cases(ring2, (D, S))]
     assert cases[0] == (2, 1, True)  # the crash's own case first
     for ring in (2, 3, 4):
         assert (ring, 1, True) in cases and (ring, 1, False) in cases  # with and without checkpointing
     assert (1, 2, True) in cases and (1, 2, False) in cases and len(cases) == len(set(cases)) == 8
-    alone = [(c["ring"], c["ulysses"], c["checkpointing"]) for c in _cases(ring2, (S,))]
+    alone = [(c.ring, c.ulysses, c.checkpointing) for c in _cases(ring2, (S,))]
     assert alone == [(2, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)]
     backends = FixBackends((("cpdoctor_cpu", False), ("_native_flash", True)), (), masked=False)
-    extra = [(c["backend"], c["emulate"], c["dtype"], c["checkpointing"]) for c in _cases(ring2, (S,), backends)][4:]
+    extra = [(c.backend, c.emulate, c.dtype, c.checkpointing) for c in _cases(ring2, (S,), backends)][4:]
     assert extra == [("_native_flash", True, "bf16", True)]  # the crash's own case through each other backend

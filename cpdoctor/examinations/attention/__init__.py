@@ -4,43 +4,32 @@ and backward, against the full sequence."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from cpdoctor.examinations.attention import judge
-from cpdoctor.examinations.attention.request import AttentionRequest, build_request
+from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.base import Examination
-from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
+from cpdoctor.examinations.measurement import Measurement
+from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Kind
 
 
-class AttentionExamination(Examination):
+class AttentionExamination(Examination[AttentionRequest]):
     kind = Kind.ATTENTION
+    probe = "cpdoctor.examinations.attention.probe"
     request_type = AttentionRequest
 
-    def build_request(self, **fields: Any) -> AttentionRequest:
-        return build_request(**fields)
-
-    def run_rank(self, case: Case, ctx: Any) -> RankResult:
-        from cpdoctor.examinations.attention import probe
-
-        return probe.run_rank(case, ctx)
-
-    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
-        from cpdoctor.examinations.attention import probe
-
-        return probe.evaluate(case, results, ctx)
-
-    def finding(self, case: Case, evaluated: Any) -> Finding:
+    def finding(self, case: Case, evaluated: Measurement) -> Finding:
         return judge.attention_finding(case.request, evaluated)
 
     def describe(self, request: AttentionRequest) -> str:
         return judge.describe(request)
 
     def failure_findings(self, case: Case, failures: list[RankFailure], timeout_s: float) -> list[Finding]:
-        found = judge.JUDGE.failure_findings(self.describe(case.request), failures, timeout_s)
-        if getattr(case.request, "emulate", False):
-            return [replace(f, emulated=judge.emulation_note(case.request.backend)) for f in found]
+        req: AttentionRequest = case.request
+        found = judge.JUDGE.failure_findings(self.describe(req), failures, timeout_s)
+        if req.emulate:
+            return [replace(f, emulated=judge.emulation_note(req.backend)) for f in found]
         return found
 
 

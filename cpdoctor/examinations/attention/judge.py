@@ -5,8 +5,9 @@ degree 2 vs ≥ 3). `signature()` turns numbers into the facts the rules read; a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from cpdoctor.compat.backends import BackendFacts
+from cpdoctor.examinations.attention.request import AttentionRequest
 from cpdoctor.examinations.commands import check_command
 from cpdoctor.examinations.judging import (
     CP_BACKEND_REMEDY,
@@ -15,6 +16,7 @@ from cpdoctor.examinations.judging import (
     Rule,
     emulation_note,
     judge_rows,
+    subject_marks,
     unsupported_finding,
 )
 from cpdoctor.examinations.measurement import Measurement
@@ -142,18 +144,22 @@ class RoutingFacts:
     cp_registered: bool | None = True
 
 
-def signature(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> Signature:
-    """The facts the rules read, from the request, the backend's facts (anything with `name`, `routes_cp`,
-    `cp_registered`) and the judged rows."""
+Routing = RoutingFacts | BackendFacts
+"""What the diagnosis reads of a backend (`name`, `routes_cp`, `cp_registered`)."""
+
+
+def signature(req: AttentionRequest, facts: Routing | None, tensors: dict[str, JudgedRow]) -> Signature:
+    """The facts the rules read, from the request, the backend's facts (a probe's `BackendFacts`, or a test's
+    `RoutingFacts`) and the judged rows."""
     bad = frozenset(n for n, t in tensors.items() if t.failed)
     return Signature(
         ring=req.ring,
         ulysses=req.ulysses,
         dtype=req.dtype,
         mask_pad=req.mask_pad,
-        backend=getattr(facts, "name", None) or req.backend,
-        routes_cp=getattr(facts, "routes_cp", None),
-        cp_registered=getattr(facts, "cp_registered", None),
+        backend=(facts.name if facts is not None else None) or req.backend,
+        routes_cp=facts.routes_cp if facts is not None else None,
+        cp_registered=facts.cp_registered if facts is not None else None,
         bad=bad,
         errors={n: t.rel_err for n, t in tensors.items()},
         bad_ranks=tuple(sorted({r for n in bad for r in tensors[n].bad_ranks})),
@@ -161,7 +167,7 @@ def signature(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> Signature:
     )
 
 
-def diagnose_attention(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> tuple[str, str]:
+def diagnose_attention(req: AttentionRequest, facts: Routing | None, tensors: dict[str, JudgedRow]) -> tuple[str, str]:
     """(diagnosis, remedy) naming the signature seen."""
     sig = signature(req, facts, tensors)
     if not sig.bad:
@@ -170,13 +176,10 @@ def diagnose_attention(req: Any, facts: Any, tensors: dict[str, JudgedRow]) -> t
     return diagnosis or f"{', '.join(sorted(sig.bad))} outside tolerance {sig.where}", remedy
 
 
-def describe(req: Any, backend: str | None = None) -> str:
+def describe(req: AttentionRequest, backend: str | None = None) -> str:
     return (
         f"attention ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} {req.dtype} "
-        f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}"
-        + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
-        + (" emulated" if getattr(req, "emulate", False) else "")
-        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
+        f"B{req.batch} S{req.seq} H{req.heads} D{req.head_dim}" + subject_marks(req.mask_pad, req.emulate, req.checkpointing)
     )
 
 
@@ -192,15 +195,15 @@ class AttentionEvidence:
     """What an op-level finding carries besides its rows (JSON `details`): the backend's facts, the RNG note
     when the CP run moved the device's generator, why the no-CP baseline could not run."""
 
-    facts: Any = None
+    facts: BackendFacts | None = None
     rng_advanced: str | None = None
     baseline_error: str | None = None
 
 
-def attention_finding(req: Any, evaluated: Measurement) -> Finding:
+def attention_finding(req: AttentionRequest, evaluated: Measurement) -> Finding:
     """The finding for one evaluated attention case."""
     subject = describe(req, evaluated.backend)
-    emulated = emulation_note(evaluated.backend) if getattr(req, "emulate", False) else None
+    emulated = emulation_note(evaluated.backend) if req.emulate else None
     evidence = AttentionEvidence(evaluated.facts, baseline_error=evaluated.baseline_error)
     if evaluated.unsupported is not None:
         return unsupported_finding(subject, evaluated.unsupported, evidence=evidence, emulated=emulated)

@@ -11,7 +11,7 @@ verdict is made elsewhere (judge.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpdoctor.attempt import Attempt
 from cpdoctor.examinations.attention.request import AttentionRequest
@@ -19,6 +19,9 @@ from cpdoctor.examinations.backend_choice import NotRunnable, no_backend_here, p
 from cpdoctor.examinations.judging import emulation_note
 from cpdoctor.examinations.measurement import Measurement, compare, rank_environment, sharded_row, torch_dtype
 from cpdoctor.launch.jobs import Case, RankResult
+
+if TYPE_CHECKING:
+    from cpdoctor.launch.context import DistContext
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -55,7 +58,7 @@ def make_inputs(req: AttentionRequest) -> dict[str, Any]:
     return tensors
 
 
-def run_rank(case: Case, ctx: Any) -> RankResult:
+def run_rank(case: Case, ctx: DistContext) -> RankResult:
     """This rank's shard of out/dQ/dK/dV through diffusers' CP attention (CPU tensors), or why it cannot run."""
     import torch
 
@@ -130,7 +133,7 @@ def single_process(inputs: dict[str, Any], backend: str, device: Any) -> dict[st
     return {n: t.detach().cpu() for n, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
 
-def evaluate(case: Case, results: list[RankResult], ctx: Any) -> Measurement:
+def evaluate(case: Case, results: list[RankResult], ctx: DistContext) -> Measurement:
     """On rank 0: measure every rank's shard against the fp64 reference, and the same backend's
     single-process error (the baseline the tolerance is built from)."""
     req: AttentionRequest = case.request

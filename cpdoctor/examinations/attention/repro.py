@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from dataclasses import dataclass
 
 from cpdoctor.cpu_kernels import cpu_backend
 from cpdoctor.examinations.attention.request import AttentionRequest
-from cpdoctor.report import TENSOR_LABELS, Report, Verdict
+from cpdoctor.examinations.backend_choice import resolved_backend
+from cpdoctor.examinations.request import degrees_label
+from cpdoctor.report import TENSOR_LABELS, Finding, Report, Verdict
+from cpdoctor.report.environment import Environment
 from cpdoctor.report.sections import UpstreamFixOutcome
-from cpdoctor.vocabulary import DType
 
 CPU_BACKEND = "cpdoctor_cpu"
 
@@ -154,21 +156,37 @@ if __name__ == "__main__":
     main()
 '''
 
-ISSUE = """### Describe the bug
-
-{title}: with context parallelism ({layout}, backend `{backend}`, {dtype}), diffusers' CP attention gives
-results that differ from the same attention on the full sequence, with no error and no NaN.
-
-Root cause as measured: {diagnosis}
-{backend_note}
-### Reproduction
+RUN_IT = """### Reproduction
 
 Save the attached `{filename}` and run it with {world} processes (CPU with gloo is enough; on GPUs it uses NCCL):
 
 ```bash
 torchrun --nproc-per-node {world} {filename}
 ```
+"""
+SYSTEM = """### System Info
 
+{system}
+
+- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
+
+### Who can help?
+
+The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
+"""
+"""The issue's parts both its shapes (a FAIL's, a crash's) share."""
+
+ISSUE = (
+    """### Describe the bug
+
+{title}: with context parallelism ({layout}, backend `{backend}`, {dtype}), diffusers' CP attention gives
+results that differ from the same attention on the full sequence, with no error and no NaN.
+
+Root cause as measured: {diagnosis}
+{backend_note}
+"""
+    + RUN_IT
+    + """
 It builds seeded inputs (B{batch} S{seq} H{heads} D{head_dim}{mask}), shards the sequence as the model hooks do,
 runs diffusers' CP attention forward and backward, and compares every rank with an fp64 full-sequence reference.
 
@@ -182,16 +200,9 @@ Observed (relative L2 error against the fp64 reference; tolerance = 2 × the sam
 
 Expected: every tensor within tolerance, as without CP (the same kernel without CP errs {baseline}).
 
-### System Info
-
-{system}
-
-- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
-
-### Who can help?
-
-The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
 """
+    + SYSTEM
+)
 
 
 def _ops_source() -> str:
@@ -203,12 +214,12 @@ def _ops_source() -> str:
     return "from typing import Any\n\n\n" + "\n\n".join(parts)
 
 
-def _reproducible(report: Report) -> Any:
+def _reproducible(report: Report) -> Finding | None:
     """The report's first op-level FAIL with measured tensors, or its CRASH of the ring under checkpointing."""
 
     from cpdoctor.examinations.attention.upstream import checkpointing_crash
 
-    def first(findings: list[Any]) -> Any:
+    def first(findings: tuple[Finding, ...]) -> Finding | None:
         return next((f for f in findings if (f.verdict is Verdict.FAIL and f.tensors) or checkpointing_crash(f)), None)
 
     finding = first(report.findings)
@@ -217,121 +228,119 @@ def _reproducible(report: Report) -> Any:
     return finding
 
 
-def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> list[str]:
-    """Write `repro.py` and `ISSUE.md` for the report's (first) op-level FAIL into `directory`; returns the
-    paths, or [] when there is no op-level FAIL to reproduce. With `fix_timeout_s`, also the upstream fix
-    (`fix.diff`, written only once verified on a patched copy, each launch within that timeout: upstream.py);
-    the outcome goes to `report.upstream_fix`. A CRASH of the ring backward under `--checkpointing`
-    is reproduced the same way: the script runs the CP attention inside non-reentrant checkpointing."""
+@dataclass(frozen=True)
+class Repro:
+    """What `--repro` wrote (none when there was nothing to reproduce) and what it made of the upstream fix (None
+    when not asked): the report of the check it came from carries the latter as its `upstream_fix`."""
+
+    paths: tuple[str, ...] = ()
+    upstream_fix: UpstreamFixOutcome | None = None
+
+
+def write_repro(report: Report, directory: str, command: str, fix_timeout_s: float | None = None) -> Repro:
+    """Write `repro.py` and `ISSUE.md` for the report's (first) op-level FAIL into `directory`; nothing when there is
+    no op-level FAIL to reproduce. With `fix_timeout_s`, also the upstream fix (`fix.diff`, written only once
+    verified on a patched copy, each launch within that timeout: upstream.py). A CRASH of the ring backward under
+    `--checkpointing` is reproduced the same way: the script runs the CP attention inside non-reentrant
+    checkpointing."""
     finding = _reproducible(report)
     req = report.request
     if finding is None or not isinstance(req, AttentionRequest):
-        return []
-    backend = _resolved_backend(req, report.environment.backend)
-    layout = " × ".join(p for p in (f"ring {req.ring}" if req.ring > 1 else "", f"Ulysses {req.ulysses}" if req.ulysses > 1 else "") if p)
+        return Repro()
+    backend = resolved_backend(req, report.environment.attention.backend)
+    layout = degrees_label(req.ring, req.ulysses)
     if finding.verdict is Verdict.CRASH:
         title = f"CheckpointError in the backward of {layout} under non-reentrant activation checkpointing"
     else:
         title = f"{', '.join(TENSOR_LABELS.get(n, n) for n, t in finding.tensors.items() if t.failed)} wrong under {layout}"
     os.makedirs(directory, exist_ok=True)
-    script = os.path.join(directory, "repro.py")
-    with open(script, "w") as fh:
-        fh.write(_script(req.to_dict(), finding, backend, title))
+    script = _written(os.path.join(directory, "repro.py"), _script(req, finding, backend, title))
     issue = _issue(report, finding, backend, title, layout, command)
-    issue_path = os.path.join(directory, "ISSUE.md")
-    with open(issue_path, "w") as fh:
-        fh.write(issue)
-    paths = [script, issue_path]
-    if fix_timeout_s is not None:
-        from cpdoctor.examinations.attention import upstream
+    issue_path = _written(os.path.join(directory, "ISSUE.md"), issue)
+    if fix_timeout_s is None:
+        return Repro((script, issue_path))
+    from cpdoctor.examinations.attention import upstream
 
-        outcome = upstream.propose(report, finding, directory, script, fix_timeout_s, backend)
-        report.upstream_fix = UpstreamFixOutcome(outcome.diff_path is not None, outcome.message, outcome.diff_path)
-        if outcome.section:
-            with open(issue_path, "w") as fh:
-                fh.write(upstream.with_section(issue, outcome.section))
-        if outcome.diff_path:
-            paths.append(outcome.diff_path)
-    return paths
+    outcome = upstream.propose(req, report.environment.attention.backend, finding, directory, script, fix_timeout_s, backend)
+    if outcome.section:
+        _written(issue_path, upstream.with_section(issue, outcome.section))
+    paths = (script, issue_path, *([outcome.diff_path] if outcome.diff_path else []))
+    return Repro(paths, UpstreamFixOutcome(outcome.diff_path is not None, outcome.message, outcome.diff_path))
 
 
-def _resolved_backend(req: AttentionRequest, measured: str | None) -> str:
-    """The backend the ranks ran: the one the measurement names or, when none came back to say so (a CRASH),
-    `auto` resolved here as the ranks resolve it (the script must name a real backend)."""
-    if measured and measured != "auto":
-        return measured
-    if req.backend != "auto":
-        return req.backend
-    import torch
-
-    from cpdoctor.examinations.attention.probe import select_backend
-
-    cuda = req.device == "cuda" or (req.device == "auto" and torch.cuda.is_available())
-    name, _ = select_backend(req, torch.device("cuda" if cuda else "cpu"))
-    return name
+def _written(path: str, text: str) -> str:
+    with open(path, "w") as fh:
+        fh.write(text)
+    return path
 
 
-def _script(req: dict[str, Any], finding: Any, backend: str, title: str) -> str:
+def _script(req: AttentionRequest, finding: Finding, backend: str, title: str) -> str:
     """The repro script: the same inputs, diffusers' own CP attention, the same errors printed."""
     ops = _ops_source() if backend == CPU_BACKEND else "forward_op = backward_op = None  # the backend's own ops are used"
     return SCRIPT.format(
-        **dict(
-            req,
-            what="crashes" if finding.verdict is Verdict.CRASH else "gives wrong results",
-            backend=backend,
-            dtype=f"torch.{DType(req['dtype']).torch_name}",
-            world=req["ring"] * req["ulysses"],
-            title=title,
-            tolerance={n: t.tolerance for n, t in finding.tensors.items()},
-            ops=ops,
-            checkpointing=bool(req.get("checkpointing")),
-            cpu_backend=CPU_BACKEND,
-            filename="repro.py",
-        )
+        what="crashes" if finding.verdict is Verdict.CRASH else "gives wrong results",
+        title=title,
+        world=req.world_size,
+        filename="repro.py",
+        ring=req.ring,
+        ulysses=req.ulysses,
+        backend=backend,
+        dtype=f"torch.{req.dtype.torch_name}",
+        batch=req.batch,
+        seq=req.seq,
+        heads=req.heads,
+        head_dim=req.head_dim,
+        seed=req.seed,
+        mask_pad=req.mask_pad,
+        tolerance={n: t.tolerance for n, t in finding.tensors.items()},
+        checkpointing=req.checkpointing,
+        ops=ops,
+        cpu_backend=CPU_BACKEND,
     )
 
 
-def _issue(report: Report, finding: Any, backend: str, title: str, layout: str, command: str) -> str:
-    """The bug report in diffusers' shape: what is wrong, how to reproduce it, the figures (or the crash), the
-    system."""
-    req, env = report.request, report.environment
+def _issue(report: Report, finding: Finding, backend: str, title: str, layout: str, command: str) -> str:
+    """The bug report in diffusers' shape: what is wrong, how to reproduce it, the figures (or the crash's traceback,
+    `CRASH_ISSUE`), the system."""
+    req = report.request
     assert isinstance(req, AttentionRequest)  # write_repro's check
+    common = dict(
+        title=title,
+        layout=layout,
+        backend=backend,
+        dtype=req.dtype,
+        diagnosis=finding.diagnosis,
+        backend_note=_backend_note(backend),
+        filename="repro.py",
+        world=req.world_size,
+        batch=req.batch,
+        seq=req.seq,
+        heads=req.heads,
+        head_dim=req.head_dim,
+        mask=f", last {req.mask_pad} keys masked" if req.mask_pad else "",
+        system=_system(report.environment),
+        command=finding.command or command,
+        remedy=finding.remedy or "–",
+    )
     if finding.verdict is Verdict.CRASH:
-        return _crash_issue(report, finding, backend, title, layout, command)
+        tracebacks = finding.tracebacks
+        first = tracebacks[min(tracebacks)] if tracebacks else finding.diagnosis
+        return CRASH_ISSUE.format(traceback="\n".join(first.strip().splitlines()[-12:]), **common)
     rows = "\n".join(
         f"| {TENSOR_LABELS.get(n, n)} | {t.rel_err:.3e} | {t.tolerance:.2e} | {t.verdict.value} |" for n, t in finding.tensors.items()
     )
     baseline = ", ".join(
         f"{TENSOR_LABELS.get(n, n)} {t.baseline_rel_err:.1e}" for n, t in finding.tensors.items() if t.baseline_rel_err is not None
     )
-    return ISSUE.format(
-        title=title,
-        layout=layout,
-        backend=backend,
-        dtype=req.dtype,
-        diagnosis=finding.diagnosis,
-        filename="repro.py",
-        world=req.ring * req.ulysses,
-        batch=req.batch,
-        seq=req.seq,
-        heads=req.heads,
-        head_dim=req.head_dim,
-        mask=f", last {req.mask_pad} keys masked" if req.mask_pad else "",
-        rows=rows,
-        baseline=baseline or "–",
-        system=_system(env),
-        command=finding.command or command,
-        remedy=finding.remedy or "–",
-        backend_note=_backend_note(backend),
-    )
+    return ISSUE.format(rows=rows, baseline=baseline or "–", **common)
 
 
-def _system(env: Any) -> str:
+def _system(env: Environment) -> str:
     """The issue's System Info lines: what the examination ran on."""
     return "\n".join(
         f"- {k}: {v}"
         for k in ("diffusers", "torch", "python", "device", "process_group", "world_size", "backend")
-        if (v := getattr(env, k)) is not None
+        if (v := env.get(k)) is not None
     )
 
 
@@ -346,7 +355,8 @@ def _backend_note(backend: str) -> str:
     )
 
 
-CRASH_ISSUE = """### Describe the bug
+CRASH_ISSUE = (
+    """### Describe the bug
 
 {title}: with context parallelism ({layout}, backend `{backend}`, {dtype}) inside torch's non-reentrant activation
 checkpointing (`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which `enable_gradient_checkpointing()`
@@ -355,14 +365,9 @@ attention raises, so no training step with ring CP and gradient checkpointing co
 
 Root cause as measured: {diagnosis}
 {backend_note}
-### Reproduction
-
-Save the attached `{filename}` and run it with {world} processes (CPU with gloo is enough; on GPUs it uses NCCL):
-
-```bash
-torchrun --nproc-per-node {world} {filename}
-```
-
+"""
+    + RUN_IT
+    + """
 It builds seeded inputs (B{batch} S{seq} H{heads} D{head_dim}{mask}), shards the sequence as the model hooks do and
 runs diffusers' CP attention forward and backward inside `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`;
 where that completes, it compares the result with the same run without checkpointing and with an fp64
@@ -376,41 +381,6 @@ full-sequence reference.
 
 Expected: the backward completes, with the same gradients as the same run without checkpointing.
 
-### System Info
-
-{system}
-
-- Found with cpdoctor (`{command}`); suggested remedy: {remedy}
-
-### Who can help?
-
-The maintainers of context parallelism (`diffusers/models/attention_dispatch.py`).
 """
-
-
-def _crash_issue(report: Report, finding: Any, backend: str, title: str, layout: str, command: str) -> str:
-    """The bug report of the ring's crash under checkpointing: the traceback's tail instead of a tensor table."""
-    req, env = report.request, report.environment
-    assert isinstance(req, AttentionRequest)
-    tracebacks = finding.failure.tracebacks
-    first = tracebacks[min(tracebacks)] if tracebacks else finding.diagnosis
-    tail = "\n".join(first.strip().splitlines()[-12:])
-    return CRASH_ISSUE.format(
-        title=title,
-        layout=layout,
-        backend=backend,
-        dtype=req.dtype,
-        diagnosis=finding.diagnosis,
-        backend_note=_backend_note(backend),
-        filename="repro.py",
-        world=req.ring * req.ulysses,
-        batch=req.batch,
-        seq=req.seq,
-        heads=req.heads,
-        head_dim=req.head_dim,
-        mask=f", last {req.mask_pad} keys masked" if req.mask_pad else "",
-        traceback=tail,
-        system=_system(env),
-        command=finding.command or command,
-        remedy=finding.remedy or "–",
-    )
+    + SYSTEM
+)

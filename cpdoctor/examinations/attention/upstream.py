@@ -15,9 +15,11 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.diffusers import BackendRefusal
 from cpdoctor.compat.upstream_fix import (
     FixRefused,
@@ -29,9 +31,12 @@ from cpdoctor.compat.upstream_fix import (
     package_folder,
     present,
 )
-from cpdoctor.errors import BadInput
+from cpdoctor.errors import BadInput, CannotExamine
+from cpdoctor.examinations import runner
+from cpdoctor.examinations.attention.request import AttentionRequest
+from cpdoctor.launch.jobs import Case, CaseOutcome
 from cpdoctor.report import TENSOR_LABELS, Finding, Verdict
-from cpdoctor.vocabulary import HALF, DType
+from cpdoctor.vocabulary import HALF, Device, DType, Kind
 
 TENSORS = ("out", "dq", "dk", "dv")
 GUARD = ((2, 1), (1, 2))
@@ -109,19 +114,16 @@ class UpstreamOutcome:
     verification: Verification | None = None
 
 
-def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[UpstreamDefect, ...]:
+def defects_of(req: AttentionRequest, finding: Finding, has: Callable[[UpstreamDefect], bool] | None = None) -> tuple[UpstreamDefect, ...]:
     """The defects of diffusers' code behind a FAIL: those the diagnosis named, plus the known ones the FAIL's
     own layout runs through where the installed source shows them (`has(defect)`): the dK/dV direction at ring
     ≥ 3 hides behind a wrong forward under a mask, and a stale-K/V backward behind anything the ring does."""
-    from types import SimpleNamespace
-
     from cpdoctor.examinations.attention import judge
     from cpdoctor.examinations.judging import diagnose
 
-    r = SimpleNamespace(**req)
     if finding.verdict is Verdict.CRASH:
-        return _crash_defects(r, finding, has)
-    sig = judge.signature(r, getattr(finding.evidence, "facts", None), finding.tensors)
+        return _crash_defects(req, finding, has)
+    sig = judge.signature(req, getattr(finding.evidence, "facts", None), finding.tensors)
     spoken = diagnose(judge.RULES, sig)[2]
     rule_of = {
         UpstreamDefect.DKV_DIRECTION: judge.DKV_DIRECTION,
@@ -130,60 +132,58 @@ def defects_of(req: dict[str, Any], finding: Finding, has: Any = None) -> tuple[
     }  # the double transpose is a CRASH: no rule of this table names it
     found = [d for d, rule in rule_of.items() if any(r is rule for r in spoken)]
     if has is not None:
-        if r.ring > 1 and UpstreamDefect.STALE_KV not in found and has(UpstreamDefect.STALE_KV):
+        if req.ring > 1 and UpstreamDefect.STALE_KV not in found and has(UpstreamDefect.STALE_KV):
             found.append(UpstreamDefect.STALE_KV)
-        if r.ring >= 3 and UpstreamDefect.DKV_DIRECTION not in found and has(UpstreamDefect.DKV_DIRECTION):
+        if req.ring >= 3 and UpstreamDefect.DKV_DIRECTION not in found and has(UpstreamDefect.DKV_DIRECTION):
             found.append(UpstreamDefect.DKV_DIRECTION)
-        if r.mask_pad and r.ring > 1 and UpstreamDefect.MASK_NOT_ROTATED not in found and has(UpstreamDefect.MASK_NOT_ROTATED):
+        if req.mask_pad and req.ring > 1 and UpstreamDefect.MASK_NOT_ROTATED not in found and has(UpstreamDefect.MASK_NOT_ROTATED):
             found.append(UpstreamDefect.MASK_NOT_ROTATED)
     return tuple(d for d in UpstreamDefect if d in found)
 
 
-def checkpointing_crash(finding: Any) -> bool:
+def checkpointing_crash(finding: Finding) -> bool:
     """Is this CRASH the ring backward's under non-reentrant checkpointing (the judge's signature object, matched
     against the finding's own tracebacks)?"""
     from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING
 
-    failure = getattr(finding, "failure", None)
-    if finding.verdict is not Verdict.CRASH or failure is None:
+    if finding.verdict is not Verdict.CRASH or finding.failure is None:
         return False
-    return RING_UNDER_CHECKPOINTING.matches("\n".join(failure.tracebacks.values()))
+    return RING_UNDER_CHECKPOINTING.matches("\n".join(finding.failure.tracebacks.values()))
 
 
-def _crash_defects(r: Any, finding: Finding, has: Any) -> tuple[UpstreamDefect, ...]:
+def _crash_defects(req: AttentionRequest, finding: Finding, has: Callable[[UpstreamDefect], bool] | None) -> tuple[UpstreamDefect, ...]:
     """The defects behind a CRASH: the ring backward's under checkpointing, and the known ones the verification
     runs through where the installed source shows them: a stale-K/V backward (no fix: the refusal says so), the
     dK/dV direction (the verification checks ring 3 and 4 with checkpointing, so the diffs are combined) and the
     mask under a masked ring."""
-    if not (getattr(r, "checkpointing", False) and r.ring > 1 and checkpointing_crash(finding)):
+    if not (req.checkpointing and req.ring > 1 and checkpointing_crash(finding)):
         return ()
     found = [UpstreamDefect.SAVED_PER_STEP]
     if has is not None:
         found += [d for d in (UpstreamDefect.STALE_KV, UpstreamDefect.DKV_DIRECTION) if has(d)]
-        if r.mask_pad and has(UpstreamDefect.MASK_NOT_ROTATED):
+        if req.mask_pad and has(UpstreamDefect.MASK_NOT_ROTATED):
             found.append(UpstreamDefect.MASK_NOT_ROTATED)
     return tuple(d for d in UpstreamDefect if d in found)
 
 
-def propose(report: Any, finding: Finding, directory: str, script: str, timeout_s: float, backend: str = "") -> UpstreamOutcome:
-    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL (`backend`: the one repro.py runs);
-    the outcome says what happened."""
+def propose(
+    req: AttentionRequest, ran_on: str | None, finding: Finding, directory: str, script: str, timeout_s: float, backend: str = ""
+) -> UpstreamOutcome:
+    """Make, verify and (only when verified) write DIR/fix.diff for the FAIL of `req` (`ran_on`: the backend its
+    report's environment names; `backend`: the one repro.py runs); the outcome says what happened."""
     from cpdoctor.launch import under_torchrun
 
-    req = report.request.to_dict()  # the plain fields defects_of and the launches read
-    try:
-        source = dispatch_source()
-        defects = defects_of(req, finding, lambda d: present(source, d))
-        if not defects:
-            return UpstreamOutcome(None, "no fix.diff: the FAIL's cause is not a defect of diffusers' code that cpdoctor knows")
-        fix = make_fix(source, defects)
-    except FixRefused as exc:
-        return UpstreamOutcome(None, f"no fix.diff: {exc}")
+    made = Attempt.of(lambda: _fix_for(req, finding), catching=(FixRefused,))  # a refusal is the answer, in its own words
+    if made.error is not None:
+        return UpstreamOutcome(None, f"no fix.diff: {made.error}")
+    fix = made.value
+    if fix is None:
+        return UpstreamOutcome(None, "no fix.diff: the FAIL's cause is not a defect of diffusers' code that cpdoctor knows")
     if under_torchrun():
         return UpstreamOutcome(
             None, "no fix.diff: under torchrun cpdoctor cannot launch the patched copy's ranks to verify it; run without torchrun", fix=fix
         )
-    backend = backend or report.environment.backend or req["backend"]
+    backend = backend or ran_on or req.backend
     verification = verify(fix, req, finding, script, timeout_s, backend)
     section = issue_section(fix, verification, req)
     if not verification.verified:
@@ -193,6 +193,14 @@ def propose(report: Any, finding: Finding, directory: str, script: str, timeout_
         fh.write(fix.diff)
     names = ", ".join(d.value for d in fix.defects)
     return UpstreamOutcome(path, f"fix verified ({names}; {verification.wall_s:.0f} s): wrote {path}", section, fix, verification)
+
+
+def _fix_for(req: AttentionRequest, finding: Finding) -> UpstreamFix | None:
+    """The minimal diff for the defects of diffusers' code behind the FAIL (None when it shows none cpdoctor knows);
+    FixRefused where the installed source's structure differs from the one the diff is made for."""
+    source = dispatch_source()
+    defects = defects_of(req, finding, lambda d: present(source, d))
+    return make_fix(source, defects) if defects else None
 
 
 def fix_backends(own: str, emulated: bool, on_cpu: bool, masked: bool = True) -> FixBackends:
@@ -235,40 +243,40 @@ def _refused(refusal: BackendRefusal) -> str:
     return f"{what}: diffusers says “{refusal.message.rstrip('.')}”"
 
 
-def _cases(req: dict[str, Any], defects: tuple[UpstreamDefect, ...], backends: FixBackends | None = None) -> list[dict[str, Any]]:
-    """The layouts to examine on the patched copy: the FAIL's own case first, then ring 2–4 for the direction,
-    then the guard, then (mask and checkpointing fixes) the FAIL's own case on each other backend the fix is
-    verified on (the CUDA kernels' stand-ins take half precision only: bf16 there when the FAIL's dtype is not);
-    duplicates dropped."""
-    own = dict(req, patch=False)
+def _cases(req: AttentionRequest, defects: tuple[UpstreamDefect, ...], backends: FixBackends | None = None) -> list[AttentionRequest]:
+    """The layouts to examine on the patched copy, each the FAIL's request with what differs (`dataclasses.replace`;
+    validated by the caller, which keeps a layout the shape refuses as UNSUPPORTED): the FAIL's own case first, then
+    ring 2–4 for the direction, then the guard, then (mask and checkpointing fixes) the FAIL's own case on each other
+    backend the fix is verified on (the CUDA kernels' stand-ins take half precision only: bf16 there when the FAIL's
+    dtype is not); duplicates dropped. `seq=None`: the default length of each layout."""
+    own = replace(req, patch=False)
+    plain = {"ulysses": 1, "mask_pad": 0, "seq": None}
     layouts = [own]
     if UpstreamDefect.DKV_DIRECTION in defects:
-        layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None) for r in DIRECTION_RINGS]
+        layouts += [replace(own, ring=r, **plain) for r in DIRECTION_RINGS]
     if UpstreamDefect.SAVED_PER_STEP in defects:  # with and without checkpointing, on every ring the diff fixes
-        rings = DIRECTION_RINGS if UpstreamDefect.DKV_DIRECTION in defects else (own["ring"],)
-        layouts += [dict(own, ring=r, ulysses=1, mask_pad=0, seq=None, checkpointing=c) for r in rings for c in (True, False)]
-        layouts += [dict(own, ring=1, ulysses=2, mask_pad=0, seq=None, checkpointing=True)]
-    layouts += [dict(own, ring=r, ulysses=u, mask_pad=0, seq=None, checkpointing=False) for r, u in GUARD]
+        rings = DIRECTION_RINGS if UpstreamDefect.DKV_DIRECTION in defects else (own.ring,)
+        layouts += [replace(own, ring=r, checkpointing=c, **plain) for r in rings for c in (True, False)]
+        layouts += [replace(own, ring=1, ulysses=2, mask_pad=0, seq=None, checkpointing=True)]
+    layouts += [replace(own, ring=r, ulysses=u, mask_pad=0, seq=None, checkpointing=False) for r, u in GUARD]
     if backends is not None:
         for name, emulated in backends.verified[1:]:
-            dtype = own["dtype"] if not emulated or DType(own["dtype"]) in HALF else DType.BF16.value
-            layouts.append(dict(own, backend=name, emulate=emulated, dtype=dtype))
+            dtype = own.dtype if not emulated or own.dtype in HALF else DType.BF16
+            layouts.append(replace(own, backend=name, emulate=emulated, dtype=dtype))
     seen, unique = set(), []
-    for fields in layouts:
-        key = _case_key(fields)
-        if key not in seen:
-            seen.add(key)
-            unique.append(fields)
+    for case in layouts:
+        if _case_key(case) not in seen:
+            seen.add(_case_key(case))
+            unique.append(case)
     return unique
 
 
-def _case_key(fields: Any) -> tuple[Any, ...]:
+def _case_key(req: AttentionRequest) -> tuple[object, ...]:
     """What tells two cases apart: the layout, the mask, the backend and whether it is emulated."""
-    get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
-    return (get("ring"), get("ulysses"), get("mask_pad"), get("backend"), bool(get("emulate")), bool(get("checkpointing")))
+    return (req.ring, req.ulysses, req.mask_pad, req.backend, req.emulate, req.checkpointing)
 
 
-def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str, timeout_s: float, backend: str = "") -> Verification:
+def verify(fix: UpstreamFix, req: AttentionRequest, finding: Finding, script: str, timeout_s: float, backend: str = "") -> Verification:
     """Apply the diff to a copy of the installed package and run repro.py and the examination's cases there
     (the mask and checkpointing fixes also on the other backends `fix_backends` names)."""
     start = time.monotonic()
@@ -278,14 +286,13 @@ def verify(fix: UpstreamFix, req: dict[str, Any], finding: Finding, script: str,
         result.crashed_before = "CRASH"
     if UpstreamDefect.MASK_NOT_ROTATED in fix.defects or UpstreamDefect.SAVED_PER_STEP in fix.defects:  # per-backend contracts
         masked = UpstreamDefect.MASK_NOT_ROTATED in fix.defects
-        result.backends = fix_backends(backend or req["backend"], bool(req.get("emulate")), _on_cpu(req), masked)
+        result.backends = fix_backends(backend or req.backend, req.emulate, _on_cpu(req), masked)
     with tempfile.TemporaryDirectory(prefix="cpdoctor-upstream-") as root:
-        try:
-            _patched_copy(fix, root)
-        except (OSError, ValueError) as exc:
-            result.reason = f"cannot apply the diff to a copy of the installed diffusers ({exc})"
+        copied = Attempt.of(lambda: _patched_copy(fix, root), catching=(OSError, ValueError))
+        if copied.error is not None:
+            result.reason = f"cannot apply the diff to a copy of the installed diffusers ({copied.error})"
             return result
-        _run_repro(result, script, req["ring"] * req["ulysses"], root, timeout_s)
+        _run_repro(result, script, req.world_size, root, timeout_s)
         _run_cases(result, req, fix.defects, root, timeout_s, backend)
     result.wall_s = time.monotonic() - start
     failed = [c.label for c in result.cases if c.verdict not in (Verdict.PASS, Verdict.UNSUPPORTED)]
@@ -333,88 +340,78 @@ def _run_repro(result: Verification, script: str, world: int, root: str, timeout
         result.reason = "repro.py on the patched copy still reproduces the FAIL"
 
 
-def _on_cpu(req: dict[str, Any]) -> bool:
+def _on_cpu(req: AttentionRequest) -> bool:
     """Do the verification's ranks run on the CPU (where the CUDA kernels' stand-ins can stand in)?"""
     import torch
 
-    return req["device"] == "cpu" or (req["device"] != "cuda" and not torch.cuda.is_available())
+    return req.device is Device.CPU or (req.device is not Device.CUDA and not torch.cuda.is_available())
 
 
 def _run_cases(
-    result: Verification, req: dict[str, Any], defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float, backend: str = ""
+    result: Verification, req: AttentionRequest, defects: tuple[UpstreamDefect, ...], root: str, timeout_s: float, backend: str = ""
 ) -> None:
-    """The examination's cases on the copy, one launch per world size (a world's emulated cases first: the
-    flash-attn stand-in must be on sys.path before the ranks import diffusers; a plain case after them removes the
-    aten stand-ins again, probe.prepare_emulation)."""
-    from cpdoctor import launch
-    from cpdoctor.examinations import registry
-    from cpdoctor.launch.jobs import Case, Job
+    """The examination's cases on the copy, through the runner, one launch per world size (a world's emulated cases
+    first: the flash-attn stand-in must be on sys.path before the ranks import diffusers; a plain case after them
+    removes the aten stand-ins again, probe.prepare_emulation). A layout the FAIL's shape cannot take (heads that
+    Ulysses 2 cannot split) is UNSUPPORTED: that guard does not apply."""
     from cpdoctor.launch.script import ranks_import_first
 
-    entry = registry.get("attention")
-    by_world: dict[int, list[Any]] = {}
-    for fields in sorted(_cases(req, defects, result.backends), key=lambda f: not f.get("emulate")):
-        other = _other_backend(fields, req)
-        try:
-            request = entry.prepare(entry.build_request(**fields))
-        except BadInput as exc:  # e.g. heads that Ulysses 2 cannot split: that guard does not apply
-            result.cases.append(
-                CaseCheck(fields["ring"], fields["ulysses"], fields["mask_pad"], Verdict.UNSUPPORTED, {}, note=str(exc), **other)
-            )
+    by_world: dict[int, list[AttentionRequest]] = {}
+    for case in sorted(_cases(req, defects, result.backends), key=lambda c: not c.emulate):
+        built = Attempt.of(lambda c=case: c.validate(), catching=(BadInput,))
+        if built.value is None:  # a shape the layout cannot take
+            result.cases.append(CaseCheck(case.ring, case.ulysses, case.mask_pad, Verdict.UNSUPPORTED, {}, note=built.why(with_type=False) or "", **_other_backend(case, req)))  # fmt: skip
             continue
-        by_world.setdefault(request.world_size, []).append(request)
-    own = _case_key(req)
+        by_world.setdefault(built.value.world_size, []).append(built.value)
     with ranks_import_first(root):
         for world, requests in sorted(by_world.items()):
-            cases = tuple(Case(r) for r in requests)
-            ran = launch.run(Job(entry, cases, entry.device(requests[0]), timeout_s), world)
-            outcomes = ran.outcomes
+            ran = Attempt.of(lambda: _launch(requests, world, timeout_s), catching=(BadInput, CannotExamine))  # noqa: B023 - called at once
+            outcomes = ran.value if ran.value is not None else []
             for n, request in enumerate(requests):
-                key = (request.ring, request.ulysses, request.mask_pad)
-                before = result.repro_before if _case_key(request) == own else {}
-                other = _other_backend(request, req)
-                if _case_key(request) == own and result.crashed_before:
-                    other["crashed_before"] = True
-                if n >= len(outcomes):
-                    refused = ran.bad_input or ran.cannot_examine
-                    verdict = Verdict.CRASH if refused else Verdict.HANG
-                    note = f"the ranks refused: {refused}" if refused else "not examined: the launch stopped earlier"
-                    result.cases.append(CaseCheck(*key, verdict, {}, before, note, **other))
-                    continue
-                outcome = outcomes[n]
-                found = (
-                    entry.findings(outcome.case, outcome.evaluated)
-                    if outcome.completed
-                    else entry.failure_findings(outcome.case, outcome.failures, timeout_s)
-                )
-                f = found[0]
                 result.cases.append(
-                    CaseCheck(
-                        *key,
-                        f.verdict,
-                        {t: row.rel_err for t, row in f.tensors.items()},
-                        before,
-                        f.diagnosis if f.verdict is not Verdict.PASS else "",
-                        **other,
-                    )
+                    _checked(result, req, request, outcomes[n] if n < len(outcomes) else None, ran.why(with_type=False), timeout_s)
                 )
 
 
-def _other_backend(fields: Any, req: dict[str, Any]) -> dict[str, Any]:
+def _launch(requests: list[AttentionRequest], world: int, timeout_s: float) -> list[CaseOutcome]:
+    """One launch of the cases of a world size through the runner; BadInput / CannotExamine where the ranks refused."""
+    return runner.run_cases(Kind.ATTENTION, [Case(r) for r in requests], world, str(requests[0].device), timeout_s).outcomes
+
+
+def _checked(
+    result: Verification, req: AttentionRequest, case: AttentionRequest, outcome: CaseOutcome | None, refused: str | None, timeout_s: float
+) -> CaseCheck:
+    """One case's line of the verification: its verdict and errors on the copy, and the FAIL's errors before where it
+    is the FAIL's own case; CRASH where the ranks refused the launch, HANG where an earlier case stopped it."""
+    own = _case_key(case) == _case_key(req)
+    before = result.repro_before if own else {}
+    other = _other_backend(case, req)
+    if own and result.crashed_before:
+        other["crashed_before"] = True
+    key = (case.ring, case.ulysses, case.mask_pad)
+    if outcome is None:
+        verdict = Verdict.CRASH if refused else Verdict.HANG
+        note = f"the ranks refused: {refused}" if refused else "not examined: the launch stopped earlier"
+        return CaseCheck(*key, verdict, {}, before, note, **other)
+    f = runner.outcome_findings(outcome, timeout_s)[0]
+    errors = {t: row.rel_err for t, row in f.tensors.items()}
+    return CaseCheck(*key, f.verdict, errors, before, f.diagnosis if f.verdict is not Verdict.PASS else "", **other)
+
+
+def _other_backend(case: AttentionRequest, req: AttentionRequest) -> dict[str, Any]:
     """CaseCheck's backend fields for a case on another backend than the FAIL's (none for the FAIL's own), and
     whether it ran under checkpointing."""
-    get = fields.get if isinstance(fields, dict) else lambda name: getattr(fields, name)
-    checkpointing = {"checkpointing": bool(get("checkpointing"))}
-    if get("backend") == req["backend"] and bool(get("emulate")) == bool(req.get("emulate")):
+    checkpointing = {"checkpointing": case.checkpointing}
+    if case.backend == req.backend and case.emulate == req.emulate:
         return checkpointing
-    return {"backend": get("backend"), "emulated": bool(get("emulate")), **checkpointing}
+    return {"backend": case.backend, "emulated": case.emulate, **checkpointing}
 
 
 def _fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.3g}"
 
 
-def issue_section(fix: UpstreamFix, v: Verification, req: dict[str, Any]) -> str:
+def issue_section(fix: UpstreamFix, v: Verification, req: AttentionRequest) -> str:
     """The issue text's "Proposed fix": the diff, the repro before and after, every case examined on the copy."""
     names = " and ".join(f"the {d.value}" for d in fix.defects)
     lines = [

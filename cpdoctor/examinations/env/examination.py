@@ -28,6 +28,13 @@ from cpdoctor.examinations.env.common import one_thread
 from cpdoctor.examinations.env.facts import collect, collect_environment, ring_class
 from cpdoctor.examinations.env.request import EnvRequest, resolve_device, resolve_dtype
 from cpdoctor.report import Report
+from cpdoctor.report.environment import AttentionBackend, Environment, Launch
+
+EMULATED = (
+    "CUDA kernels of the GPU backends emulated on CPU by cpdoctor's stand-ins: examined the installed diffusers' "
+    "ops around them; not examined: the CUDA kernels themselves"
+)
+"""What `cpdoctor env --emulate` examined and what it did not (the environment's `emulated`)."""
 
 
 def run(request: EnvRequest) -> Report:
@@ -49,19 +56,13 @@ def run(request: EnvRequest) -> Report:
         standins.activate()  # before diffusers is imported: it looks for flash-attn at import time
     dev = resolve_device(device)
     dtype_name = resolve_dtype(dtype, dev, emulate)
-    environment = collect_environment()
-    if emulate:
-        environment = environment.replace(
-            emulated=(
-                "CUDA kernels of the GPU backends emulated on CPU by cpdoctor's stand-ins: examined the installed diffusers' "
-                "ops around them; not examined: the CUDA kernels themselves"
-            )
-        )
+    software = collect_environment().software
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.cpu_kernels import cpu_backend
 
     compat.dispatch_module()  # BadInput (exit 2) when diffusers, or its CP support, is missing
-    environment = environment.replace(probe_device=str(dev), probe_dtype=dtype_name, ring_class=collect(ring_class))
+    probed = AttentionBackend(probe_device=str(dev), probe_dtype=dtype_name, ring_class=collect(ring_class))
+    environment = Environment(software, Launch(emulated=EMULATED if emulate else None), probed)
     cpu_backend.register()
     config = compat.meshless_parallel_config(ring=1, ulysses=2, device=dev)
     with quiet(), one_thread():

@@ -15,7 +15,7 @@ from typing import Any
 from cpdoctor.attempt import Attempt
 from cpdoctor.compat.packages import installed_version
 from cpdoctor.examinations.env.common import NOT_COLLECTED
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import Environment, Software
 
 ATTENTION_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
     "flash-attn": (("flash-attn", "flash_attn"), "flash_attn"),
@@ -148,20 +148,22 @@ def ring_class() -> str:
 
 
 def collect_environment() -> Environment:
-    """Every fact, in the order the report lists them (Environment's field order)."""
+    """Every fact, in the order the report lists them (`Software`, in the order the JSON lists them)."""
     return Environment(
-        python=collect(python_version),
-        os=collect(os_name),
-        cpdoctor=collect(cpdoctor_version),
-        torch=collect(torch_version),
-        torch_cuda_build=collect(torch_cuda_build),
-        cuda_available=collect(cuda_available),
-        cudnn=collect(cudnn_version),
-        nccl=collect(nccl_version),
-        gloo=collect(gloo_available),
-        devices=collect(device_list),
-        diffusers=collect(diffusers_version),
-        attention_packages=collect(attention_packages),
-        world=collect(world),
-        settings=collect(settings),
+        Software(
+            python=collect(python_version),
+            os=collect(os_name),
+            cpdoctor=collect(cpdoctor_version),
+            torch=collect(torch_version),
+            torch_cuda_build=collect(torch_cuda_build),
+            cuda_available=collect(cuda_available),
+            cudnn=collect(cudnn_version),
+            nccl=collect(nccl_version),
+            gloo=collect(gloo_available),
+            devices=collect(device_list),
+            diffusers=collect(diffusers_version),
+            attention_packages=collect(attention_packages),
+            world=collect(world),
+            settings=collect(settings),
+        )
     )

@@ -7,14 +7,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.base import Examination
-from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
+from cpdoctor.examinations.request import NotEmulated, Unpatched, layout_asked
+from cpdoctor.launch.jobs import Case
 from cpdoctor.report import Finding, Verdict
-from cpdoctor.vocabulary import Kind
+from cpdoctor.report.environment import Environment
+from cpdoctor.vocabulary import Device, Kind
 
 
 @dataclass(frozen=True)
-class FixTrainingRequest:
-    """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive")."""
+class FixTrainingRequest(Unpatched, NotEmulated):
+    """See probe.py for the fields' meaning (mask: None, "bool4d", "bool2d" or "additive"). One case: `compare_original`
+    says which attention it runs, never a second, patched one."""
 
     kind = Kind.FIX_TRAINING  # the examination this request is for (registry.of)
 
@@ -32,11 +35,14 @@ class FixTrainingRequest:
     seed: int = 0
     backend: str = "cpdoctor_cpu"
     compare_original: bool = False
-    device: str = "auto"
+    device: Device = Device.AUTO
 
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
+
+    def asked(self) -> Environment:
+        return layout_asked(self.ring, self.ulysses, self.dtype, self.backend)
 
     def validate(self) -> FixTrainingRequest:
         return self
@@ -47,20 +53,11 @@ class FixTrainingRequest:
         return asdict(self)
 
 
-class FixTrainingExamination(Examination):
+class FixTrainingExamination(Examination[FixTrainingRequest]):
     kind = Kind.FIX_TRAINING
+    probe = "cpdoctor.examinations.fix_training.probe"
     request_type = FixTrainingRequest
     in_suites = False
-
-    def run_rank(self, case: Case, ctx: Any) -> RankResult:
-        from cpdoctor.examinations.fix_training import probe
-
-        return probe.run_rank(case, ctx)
-
-    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
-        from cpdoctor.examinations.fix_training import probe
-
-        return probe.evaluate(case, results, ctx)
 
     def finding(self, case: Case, evaluated: Any) -> Finding:
         worst = max(evaluated.out_rel_err, evaluated.x_grad_rel_err, evaluated.worst_param_rel_err)

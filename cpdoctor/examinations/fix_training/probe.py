@@ -8,18 +8,20 @@ tokens). Rank 0 runs the same step on the full sequence without CP and measures 
 `compare_original` each rank also reruns the forward with diffusers' own ring (patch reverted for the call)
 and reports how far the two forwards are apart. Numbers only.
 
-A case: {"ring": 2, "ulysses": 1, "patched": true, "mask": null | "bool4d" | "bool2d" | "additive",
-"mask_pad": 3, "seq": 64, "batch": 2, "heads": 2, "head_dim": 16, "dim": 32, "dtype": "fp32", "seed": 0,
-"backend": "cpdoctor_cpu", "compare_original": false}
+A case: its `FixTrainingRequest` (the fields and their defaults), patched or not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cpdoctor.launch.jobs import CaseNumbers, RankResult
+from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report.environment import Environment
+
+if TYPE_CHECKING:
+    from cpdoctor.examinations.fix_training import FixTrainingRequest
+    from cpdoctor.launch.context import DistContext
 
 
 @dataclass
@@ -49,46 +51,24 @@ class TrainingNumbers(CaseNumbers):
     environment: Environment = field(default_factory=Environment)
 
 
-DEFAULTS = {
-    "ring": 2,
-    "ulysses": 1,
-    "patched": False,
-    "mask": None,
-    "mask_pad": 3,
-    "seq": 64,
-    "batch": 2,
-    "heads": 2,
-    "head_dim": 16,
-    "dim": 32,
-    "layers": 2,
-    "dtype": "fp32",
-    "seed": 0,
-    "backend": "cpdoctor_cpu",
-    "compare_original": False,
-}
+MASKS = (None, "bool4d", "bool2d", "additive")
+"""The masks a case may give the model (`FixTrainingRequest.mask`)."""
 
 
-def _case(case: Any) -> dict:
-    """The step's settings from a launch Case (its request: FixTrainingRequest) or a plain dict."""
-    from dataclasses import asdict
-
+def _request(case: Case) -> FixTrainingRequest:
+    """The step's settings (the case's request, as built), refused on the rank with BadInput where the layout cannot
+    shard them."""
     from cpdoctor.errors import BadInput
 
-    if hasattr(case, "request"):
-        case = {**asdict(case.request), "patched": case.patched}
-        case.pop("device", None)
-    unknown = set(case) - set(DEFAULTS)
-    if unknown:
-        raise BadInput(f"unknown train-step case keys: {', '.join(sorted(unknown))}")
-    c = {**DEFAULTS, **case}
-    if c["seq"] % (c["ring"] * c["ulysses"]) or c["heads"] % c["ulysses"]:
+    req: FixTrainingRequest = case.request
+    if req.seq % req.world_size or req.heads % req.ulysses:
         raise BadInput("train step: seq must divide by ring × ulysses and heads by ulysses")
-    if c["mask"] not in (None, "bool4d", "bool2d", "additive"):
-        raise BadInput(f"train step: unknown mask kind {c['mask']!r}")
-    return c
+    if req.mask not in MASKS:
+        raise BadInput(f"train step: unknown mask kind {req.mask!r}")
+    return req
 
 
-def _model(c: dict) -> Any:
+def _model(req: FixTrainingRequest) -> Any:
     import torch
 
     from cpdoctor.compat import diffusers as compat
@@ -96,22 +76,22 @@ def _model(c: dict) -> Any:
     class Layer(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            inner = c["heads"] * c["head_dim"]
-            self.to_qkv = torch.nn.Linear(c["dim"], 3 * inner)
-            self.to_out = torch.nn.Linear(inner, c["dim"])
+            inner = req.heads * req.head_dim
+            self.to_qkv = torch.nn.Linear(req.dim, 3 * inner)
+            self.to_out = torch.nn.Linear(inner, req.dim)
 
         def forward(self, x: Any, mask: Any, parallel_config: Any) -> Any:
             b, s, _ = x.shape
-            q, k, v = self.to_qkv(x).view(b, s, 3, c["heads"], c["head_dim"]).unbind(2)
+            q, k, v = self.to_qkv(x).view(b, s, 3, req.heads, req.head_dim).unbind(2)
             o = compat.dispatch_module().dispatch_attention_fn(
-                q, k, v, attn_mask=mask, backend=c["backend"], parallel_config=parallel_config
+                q, k, v, attn_mask=mask, backend=req.backend, parallel_config=parallel_config
             )
             return x + self.to_out(o.flatten(2))
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = torch.nn.ModuleList(Layer() for _ in range(c["layers"]))
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(req.layers))
 
         def forward(self, x: Any, mask: Any = None, parallel_config: Any = None) -> Any:
             for layer in self.layers:
@@ -120,26 +100,26 @@ def _model(c: dict) -> Any:
 
     from cpdoctor.examinations.measurement import torch_dtype
 
-    torch.manual_seed(c["seed"])
-    return Tiny().to(torch_dtype(c["dtype"]))
+    torch.manual_seed(req.seed)
+    return Tiny().to(torch_dtype(req.dtype))
 
 
-def _inputs(c: dict) -> dict:
+def _inputs(req: FixTrainingRequest) -> dict:
     import torch
 
     from cpdoctor.examinations.measurement import torch_dtype
 
-    gen = torch.Generator().manual_seed(c["seed"] + 1)
-    dtype = torch_dtype(c["dtype"])
-    shape = (c["batch"], c["seq"], c["dim"])
+    gen = torch.Generator().manual_seed(req.seed + 1)
+    dtype = torch_dtype(req.dtype)
+    shape = (req.batch, req.seq, req.dim)
     x, target = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     mask = None
-    if c["mask"]:
-        keep = torch.ones(c["batch"], c["seq"], dtype=torch.bool)
-        keep[:, c["seq"] - c["mask_pad"] :] = False
-        if c["mask"] == "bool2d":
+    if req.mask:
+        keep = torch.ones(req.batch, req.seq, dtype=torch.bool)
+        keep[:, req.seq - req.mask_pad :] = False
+        if req.mask == "bool2d":
             mask = keep
-        elif c["mask"] == "bool4d":
+        elif req.mask == "bool4d":
             mask = keep[:, None, None, :]
         else:
             mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))[:, None, None, :]
@@ -163,33 +143,33 @@ def _rng_states() -> list:
     return states
 
 
-def run_rank(case: Any, ctx: Any) -> StepShard:
+def run_rank(case: Case, ctx: DistContext) -> StepShard:
     import torch
 
     from cpdoctor.compat import diffusers as compat
     from cpdoctor.cpu_kernels import cpu_backend
     from cpdoctor.fix import patch as fix_patch
 
-    c = _case(case)
+    req = _request(case)
     cpu_backend.register()
-    fix_patch.set_patched(c["patched"])
-    mesh = ctx.cp_mesh(c["ring"], c["ulysses"])
-    config = compat.setup_parallel_config(c["ring"], c["ulysses"], ctx.rank, ctx.world_size, ctx.device, mesh)
+    fix_patch.set_patched(case.patched)
+    mesh = ctx.cp_mesh(req.ring, req.ulysses)
+    config = compat.setup_parallel_config(req.ring, req.ulysses, ctx.rank, ctx.world_size, ctx.device, mesh)
     flat = compat.flat_cp_rank(config)
-    world = c["ring"] * c["ulysses"]
-    inputs = _inputs(c)
+    world = req.ring * req.ulysses
+    inputs = _inputs(req)
 
     def shard(t: Any) -> Any:
         return None if t is None else t.chunk(world, dim=-1 if t is inputs["mask"] else 1)[flat].to(ctx.device)
 
-    model = _model(c).to(ctx.device)
+    model = _model(req).to(ctx.device)
     x, target, mask = shard(inputs["x"]), shard(inputs["target"]), shard(inputs["mask"])
     rng_before = _rng_states()
     out, x_grad = _step(model, x, target, mask, config)
     rng_untouched = all(torch.equal(a, b) for a, b in zip(rng_before, _rng_states()))
     grads = {n: ctx.all_sum_cpu(p.grad.detach()) for n, p in model.named_parameters()}
     payload = StepShard(flat, out.cpu(), x_grad.cpu(), grads if ctx.rank == 0 else None, rng_untouched)
-    if c["compare_original"]:
+    if req.compare_original:
         was = fix_patch.is_patched()
         fix_patch.set_patched(not was)
         try:
@@ -207,13 +187,13 @@ def _rel(x: Any, ref: Any) -> float:
     return (x.double() - ref).norm().item() / (ref.norm().item() or 1.0)
 
 
-def evaluate(case: Any, payloads: list[StepShard], ctx: Any) -> TrainingNumbers:
+def evaluate(case: Case, payloads: list[StepShard], ctx: DistContext) -> TrainingNumbers:
     """Rank 0: the CP step against the single-process step (relative L2 errors, worst parameter named)."""
     import torch
 
-    c = _case(case)
-    inputs = _inputs(c)
-    model = _model(c).to(ctx.device)
+    req = _request(case)
+    inputs = _inputs(req)
+    model = _model(req).to(ctx.device)
     out, x_grad = _step(
         model,
         inputs["x"].to(ctx.device),

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpdoctor.errors import BadInput
+from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
+from cpdoctor.examinations import judging
 from cpdoctor.examinations.base import Examination
 from cpdoctor.examinations.model import judge
 from cpdoctor.examinations.model.request import ModelRequest
@@ -19,7 +20,7 @@ from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Kind
 
 
-class ModelExamination(Examination):
+class ModelExamination(Examination[ModelRequest]):
     kind = Kind.MODEL
     request_type = ModelRequest
 
@@ -36,6 +37,25 @@ class ModelExamination(Examination):
             return prepare(request.validate())
         except ImportError as exc:  # torch or diffusers missing
             raise BadInput(f"missing package: {exc}") from exc
+
+    def unsupported_here(self, request: ModelRequest) -> Unsupported | None:
+        """A backend whose package is missing (as every examination), or a `_cp_plan` that does not fit the model
+        at the request's blocks (Helios with fewer blocks than its plan names): diffusers would raise in
+        `enable_parallelism`, which is not the attention's doing, so no rank starts. Unlike the others this asks
+        diffusers (a meta-device build, which `prepare` makes anyway: a prepared request is not prepared again)."""
+        missing = super().unsupported_here(request)
+        if missing is not None:
+            return missing
+        misfit = self._prepared(request).misfit
+        return None if misfit is None else Unsupported(UnsupportedKind.PLAN_DOES_NOT_FIT, misfit.line())
+
+    def unsupported_finding(self, request: ModelRequest, why: Unsupported) -> Finding:
+        """The UNSUPPORTED finding, with the plan's entry and the model's as evidence when the plan does not fit."""
+        misfit = self._prepared(request).misfit if why.kind is UnsupportedKind.PLAN_DOES_NOT_FIT else None
+        return judging.unsupported_finding(self.describe(request), why, evidence=misfit)
+
+    def _prepared(self, request: ModelRequest) -> ModelRequest:
+        return request if request.memory is not None or request.misfit is not None else self.prepare(request)
 
     def run_rank(self, case: Case, ctx: Any) -> RankResult:
         from cpdoctor.examinations.model import probe

@@ -88,16 +88,18 @@ class BlockRecorder:
         return BlockRecord(list(self.order), dict(self.outputs), {k: list(v) for k, v in self.grads.items()})
 
 
-def assemble(shards: list[Any], ref: Any) -> Any:
+def assemble(shards: list[Any], ref: Any, summed: bool = False) -> Any:
     """The whole tensor from the ranks' shards: concatenated along the dimension where the reference is
-    len(shards) times longer; the rank-0 copy when the tensor was not split."""
+    len(shards) times longer; when the tensor was not split, the rank-0 copy (an output: every rank holds it) or,
+    with `summed`, the sum over the ranks (the gradient of an input every rank holds whole, such as LTX's 3-D
+    timestep embedding: each rank's holds its own tokens' part, as a parameter's does)."""
     import torch
 
     first = shards[0]
     if first is None:
         return None
     if tuple(first.shape) == tuple(ref.shape):
-        return first
+        return torch.stack(list(shards)).sum(dim=0) if summed and all(s is not None for s in shards) else first
     w = len(shards)
     for d in range(ref.ndim):
         if ref.shape[d] == w * first.shape[d] and all(ref.shape[e] == first.shape[e] for e in range(ref.ndim) if e != d):
@@ -128,7 +130,7 @@ def block_errors(cp: list[BlockRecord], base: BlockRecord | None, ref: BlockReco
         ref_out, ref_grad = ref.outputs.get(name, []), ref.grads.get(name, [])
         out_parts = [assemble([p.outputs.get(name, [None] * len(ref_out))[i] for p in cp], r) for i, r in enumerate(ref_out)]
         grad_parts = [
-            None if r is None else assemble([(p.grads.get(name) or [None] * len(ref_grad))[i] for p in cp], r)
+            None if r is None else assemble([(p.grads.get(name) or [None] * len(ref_grad))[i] for p in cp], r, summed=True)
             for i, r in enumerate(ref_grad)
         ]
         out_c, grad_c = _error(out_parts, ref_out), _error(grad_parts, ref_grad)

@@ -19,9 +19,9 @@ def build_model(spec: ModelSpec, req: ModelRequest, device: Any, dtype: Any, sta
     (`stats`, a cpdoctor.model_zoo.slicing.ReadStats, counts them)."""
     import torch
 
-    torch.manual_seed(req.seed)
     weights = spec.weights
-    sliced = is_sliced(spec, req.blocks)
+    sliced = is_sliced(spec, req.blocks)  # first: its survey builds the model once, drawing from the global RNG
+    torch.manual_seed(req.seed)  # (a class that makes a parameter with torch.randn draws even with empty parameters)
     if weights is not None and sliced and weights.use_safetensors:
         from cpdoctor.model_zoo import slicing
 
@@ -95,9 +95,14 @@ def upstream_grad(shape: tuple[int, ...], req: ModelRequest) -> Any:
 
 
 def _output(result: Any) -> Any:
-    if isinstance(result, (tuple, list)):
-        return result[0]
-    return getattr(result, "sample", result)
+    """The output examined: the one tensor most classes return, or every output flattened into one (LTX-2's and
+    MiniMax-H3's video and audio, each gathered by the plan), so that the upstream gradient reaches all of them."""
+    import torch
+
+    from cpdoctor.model_zoo.catalog import model_outputs
+
+    outs = model_outputs(result)
+    return outs[0] if len(outs) == 1 else torch.cat([o.reshape(o.shape[0], -1) for o in outs], dim=1)
 
 
 def step(model: Any, kwargs: dict[str, Any], req: ModelRequest, device: Any, dtype: Any) -> tuple[Any, Any, ParamLayout]:

@@ -22,10 +22,12 @@ from cpdoctor.examinations.judging import (
     join_remedies,
     judge_row,
     judge_rows,
+    subject_marks,
     tolerance,
     unsupported_finding,
 )
 from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement, op_level
+from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.launch.jobs import Case
 from cpdoctor.report import TENSOR_LABELS, BlockRow, Finding, JudgedRow, ParamRow, TensorRow, Verdict
 
@@ -37,7 +39,7 @@ orders of magnitude past (0.39.0 tiny Flux ring 2: 3.27 against ~1e-7)."""
 MASK_REMEDIES = ("cpdoctor.patch() (its ring rotates the mask with the keys)", "Ulysses-only CP (it all-gathers the mask)")
 
 
-def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None = None) -> str:
+def describe_model(req: ModelRequest, backend: str | None = None, model: ModelInfo | None = None) -> str:
     name = model.short_name if model is not None else req.model
     source = None if model is None else model.source
     source = "" if source is None else (" tiny" if source == "tiny config" else f" from {source}")
@@ -48,9 +50,7 @@ def describe_model(req: Any, backend: str | None = None, model: ModelInfo | None
     return (
         f"model {name}{source} ring={req.ring} ulysses={req.ulysses} backend={backend or req.backend} "
         f"{req.dtype} {req.height}x{req.width}{frames} text {req.text_len} B{req.batch}"
-        + (f" mask_pad={req.mask_pad}" if req.mask_pad else "")
-        + (" emulated" if getattr(req, "emulate", False) else "")
-        + (" checkpointing" if getattr(req, "checkpointing", False) else "")
+        + subject_marks(req.mask_pad, req.emulate, req.checkpointing)
     )
 
 
@@ -156,6 +156,7 @@ class ModelSignature:
     tensors: dict[str, JudgedRow]
     plain: OpCheck | None  # the op-level check without a mask
     masked: OpCheck | None  # with the model's padding mask
+    inner_gathers: tuple[str, ...] = ()  # the plan's gathers inside the block stacks
 
     @property
     def layout(self) -> str:
@@ -267,6 +268,22 @@ RULES: tuple[Rule[ModelSignature], ...] = (
     Rule(Aspect.OP_LEVEL, "op fails too", lambda s: _plain_verdict(s) == Verdict.FAIL, _op_fails, ()),
     Rule(
         Aspect.OP_LEVEL,
+        "op passes: the plan gathers inside the blocks",
+        lambda s: _plain_verdict(s) == Verdict.PASS and not s.out.failed and bool(s.inner_gathers),
+        lambda s: (
+            f"the attention op alone passes at this layout (`{op_check_command(s.req)}`) and the forward is exact: the model's "
+            f"_cp_plan gathers the sequence inside its blocks ({', '.join(s.inner_gathers[:3])}), so from each such gather to the "
+            "next split every rank holds the whole sequence and back-propagates the whole of its gradient, which the CP "
+            "step's sum over the CP group (right for a plan that splits once and gathers once) counts on every rank; "
+            "inference through this plan is exact, training through it is not, whatever the attention"
+        ),
+        (
+            "train this model without CP, or through a _cp_plan that splits once before the blocks and gathers once after "
+            "them (as Wan's: `cpdoctor plan wan`); inference through this plan is exact",
+        ),
+    ),
+    Rule(
+        Aspect.OP_LEVEL,
         "op passes: model path",
         lambda s: (
             _plain_verdict(s) == Verdict.PASS
@@ -290,8 +307,9 @@ RULES: tuple[Rule[ModelSignature], ...] = (
 def diagnose_model(req: Any, evaluated: ModelMeasurement, tensors: dict[str, JudgedRow]) -> tuple[str, str]:
     """(diagnosis, remedy): forward vs backward, the op level at the same layout, the mask."""
     ops = op_checks(evaluated)
+    gathers = () if evaluated.model is None else evaluated.model.inner_gathers
     sig = ModelSignature(
-        req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None)
+        req, tensors, next((o for o in ops if not o.request.mask_pad), None), next((o for o in ops if o.request.mask_pad), None), gathers
     )
     failing_ops = [o for o in ops if o.finding is not None and o.finding.verdict == Verdict.FAIL]
     if not sig.out.failed and not sig.grads_bad and failing_ops:
@@ -359,10 +377,10 @@ def _op_summaries(req: Any, evaluated: ModelMeasurement) -> list[OpLevelSummary]
     return out
 
 
-def model_finding(req: Any, evaluated: ModelMeasurement) -> Finding:
+def model_finding(req: ModelRequest, evaluated: ModelMeasurement) -> Finding:
     """The finding for one evaluated model case."""
     subject = describe_model(req, evaluated.backend, evaluated.model)
-    emulated = emulation_note(evaluated.backend) if getattr(req, "emulate", False) else None
+    emulated = emulation_note(evaluated.backend) if req.emulate else None
     evidence = ModelEvidence(evaluated.facts, evaluated.model, baseline_error=evaluated.baseline_error, memory_plan=req.memory)
     if evaluated.unsupported is not None:
         return unsupported_finding(subject, evaluated.unsupported, evidence=evidence, emulated=emulated)

@@ -1,6 +1,7 @@
 """The model examination's parent side, before any rank starts: fill the shapes left unset, check what can be
 checked without weights (the model resolves, a text mask exists for --mask-pad, heads divide by Ulysses, every
-split the model's `_cp_plan` makes divides: plan's measurement, `cpdoctor.model_zoo.splits`), choose how many blocks
+split the model's `_cp_plan` makes divides: plan's measurement, `cpdoctor.model_zoo.splits`, which also moves the
+family's small default shapes to the nearest that divide when the user gave none), choose how many blocks
 fit in memory (the memory plan), and check that a sliced checkpoint has every tensor it needs. `prepare` returns
 the request with all of it filled in, the memory plan included, and the time plan for a half dtype on the CPU
 (`cpdoctor.model_zoo.throughput`: a 50-ms matmul probe, and a warning where that dtype is far slower than fp32)."""
@@ -15,6 +16,8 @@ from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.examinations.model.spec import ModelSpec, is_sliced, model_survey, request_spec, sliced_config, text_mask_param
 from cpdoctor.model_zoo.memory import available_memory
+from cpdoctor.model_zoo.splits.plan import plan_command, remedy_line
+from cpdoctor.model_zoo.splits.result import RemedyKind
 from cpdoctor.model_zoo.throughput import time_plan
 from cpdoctor.vocabulary import Device
 
@@ -26,19 +29,28 @@ ring × ulysses up to 8."""
 
 
 def prepare(req: ModelRequest) -> ModelRequest:
-    """The request with every shape, the blocks that fit, the reference dtype and the memory plan filled in;
-    BadInput for anything that cannot work, before any process starts."""
+    """The request with every shape, the blocks that fit, the reference dtype and the memory plan filled in, and
+    the tiny config derived for a name; BadInput for anything that cannot work, before any process starts. A plan
+    that does not fit the model at those blocks is recorded (`misfit`), not raised: the examination refuses it as
+    its own finding (ModelExamination.unsupported_here), and nothing after it is planned."""
     req = req.validate()
     spec = request_spec(req)
     if spec.weights is not None and spec.weights.revision:
         req = req.with_fields(revision=spec.weights.revision)  # the ranks load the commit the parent resolved
+    req = req.with_fields(tiny=spec.tiny)
+    shapes_given = any(getattr(req, k) is not None for k in ("height", "width", "text_len", "frames"))
     req, kwargs = fill_shapes(req, spec)
     survey = model_survey(spec)
     if req.blocks is not None and req.blocks > survey.depth:
         depths = ", ".join(f"{s.name} {s.depth}" for s in survey.stacks) or "no block stacks"
         raise BadInput(f"--blocks {req.blocks} is beyond the depth of {spec.short_name} ({depths}); give 1 to {survey.depth}")
-    check_divisibility(spec, req, survey)
+    fitted = fit_divisibility(spec, req, survey, shapes_given)
+    if fitted is not req:
+        req, kwargs = fill_shapes(fitted, spec)
     req = req.with_fields(blocks=choose_blocks(spec, req, survey, kwargs))
+    misfit = plan_misfit_at(spec, req.blocks)
+    if misfit is not None:
+        return req.with_fields(misfit=misfit)
     check_needed_files(spec, req)
     plan = memory_plan(spec, req, survey, kwargs)
     return req.with_fields(reference=plan.reference_dtype, memory=plan, timing=time_plan(plan))
@@ -58,7 +70,7 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
     text_len = req.text_len or DEFAULT_TEXT_LEN
     frames = req.frames
     if builder.is_video:
-        frames = frames or (builder.frames_step or 4) + builder.frames_offset
+        frames = frames or builder.small_frames
     elif frames is not None:
         raise BadInput(f"{spec.short_name} is an image model; --frames applies to video models only")
     if height < step or width < step:
@@ -66,6 +78,16 @@ def fill_shapes(req: ModelRequest, spec: ModelSpec) -> tuple[ModelRequest, dict[
     check_model_takes(req, spec, text_len, full.get("num_attention_heads"))
     inputs = build_inputs(spec.cls, full, height, width, text_len, frames, batch=req.batch, device="meta", text_mask=bool(req.mask_pad))
     return req.with_fields(height=inputs.height, width=inputs.width, text_len=text_len, frames=inputs.frames), inputs.kwargs
+
+
+def plan_misfit_at(spec: ModelSpec, blocks: int | None) -> Any:
+    """The first entry of the class's `_cp_plan` that the model cut to `blocks` blocks a stack does not have
+    (cpdoctor.model_zoo.plan_fit.PlanMisfit), None when the plan fits; measured on the meta device."""
+    from cpdoctor.model_zoo.catalog import build_model
+    from cpdoctor.model_zoo.plan_fit import plan_misfit
+
+    with compat.quiet():
+        return plan_misfit(build_model(spec.cls, sliced_config(spec, blocks), device="meta"))
 
 
 def check_model_takes(req: ModelRequest, spec: ModelSpec, text_len: int, heads: Any) -> None:
@@ -188,37 +210,46 @@ def check_needed_files(spec: ModelSpec, req: ModelRequest) -> None:
         checkpoints.check_safetensors(path)
 
 
-def check_divisibility(spec: ModelSpec, req: ModelRequest, survey: Any) -> None:
-    """`cpdoctor plan`'s measurement at this layout (on the model cut to one block a stack: depth does not
-    change a split): an indivisible split is BadInput with plan's remedy, before diffusers' hooks assert."""
-    from cpdoctor.model_zoo.catalog import ResolvedModel, resolve_model
-    from cpdoctor.model_zoo.splits.plan import Setup, measure_plan, plan_command, remedy_line
+SHAPE_REMEDIES = (RemedyKind.RESOLUTION, RemedyKind.FRAMES, RemedyKind.TEXT_PADDING)
+"""The ways out `prepare` may take by itself where the user gave no shape (never the degrees: those were asked)."""
 
+
+def fit_divisibility(spec: ModelSpec, req: ModelRequest, survey: Any, shapes_given: bool) -> ModelRequest:
+    """`cpdoctor plan`'s measurement at this layout (on the model cut to one block a stack: depth does not change a
+    split). Where a split does not divide: with no shape given, the family's small defaults move to the nearest
+    that divide (each problem's first measured resolution, frames or text length, applied together and measured
+    again); otherwise, or when that fails, BadInput with plan's remedy, before diffusers' hooks assert."""
     if req.world_size < 2:
-        return
-    entry = resolve_model(spec.class_name).entry
-    config = sliced_config(spec, 1) if survey.stacks else spec.full_config()
-    resolved = ResolvedModel(spec.cls, entry, config, spec.source)
-    builder = spec.builder
-    setup = Setup(
-        resolved,
-        builder,
-        builder.resolution_multiple(resolved.full_config()),
-        req.height,
-        req.width,
-        req.text_len,
-        req.frames,
-        req.ring,
-        req.ulysses,
-    )
-    plan = measure_plan(setup)
+        return req
+    plan = _measure(spec, req, survey)
     if not plan.problems:
-        return
+        return req
+    if not shapes_given:
+        changes: dict[str, int] = {}
+        for problem in plan.problems:
+            chosen = next((r.settings() for r in problem.remedies if r.kind in SHAPE_REMEDIES and r.settings()), None)
+            changes.update(chosen or {})
+        moved = req.with_fields(**changes)
+        if changes and not _measure(spec, moved, survey).problems:
+            return moved
     problem = plan.problems[0]
     training = [r for r in problem.remedies if not r.kind.uneven_mode][:3]
     remedy = remedy_line(training) if training else "no measured way out at this layout"
     command = plan_command(spec.short_name if spec.weights is None else spec.weights.model_dir, plan.settings)
     raise BadInput(f"{indivisible(req, problem.what)}; plan's remedy: {remedy} (`{command}` lists every way out)")
+
+
+def _measure(spec: ModelSpec, req: ModelRequest, survey: Any) -> Any:
+    from cpdoctor.model_zoo.catalog import ResolvedModel, resolve_model
+    from cpdoctor.model_zoo.splits.plan import Setup, measure_plan
+
+    entry = resolve_model(spec.class_name).entry
+    config = sliced_config(spec, 1) if survey.stacks else spec.full_config()
+    resolved = ResolvedModel(spec.cls, entry, config, spec.source)
+    builder = spec.builder
+    step = builder.resolution_multiple(resolved.full_config())
+    setup = Setup(resolved, builder, step, req.height, req.width, req.text_len, req.frames, req.ring, req.ulysses)
+    return measure_plan(setup)
 
 
 def indivisible(req: ModelRequest, what: str) -> str:

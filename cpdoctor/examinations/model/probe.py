@@ -20,7 +20,7 @@ from typing import Any
 
 from cpdoctor.attempt import Attempt
 from cpdoctor.compat import diffusers as compat
-from cpdoctor.errors import BadInput, Unsupported
+from cpdoctor.errors import BadInput, Unsupported, UnsupportedKind
 from cpdoctor.examinations import registry
 from cpdoctor.examinations.backend_choice import BackendAsk, NotRunnable, no_backend_here, prepare_emulation
 from cpdoctor.examinations.backend_choice import select_backend as choose_backend
@@ -36,6 +36,7 @@ from cpdoctor.examinations.model.spec import REFERENCE_BACKEND, ModelSpec, model
 from cpdoctor.examinations.request import LayoutRequest
 from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.launch.progress import tick, ticking
+from cpdoctor.model_zoo.plan_fit import inner_gathers
 from cpdoctor.report import BlockRow, ParamRow, TensorRow
 from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import DType, Kind
@@ -108,6 +109,8 @@ class ModelInfo:
     reference_dtype: DType | None = None
     read: Any = None
     stacks: dict[str, StackExamined] = field(default_factory=dict)
+    tiny: Any = None  # cpdoctor.model_zoo.tiny.TinyConfig: the derived config, what bounded each key, its cost
+    inner_gathers: tuple[str, ...] = ()  # the plan's gathers inside the block stacks (plan_fit.inner_gathers)
 
 
 @dataclass
@@ -160,7 +163,8 @@ def run_rank(case: Case, ctx: Any) -> RankResult:
         if unsupported is not None:
             return NotRunnable(name, facts, unsupported)
         shard = _cp_step(case, spec, name, facts, ctx)
-        shard.op = [_op_shard(op, case, ctx) for op in op_level_requests(req)]
+        if isinstance(shard, ModelShard):
+            shard.op = [_op_shard(op, case, ctx) for op in op_level_requests(req)]
     return shard
 
 
@@ -170,15 +174,20 @@ def _not_runnable(facts: Any, req: ModelRequest) -> Unsupported | None:
     return facts.unsupported(req.ring, model_level=True)
 
 
-def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) -> ModelShard:
+def _cp_step(case: Case, spec: ModelSpec, backend: str, facts: Any, ctx: Any) -> ModelShard | NotRunnable:
     """The model under CP (with --checkpointing through its own `enable_gradient_checkpointing()`), forward and
-    backward; the parameter gradients summed over the CP group."""
+    backward; the parameter gradients summed over the CP group. A plan that does not fit the model is refused
+    before `enable_parallelism` (the parent refuses it first; a suite's shared launch reaches here)."""
+    from cpdoctor.model_zoo.plan_fit import plan_misfit
     from cpdoctor.model_zoo.slicing import ReadStats
 
     req: ModelRequest = case.request
     dtype = torch_dtype(req.dtype)
     stats = ReadStats()
     model = build_model(spec, req, ctx.device, dtype, stats)
+    misfit = plan_misfit(model)
+    if misfit is not None:
+        return NotRunnable(backend, facts, Unsupported(UnsupportedKind.PLAN_DOES_NOT_FIT, misfit.line()))
     recorder = BlockRecorder(model)
     kwargs = make_inputs(spec, req, spec.full_config())
     model.set_attention_backend(backend)
@@ -305,7 +314,8 @@ def _op_level(op_request: LayoutRequest, i: int, case: Case, shards: list[ModelS
 
 
 def _environment(ctx: Any, backend: str, req: ModelRequest, emulated: str | None) -> Environment:
-    return rank_environment(ctx, backend, req, emulated).replace(model=req.model)
+    env = rank_environment(ctx, backend, req, emulated)
+    return env.replace(launch=env.launch.replace(model=req.model))
 
 
 def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layout: ParamLayout, read: Any) -> ModelInfo:
@@ -324,4 +334,6 @@ def _model_info(spec: ModelSpec, req: ModelRequest, kwargs: dict[str, Any], layo
         reference_dtype=DType.FP32 if req.reference is DType.FP32 else DType.FP64,
         read=read,
         stacks={s.name: StackExamined(min(req.blocks or s.depth, s.depth), s.depth) for s in model_survey(spec).stacks},
+        tiny=spec.tiny,
+        inner_gathers=inner_gathers(spec.cls, [s.name for s in model_survey(spec).stacks]),
     )

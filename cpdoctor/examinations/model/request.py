@@ -19,8 +19,9 @@ from cpdoctor.vocabulary import DType, Kind
 class ModelRequest(LayoutRequest):
     """One model-level CP parity examination: a real diffusers model class through `enable_parallelism`.
 
-    `model` is a short name (flux, qwen-image, wan), a class name or a local checkpoint directory. Shapes left
-    None are filled by `prepare` from the model family (small, and divisible by ring x ulysses up to 8)."""
+    `model` is a short name (flux, ltx, helios: a tiny config derived from the class), a class name or a local
+    checkpoint directory; with `config` (a config.json path) the class's model at that config with random weights.
+    Shapes left None are filled by `prepare` from the model family (small, and divisible by ring x ulysses up to 8)."""
 
     kind = Kind.MODEL  # the examination this request is for (registry.of)
 
@@ -43,6 +44,8 @@ class ModelRequest(LayoutRequest):
     variant: str | None = None
     download: bool = False
     allow_pickle: bool = False
+    config: str | None = None
+    """A config.json (`--config`): the class's model at that config (full width, say) with seeded random weights."""
     # examine the input embedders, the first `blocks` blocks of each block stack and the output layers (None:
     # `prepare` picks the most that fit in memory and records the number here)
     blocks: int | None = None
@@ -54,6 +57,12 @@ class ModelRequest(LayoutRequest):
     timing: Any = field(default=None, compare=False, repr=False)
     """The time plan `prepare` made (cpdoctor.model_zoo.throughput.TimePlan) for a half dtype on the CPU, None
     otherwise: printed before launch with its slow-dtype warning; `to_dict` leaves it out too."""
+    tiny: Any = field(default=None, compare=False, repr=False)
+    """The tiny config `prepare` derived for a name (cpdoctor.model_zoo.tiny.TinyConfig), carried to the ranks so
+    that none derives it again; the finding shows it (`to_dict` leaves it out)."""
+    misfit: Any = field(default=None, compare=False, repr=False)
+    """What `prepare` found of the class's `_cp_plan` that the model at these blocks does not have
+    (cpdoctor.model_zoo.plan_fit.PlanMisfit): the examination refuses it before any launch; `to_dict` leaves it out."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -69,6 +78,8 @@ class ModelRequest(LayoutRequest):
             raise BadInput(f"reference must be fp64 or fp32, got {str(self.reference)!r}")
         if self.blocks is not None and self.blocks < 1:
             raise BadInput(f"--blocks must be at least 1, got {self.blocks}")
+        if self.config is not None and (not isinstance(self.config, str) or not self.config.strip()):
+            raise BadInput(f"--config must be the path of a config.json, got {self.config!r}")
         if not isinstance(self.checkpointing, bool):
             raise BadInput(f"checkpointing must be true or false, got {self.checkpointing!r}")
         if self.batch < 1:
@@ -86,6 +97,6 @@ class ModelRequest(LayoutRequest):
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data.pop("memory")
-        data.pop("timing")
+        for derived in ("memory", "timing", "tiny", "misfit"):
+            data.pop(derived)
         return data

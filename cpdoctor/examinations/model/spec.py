@@ -1,19 +1,21 @@
-"""What model an examination builds: the class, its config and where its weights come from (a tiny config of the
-family, a hub id found in the local Hugging Face cache, a pipeline or transformer folder), and the model's
-block stacks (to cut it to the blocks that fit). Used by the parent (prepare.py) and by every rank."""
+"""What model an examination builds: the class, its config and where its weights come from (a tiny config derived
+from the class, a config file with random weights, a hub id found in the local Hugging Face cache, a pipeline or
+transformer folder), and the model's block stacks (to cut it to the blocks that fit). Used by the parent
+(prepare.py) and by every rank (which receive the tiny config the parent derived inside the request)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from cpdoctor.compat.diffusers import forward_params
 from cpdoctor.errors import BadInput
 from cpdoctor.examinations.model.request import ModelRequest
 from cpdoctor.memo import Memo
-from cpdoctor.model_zoo.tiny import TINY_CONFIGS
 
 TINY_SOURCE = "tiny config"
+RANDOM_WEIGHTS = "random weights"
 REFERENCE_BACKEND = "native"
 """diffusers' default backend (torch SDPA), which runs in float64 on CPU."""
 
@@ -28,7 +30,8 @@ class ModelSpec:
     config: dict[str, Any]
     source: str  # TINY_SOURCE, the checkpoint directory or "hub cache org/name@commit"
     builder: Any
-    weights: Any = None  # cpdoctor.model_zoo.checkpoints.Checkpoint, None for a tiny config
+    weights: Any = None  # cpdoctor.model_zoo.checkpoints.Checkpoint, None for a tiny config or a config file
+    tiny: Any = None  # cpdoctor.model_zoo.tiny.TinyConfig for a tiny config
 
     @property
     def checkpoint(self) -> str | None:
@@ -50,40 +53,62 @@ def resolve_spec(
     download: bool = False,
     allow_pickle: bool = False,
     partial: bool = False,
+    config: str | None = None,
+    tiny: Any = None,
 ) -> ModelSpec:
-    """The class and config for MODEL: a tiny config for a name, the checkpoint's own for a hub id (found in the
-    local Hugging Face cache, fetched only with `download`), a pipeline or a transformer directory. BadInput
-    for an unknown name, a family without a tiny config, checkpoint options given with a name, or a checkpoint
-    that is missing, pickle-only, truncated or incomplete (cpdoctor.model_zoo.checkpoints)."""
+    """The class and config for MODEL: a tiny config derived from the class for a name (`tiny`, when the parent
+    derived it already), the `config` file's with random weights, the checkpoint's own for a hub id (found in the
+    local Hugging Face cache, fetched only with `download`), a pipeline or a transformer directory. BadInput for an
+    unknown name, checkpoint options given with a name, or a checkpoint that is missing, pickle-only, truncated or
+    incomplete (cpdoctor.model_zoo.checkpoints); CannotShrink (exit 3) for a class cpdoctor cannot shrink."""
     from cpdoctor.model_zoo import checkpoints
     from cpdoctor.model_zoo.catalog import resolve_model
     from cpdoctor.model_zoo.inputs import builder_for
 
-    weights = checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
+    weights = (
+        None
+        if config is not None
+        else checkpoints.locate(model, revision=revision, variant=variant, download=download, allow_pickle=allow_pickle, partial=partial)
+    )
     resolved = resolve_model(model if weights is None else weights.config_file)
     cls, entry = resolved.cls, resolved.entry
     builder = builder_for(cls)
-    if weights is None:
-        given = [
-            o
-            for o, v in (("--revision", revision), ("--variant", variant), ("--download", download), ("--allow-pickle", allow_pickle))
-            if v
-        ]
-        if given:
-            raise BadInput(f"{' and '.join(given)} apply to a checkpoint (a hub id org/name or a directory), not to the name {model}")
-        config = TINY_CONFIGS.get(entry.short_name)
-        if config is None:
-            raise BadInput(
-                f"cpdoctor has no tiny config for {entry.short_name} ({entry.class_name}); pass a local checkpoint "
-                f"directory instead (tiny configs: {', '.join(sorted(TINY_CONFIGS))})"
-            )
-        return ModelSpec(cls, entry.short_name, entry.class_name, dict(config), TINY_SOURCE, builder)
-    return ModelSpec(cls, entry.short_name, entry.class_name, dict(weights.config), weights.source, builder, weights)
+    if weights is not None:
+        return ModelSpec(cls, entry.short_name, entry.class_name, dict(weights.config), weights.source, builder, weights)
+    given = [
+        o for o, v in (("--revision", revision), ("--variant", variant), ("--download", download), ("--allow-pickle", allow_pickle)) if v
+    ]
+    if given:
+        what = "a config file's random weights" if config is not None else f"the name {model}"
+        raise BadInput(f"{' and '.join(given)} apply to a checkpoint (a hub id org/name or a directory), not to {what}")
+    if config is not None:
+        return ModelSpec(cls, entry.short_name, entry.class_name, config_file(config, cls), f"{config} ({RANDOM_WEIGHTS})", builder)
+    from cpdoctor.model_zoo.tiny import derive
+
+    tiny = tiny if tiny is not None else derive(cls)
+    return ModelSpec(cls, entry.short_name, entry.class_name, dict(tiny.config), TINY_SOURCE, builder, tiny=tiny)
+
+
+def config_file(path: str, cls: type) -> dict[str, Any]:
+    """The keys of a config.json given with --config (private keys such as _class_name checked and dropped): the
+    class's defaults fill the rest. BadInput for a file that does not read or names another class."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"cannot read --config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadInput(f"--config {path} is not a JSON object of config keys")
+    named = data.get("_class_name")
+    if named and named != cls.__name__:
+        raise BadInput(f"--config {path} is a {named} config, not {cls.__name__}'s")
+    return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
 def request_spec(req: ModelRequest, *, local_only: bool = False) -> ModelSpec:
     """resolve_spec for a request. The ranks and rank 0's evaluation pass local_only: they never download, and
-    `prepare` pinned a hub checkpoint's revision to the commit the parent resolved, so they load the same one."""
+    `prepare` pinned a hub checkpoint's revision to the commit the parent resolved, so they load the same one;
+    they build the tiny config the parent derived (`req.tiny`), never deriving it again."""
     return resolve_spec(
         req.model,
         revision=req.revision,
@@ -91,6 +116,8 @@ def request_spec(req: ModelRequest, *, local_only: bool = False) -> ModelSpec:
         download=req.download and not local_only,
         allow_pickle=req.allow_pickle,
         partial=req.blocks is not None,
+        config=req.config,
+        tiny=req.tiny,
     )
 
 

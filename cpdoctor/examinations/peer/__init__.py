@@ -9,24 +9,22 @@ the probe (run_rank / evaluate) and the judge."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from cpdoctor.errors import Unsupported, UnsupportedKind
 from cpdoctor.examinations.base import Examination
+from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.peer import judge
-from cpdoctor.examinations.peer.request import PeerRequest, build_request
-from cpdoctor.launch.jobs import Case, CaseNumbers, RankFailure, RankResult
+from cpdoctor.examinations.peer.request import PeerRequest
+from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.peer_impls.source import peer_frame
 from cpdoctor.report import Finding
 from cpdoctor.vocabulary import Device, Kind
 
 
-class PeerExamination(Examination):
+class PeerExamination(Examination[PeerRequest]):
     kind = Kind.PEER
+    probe = "cpdoctor.examinations.peer.probe"
     request_type = PeerRequest
-
-    def build_request(self, **fields: Any) -> PeerRequest:
-        return build_request(**fields)
 
     def prepare(self, request: PeerRequest) -> PeerRequest:
         return request  # validated where it was built (PeerRequest.of): nothing depends on the installed software
@@ -65,17 +63,7 @@ class PeerExamination(Examination):
     def device(self, request: PeerRequest) -> str:
         return "cpu" if request.emulate else request.device
 
-    def run_rank(self, case: Case, ctx: Any) -> RankResult:
-        from cpdoctor.examinations.peer import probe
-
-        return probe.run_rank(case, ctx)
-
-    def evaluate(self, case: Case, results: list[RankResult], ctx: Any) -> CaseNumbers:
-        from cpdoctor.examinations.peer import probe
-
-        return probe.evaluate(case, results, ctx)  # type: ignore[arg-type]
-
-    def finding(self, case: Case, evaluated: Any) -> Finding:
+    def finding(self, case: Case, evaluated: Measurement) -> Finding:
         return judge.peer_finding(case.request, evaluated)
 
     def describe(self, request: PeerRequest) -> str:

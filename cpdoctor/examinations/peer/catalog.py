@@ -22,15 +22,16 @@ class PeerRow:
     request: PeerRequest
 
 
-def doctor_checks(device: str = "auto") -> list[PeerRow]:
-    """Ring 2 and ring 3 for each installed peer, with its first variant and kernel, causal where the peer's
-    default layout needs it (torch's head-tail load balancing), in bf16 (flash-attn's dtypes)."""
+def doctor_checks(rings: tuple[tuple[int, str], ...], device: str = "auto") -> list[PeerRow]:
+    """A row per ring degree the doctor checks (`rings`: (degree, what it covers), the doctor's) for each installed
+    peer, with its first variant and kernel, causal where the peer's default layout needs it (torch's head-tail load
+    balancing), in bf16 (flash-attn's dtypes)."""
     rows = []
     for info in installed_peers():
         if not info.installed:
             continue
         causal = info.impl == Impl.TORCH.value
-        for ring, covers in ((2, "where most jobs start"), (3, "ring ≥ 3: the dK/dV direction")):
+        for ring, covers in rings:
             request = build_request(impl=info.impl, ring=ring, causal=causal, device=device)
             rows.append(PeerRow(f"{info.impl} ring {ring}", covers, request))
     return rows

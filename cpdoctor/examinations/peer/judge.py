@@ -153,35 +153,37 @@ def describe(req: PeerRequest) -> str:
     return f"{req.impl} {req.variant} ({req.kernel}) {degrees}, {'causal' if req.causal else 'not causal'}, {req.dtype}"
 
 
-def _options(req: PeerRequest) -> list[tuple[str, str]]:
-    """(field, its `cpdoctor check` option) for each field the command line carries, in the command's order."""
+def _options(req: PeerRequest) -> list[tuple[str, object, str]]:
+    """(field, its value, its `cpdoctor check` option) for each field the command line carries, in the command's
+    order."""
     return [
-        ("impl", f"--impl {req.impl}"),
-        ("variant", f"--variant {req.variant}"),
-        ("kernel", f"--kernel {req.kernel}"),
-        ("ring", f"--ring {req.ring}"),
-        ("ulysses", f"--ulysses {req.ulysses}"),
-        ("causal", "--causal" if req.causal else "--no-causal"),
-        ("dtype", f"--dtype {req.dtype}"),
-        ("seq", f"--seq {req.seq}"),
-        ("heads", f"--heads {req.heads}"),
-        ("head_dim", f"--head-dim {req.head_dim}"),
-        ("batch", f"--batch {req.batch}"),
-        ("seed", f"--seed {req.seed}"),
+        ("impl", req.impl, f"--impl {req.impl}"),
+        ("variant", req.variant, f"--variant {req.variant}"),
+        ("kernel", req.kernel, f"--kernel {req.kernel}"),
+        ("ring", req.ring, f"--ring {req.ring}"),
+        ("ulysses", req.ulysses, f"--ulysses {req.ulysses}"),
+        ("causal", req.causal, "--causal" if req.causal else "--no-causal"),
+        ("dtype", req.dtype, f"--dtype {req.dtype}"),
+        ("seq", req.seq, f"--seq {req.seq}"),
+        ("heads", req.heads, f"--heads {req.heads}"),
+        ("head_dim", req.head_dim, f"--head-dim {req.head_dim}"),
+        ("batch", req.batch, f"--batch {req.batch}"),
+        ("seed", req.seed, f"--seed {req.seed}"),
     ]
+
+
+QUIET = ("ulysses", "batch", "seed")
+"""The options a finding's command says only where they differ from the defaults, as the command always wrote them."""
 
 
 def check_command(req: PeerRequest, *, brief: bool = False) -> str:
     """The command that examines this case alone (the CLI options of `cpdoctor check` for peers): every option
-    spelled out (a finding's `command`: the case stays the same whatever the defaults become), or with `brief` the
-    implementation, the ring and only the options that differ from the defaults `cpdoctor check --impl` gives it
-    (the doctor's table: `cpdoctor check --impl torch --ring 2 --causal`)."""
-    if brief:
-        default = PeerRequest(impl=req.impl)
-        shown = [o for name, o in _options(req) if name in ("impl", "ring") or getattr(req, name) != getattr(default, name)]
-    else:
-        quiet = {"ulysses": 1, "batch": 1, "seed": 0}  # said only when they differ, as the command always wrote them
-        shown = [o for name, o in _options(req) if name not in quiet or getattr(req, name) != quiet[name]]
+    spelled out but `QUIET`'s at their defaults (a finding's `command`: the case stays the same whatever the other
+    defaults become), or with `brief` the implementation, the ring and only the options that differ from the defaults
+    `cpdoctor check --impl` gives it (the doctor's table: `cpdoctor check --impl torch --ring 2 --causal`)."""
+    default = {name: value for name, value, _ in _options(PeerRequest(impl=req.impl))}
+    said = ("impl", "ring") if brief else tuple(name for name in default if name not in QUIET)
+    shown = [option for name, value, option in _options(req) if name in said or value != default[name]]
     return " ".join(["cpdoctor check", *shown])
 
 

@@ -11,7 +11,7 @@ measures them. On a CPU the CUDA kernels are cpdoctor's stand-ins (cpu_kernels/s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpdoctor.attempt import Attempt
 from cpdoctor.compat.packages import installed_version
@@ -22,8 +22,11 @@ from cpdoctor.launch.jobs import Case, RankResult
 from cpdoctor.peer_impls.base import PeerOutputs, RunShape, Shim
 from cpdoctor.peer_impls.layouts import cu_seqlens, token_indices, varlen_lengths
 from cpdoctor.peer_impls.source import package_root
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import Environment, Launch, PeerLayout, Software
 from cpdoctor.report.numbers import TensorRow
+
+if TYPE_CHECKING:
+    from cpdoctor.launch.context import DistContext
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 VARLEN_SEQUENCES = 3
@@ -88,7 +91,7 @@ def indices(req: PeerRequest, rank: int) -> list[int]:
     return token_indices(req.layout, seq, req.ring, req.ulysses, rank)
 
 
-def run_rank(case: Case, ctx: Any) -> PeerRankResult:
+def run_rank(case: Case, ctx: DistContext) -> PeerRankResult:
     """This rank's out/LSE/dQ/dK/dV through the peer's CP attention."""
     import torch
 
@@ -157,7 +160,7 @@ def gathered_row(shards: list[Any], idx: list[Any], ref: Any, dim: int, baseline
     return TensorRow.of(compare(whole, ref), worst_rank=worst, per_rank_rel_err=tuple(per_rank), baseline_rel_err=baseline)
 
 
-def evaluate(case: Case, results: list[PeerRankResult], ctx: Any) -> Measurement:
+def evaluate(case: Case, results: list[PeerRankResult], ctx: DistContext) -> Measurement:
     """On rank 0: every rank's results against the fp64 reference, gathered by token index, and the same kernel's
     error without CP."""
     import torch
@@ -196,24 +199,16 @@ def evaluate(case: Case, results: list[PeerRankResult], ctx: Any) -> Measurement
     return result
 
 
-def environment(ctx: Any, req: PeerRequest, facts: PeerFacts) -> Environment:
+def environment(ctx: DistContext, req: PeerRequest, facts: PeerFacts) -> Environment:
     """The report's environment line, as rank 0 saw it (no diffusers import: peers do not need it)."""
     import platform
 
     import torch
 
+    emulated = "CUDA kernels emulated on CPU by cpdoctor's stand-ins" if facts.emulated else None
     return Environment(
-        torch=str(torch.__version__),  # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
-        python=platform.python_version(),
-        device=str(ctx.device),
-        process_group=ctx.pg_backend,
-        world_size=ctx.world_size,
-        ring=req.ring,
-        ulysses=req.ulysses,
-        impl=f"{req.impl} {facts.version}",
-        variant=req.variant,
-        kernel=req.kernel,
-        layout=facts.layout,
-        dtype=req.dtype,
-        emulated="CUDA kernels emulated on CPU by cpdoctor's stand-ins" if facts.emulated else None,
+        # a plain str: torch's TorchVersion would make the parent import torch to unpickle it
+        Software(torch=str(torch.__version__), python=platform.python_version()),
+        Launch(str(ctx.device), ctx.pg_backend, ctx.world_size, req.ring, req.ulysses, dtype=req.dtype, emulated=emulated),
+        peer=PeerLayout(f"{req.impl} {facts.version}", req.variant, req.kernel, facts.layout),
     )

@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.request import default_degrees, require_ints, typed_words, validate_layout
+from cpdoctor.examinations.request import Unpatched, default_degrees, layout_asked, require_ints, typed_words, validate_layout
 from cpdoctor.peer_impls import Adapter, adapter
 from cpdoctor.peer_impls.base import KernelSpec, VariantSpec, parse_impl
 from cpdoctor.peer_impls.layouts import Layout
+from cpdoctor.report.environment import Environment
 from cpdoctor.vocabulary import Device, DType, Impl, Kind
 from cpdoctor.vocabulary import Kernel as KernelName
 from cpdoctor.vocabulary import Variant as VariantName
@@ -23,7 +24,7 @@ targets use without choosing a length (docs/FACTS.md measured the peers at S 240
 
 
 @dataclass(frozen=True)
-class PeerRequest:
+class PeerRequest(Unpatched):
     """One CP parity examination of a peer implementation's attention, forward and backward."""
 
     kind = Kind.PEER  # the examination this request is for (registry.of)
@@ -59,6 +60,9 @@ class PeerRequest:
     @property
     def world_size(self) -> int:
         return self.ring * self.ulysses
+
+    def asked(self) -> Environment:
+        return layout_asked(self.ring, self.ulysses, self.dtype)
 
     @property
     def adapter(self) -> Adapter:

@@ -21,7 +21,7 @@ from cpdoctor.examinations.plan.judge import plan_findings
 from cpdoctor.examinations.plan.request import PlanRequest
 from cpdoctor.model_zoo.splits.plan import measure_plan
 from cpdoctor.report import Report
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import Environment, Launch, Software
 
 __all__ = ["PlanRequest", "run"]
 
@@ -44,4 +44,4 @@ def _environment() -> Environment:
     """What the measurement ran on: no weights, no compute, the meta device."""
     import torch
 
-    return Environment(torch=str(torch.__version__), diffusers=installed_version("diffusers"), device="meta")
+    return Environment(Software(torch=str(torch.__version__), diffusers=installed_version("diffusers")), Launch(device="meta"))

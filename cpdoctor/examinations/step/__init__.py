@@ -54,7 +54,7 @@ def arm_first_step(model: Any, on_report: Any = None, *, reference: str = "fp64"
     return watch_first_step(model, on_report, reference=reference, loss_scale=loss_scale)
 
 
-class StepExamination(Examination):
+class StepExamination(Examination[StepRequest]):
     """`cpdoctor step`: the user's function on every rank; rank 0's watched reports become the report. With a
     function that takes its degrees, two launches (two_runs.py): the same job without CP, then with CP."""
 

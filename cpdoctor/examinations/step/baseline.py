@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cpdoctor.examinations.step.group import StepGroup
+from cpdoctor.examinations.step.input_layouts import Placement
 from cpdoctor.examinations.step.inputs import InputsJudged, judge_against_run
 from cpdoctor.examinations.step.measure import reference_out_grads
 from cpdoctor.examinations.step.messages import PeerRecord, ReplicaLayouts
@@ -199,6 +200,8 @@ class RecordedRun:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self.weights_seen = True
+        """Some rank of the run without CP started from this group's weights (set by `expected`)."""
         self.matched: int | None = None
         """The rank of the run without CP whose inputs this CP group fed (None: matched by group order)."""
         self.judged: InputsJudged | None = None
@@ -249,6 +252,7 @@ class RecordedRun:
             mine = [(p.name, p.digest) for p in records[0].inputs]
             choice = next((r for r in saved if [tuple(p) for p in metas[r]["prints"]] == mine and r in same_weights), None)
         self.matched = choice
+        self.weights_seen = bool(same_weights)
         if choice is None:
             choice = fallback
         parts = []
@@ -269,3 +273,13 @@ class RecordedRun:
 
     def unmatched(self) -> bool:
         return self.matched is None
+
+    def why_unmatched(self) -> str:
+        """What of this CP group no rank of the run without CP shares: its weights, and the inputs that match no rank
+        of that run (as the peers judged them: equal, or their shard)."""
+        said = [] if self.weights_seen else ["the weights it started from differ from every rank's"]
+        if self.judged is not None:
+            wrong = [g.name for g in self.judged.inputs if g.placement is Placement.WRONG]
+            if wrong and not self.judged.diffs:
+                said.append(f"its inputs {', '.join(wrong)} are no rank's (nor its shard of them)")
+        return "; ".join(said)

@@ -11,7 +11,6 @@ Numbers and words only (no tensors): events travel to the CP group's first rank 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 
@@ -33,6 +32,9 @@ class LossFactor:
     source: Source
     count: int | None = None
     """The elements a mean averaged over (MEAN only)."""
+    place: int = 0
+    """Where on its term it sits (0: next to the root): the same number at the same place of every term and every
+    micro-batch's root is one line of the step's code, read one way."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class ClipNorm:
     total_norm: float
     coefficient: float
     norm_type: float = 2.0
+    params: int = 0
+    """How many of the watched model's trainable parameters it clipped (its coefficient is divided out of those only)."""
 
     @property
     def active(self) -> bool:
@@ -164,6 +168,14 @@ class GradScale:
 
     factor: float
     between: str
+
+
+@dataclass(frozen=True)
+class InnerStep:
+    """An optimizer stepped inside backward (a post-accumulate-grad hook): `params` of the watched model's trainable
+    parameters, each compared as its step found it; it neither ends the watched step nor narrows the comparison."""
+
+    params: int
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,7 @@ Event = (
     | ClipNorm
     | ClipValue
     | GradScale
+    | InnerStep
     | AccelerateBackward
     | Unobserved
 )
@@ -217,11 +230,6 @@ class EventLog:
     def clips(self) -> list[ClipNorm]:
         """The norm clips that touched the watched model's gradients."""
         return self.of(ClipNorm)
-
-    @property
-    def clip_coefficient(self) -> float:
-        """What the norm clips multiplied the gradients by, together (1 without a clip)."""
-        return math.prod(c.coefficient for c in self.clips)
 
     @property
     def value_clipped(self) -> bool:

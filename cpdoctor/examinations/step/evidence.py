@@ -27,18 +27,21 @@ class StepEvidence:
     compute_dtype: str = ""
     forwards: int = 1
     expected_factor: float = 1.0
-    """F / R a correct step shows, from the events (1 / (loss's factor of the degrees × unscaled scale))."""
-    loss_factor: float = 1.0
-    """The factor of the degrees read on the loss (λ)."""
-    loss_read: str = ""
+    """G / R a correct step shows under the reading the rows are judged against (one run; 1 with two runs)."""
+    loss_factor: float | None = 1.0
+    """The factor of the degrees on the loss (λ) when nothing about it rests on a reading, else None."""
+    readings: tuple[str, ...] = ()
+    """The numbers whose meaning only their value tells, each with both its readings (one run)."""
+    observed: tuple[str, ...] = ()
+    """What the one-run watcher observed of the loss and of the step's own gradient scalings, and took as it is."""
     clip_coefficient: float = 1.0
-    """What the step's norm clip multiplied the gradients by (divided out before the comparison)."""
+    """The product of the step's norm clips' coefficients (each divided out of the parameters it clipped)."""
     clipped: str = ""
     grad_scaler: float | None = None
     unscaled: bool = False
     reductions: tuple[str, ...] = ()
     not_read: tuple[str, ...] = ()
-    """What the watcher saw but could not read (hidden loss constants, comm hooks, ...)."""
+    """What the watcher saw but could not read (loss nodes it cannot read through, comm hooks, ...)."""
     skipped: str | None = None
     reference_gib: float | None = None
     """The one-process reference's plan on the CP group's first rank (copy + gradients), GiB; None with two runs."""

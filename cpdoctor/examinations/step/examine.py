@@ -9,10 +9,10 @@ gradients, gradients, events, those layouts) to its CP group's first rank; there
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat import parallel_config as compat
 from cpdoctor.examinations.step import agree
 from cpdoctor.examinations.step.baseline import Baseline
@@ -21,13 +21,14 @@ from cpdoctor.examinations.step.factors import Expectation, expectation, logs_of
 from cpdoctor.examinations.step.grads import Gradients
 from cpdoctor.examinations.step.group import StepGroup
 from cpdoctor.examinations.step.judge import StepSignature, first_bad_param, step_finding
-from cpdoctor.examinations.step.measure import measure, own_shard_only
+from cpdoctor.examinations.step.measure import measure
 from cpdoctor.examinations.step.messages import Arrival, PeerRecord, ReferenceOutcome
 from cpdoctor.examinations.step.observe import Recorder
 from cpdoctor.examinations.step.record import Recorded, rng_digest
 from cpdoctor.examinations.step.reference import ReferenceTooLarge
 from cpdoctor.launch import watcher_comm
 from cpdoctor.report import Environment, Finding, Report, Verdict
+from cpdoctor.report.environment import Launch, Software
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ def report_of(c: Closing, findings: list[Finding]) -> Report:
     from cpdoctor.compat.diffusers import diffusers_version
 
     g = c.group
-    env = Environment(torch=str(torch.__version__), diffusers=diffusers_version(), world_size=g.world, device=str(c.recorded.device))
+    env = Environment(
+        Software(torch=str(torch.__version__), diffusers=diffusers_version()), Launch(str(c.recorded.device), world_size=g.world)
+    )
     request = WatchedStep(g.ring, g.ulysses, g.world, g.index, c.baseline.name)
     return Report.of(findings, env, request, wall_s=time.perf_counter() - c.started)
 
@@ -91,12 +94,14 @@ def close(c: Closing) -> Report:
     expected_mine, outcome = None, ReferenceOutcome()
     if group.leader:
         assert records is not None
-        try:
-            expected_mine = c.baseline.expected(group, c.recorded, records, grads.param_names)
-        except ReferenceTooLarge as exc:  # not examined, and said before anything was allocated
-            outcome = ReferenceOutcome(refused=str(exc))
-        except Exception:  # noqa: BLE001 - the reference's failure is reported on every rank, no rank left waiting
-            outcome = ReferenceOutcome(failed=traceback.format_exc())
+        # the reference's failure is reported on every rank, no rank left waiting; too large: not examined, and said
+        # before anything was allocated
+        computed = Attempt.of(lambda: c.baseline.expected(group, c.recorded, records, grads.param_names), trace=True)
+        expected_mine = computed.value
+        if isinstance(computed.error, ReferenceTooLarge):
+            outcome = ReferenceOutcome(refused=str(computed.error))
+        elif computed.error is not None:
+            outcome = ReferenceOutcome(failed=computed.trace or "")
     stop = agree.reference_outcome(group, outcome, c.baseline.name)
     if stop is not None:
         return report_of(c, [stop])
@@ -142,7 +147,6 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         native=getattr(c.baseline, "native", None),
         judged=c.baseline.judged,
     )
-    shard = any(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads)))
     seen = expectation(
         logs_of([r.events for r in records]),
         group,
@@ -150,7 +154,7 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         gather_dim,
         hooks.forwards,
         c.loss_scale,
-        per_shard_loss=shard,
+        shapes=numbers.out_grads,
     )
     finding = step_finding(numbers, seen)
     finding = replace(
@@ -159,19 +163,19 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         evidence=evidence(numbers, seen, c.baseline.name, getattr(c.baseline, "plan", None)),
     )
     if c.baseline.unmatched() and not numbers.inputs_differ:
-        return unmatched(finding)
+        return unmatched(finding, getattr(c.baseline, "why_unmatched", lambda: "")())
     return finding
 
 
-def unmatched(finding: Finding) -> Finding:
+def unmatched(finding: Finding, why: str = "") -> Finding:
     """The run without CP fed the model other inputs than this CP group: its gradients answer another question, so
-    nothing is judged (the step's data depends on the layout, not a CP defect)."""
+    nothing is judged (the step's data depends on the layout, not a CP defect). `why`: what differs, where known."""
     return Finding(
         finding.subject,
         Verdict.UNSUPPORTED,
         "no rank of the run without CP started from the weights and fed the model the inputs this CP group did (their "
-        "fingerprints differ): the step's data or weights depend on the CP layout, so its gradients cannot be compared "
-        "with one process's",
+        f"fingerprints differ{': ' + why if why else ''}): the step's data or weights depend on the CP layout, so its "
+        "gradients cannot be compared with one process's",
         "seed weights, noise and timesteps by the data-parallel rank (never the global rank or the world size), the "
         "same way whatever the degrees",
         finding.tensors,
@@ -199,14 +203,15 @@ def evidence(numbers: Any, seen: Expectation, reference: str, plan: Any = None) 
         compute_dtype=numbers.dtype,
         forwards=max(numbers.forwards, default=1),
         expected_factor=s.expected,
-        loss_factor=seen.loss_power,
-        loss_read=seen.loss_why,
+        loss_factor=seen.readings.certain_power,
+        readings=tuple(lit.both_ways() for lit in seen.readings.literals),
+        observed=seen.readings.notes,
         clip_coefficient=_prod(c.coefficient for c in seen.clips),
         clipped=seen.clip_text,
         grad_scaler=seen.scale,
         unscaled=seen.unscaled is not None,
         reductions=tuple(r.text for r in seen.reductions),
-        not_read=tuple(seen.hidden) + tuple(seen.unobserved),
+        not_read=s.unread,
         skipped=s.skipped,
         reference_gib=None if plan is None else round(plan.total / 2**30, 3),
     )

@@ -1,27 +1,39 @@
-"""What a watched step's gradients must be, relative to the one-run reference, computed from the events it was seen
-to go through (events.py), never guessed from their values.
+"""What a watched step's gradients must be, from the events it was seen to go through (events.py): what was
+observed decides a verdict; what only a number's value tells is a reading, which never decides a FAIL.
 
-The reference R back-propagates the recorded output gradient, which carries every factor the step put on its
-loss. One process running the same code computes R / λ, where λ is the part of those factors that comes from the
-job's degrees: a constant that is a power of a degree (cp, ring, ulysses, dp: `loss * cp_size`, `loss / cp`,
-`loss * (cp / accum)` as one Python factor), or a normaliser that is this rank's shard's count instead of the
-full one (`F.mse_loss(shard)`, `shard.sum() / shard.numel()`), compared by value with the output's full and
-shard counts. A constant that is not a power of a degree, 1 / the number of micro-batches, 1 / the full count,
-GradScaler's scale and accelerate's division are the same in one process. Then, before any clip (its recorded
-coefficient divided out, or the gradients captured at its entry), a correct step's final gradients are
-R / (λ · T), T the GradScaler scale when it unscaled them.
+The one-run reference R back-propagates the recorded output gradient, so every factor the step put on its loss is
+in R, and the step's gradients G (before any clip) are c·R when nothing inside the model is wrong. One process
+running the same code computes R / λ, times the step's own scalings of its gradients and 1 / T (T the GradScaler's
+scale it unscaled by); λ is the part of the loss's factors that comes from the job's degrees.
 
-The reductions the step was seen to make (its collectives' op and group, DDP's averaging, FSDP2's divide factor)
-give what the gradients should be if those are all that happened; the judge uses them to name where a factor
-comes from. Only the value of a degree is compared, never the size or roundness of a number."""
+Observed:
+- the reductions of the gradients (`reductions`): DDP's average over its group, FSDP2's divide factor, each
+  all_reduce's op and group, the step's own scaling of its gradients by a power of the degrees seen on the tensors
+  between two events (`p.grad /= dp`), each relative to the sum over the CP ranks and the mean over the
+  data-parallel replicas a correct step takes; with the step's other scalings and 1 / T they are what the events
+  say c is;
+- each mean on the loss's path and the elements it averaged, with what the CP peers' output gradients are
+  (measure.OutGrad): a loss that is the same on every peer averages the same part of the gathered output in one
+  process, whatever part (a condition image sliced off, half of a prior-preservation batch); a per-shard loss whose
+  mean covers its own shard averages cp× fewer elements than one process does;
+- GradScaler's scale and accelerate's division (their nodes are marked), the unscaling.
+
+Read (a `Literal`): a number whose meaning only its value tells: a constant on the loss equal to a power of the
+job's degrees (`loss * 2` at cp 2: cp, or a weight?), to one degree over the micro-batches or the output's count
+(`loss * cp / accum` as one number), or to 1 / this rank's shard's count; a scaling of the gradients whose value
+fits such a count. Each is read every way its value fits, a weight one process applies too or each degree power it
+could carry that one process does not (0.25 at dp 2 × cp 2 is 1/(cp·dp), or cp² over a 16-token count);
+`Readings.outcomes` gives a correct step's c under every reading, and the judge compares the measured c with each.
+A number that is no such power is the same in one process (said in the report, never read as a degree)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cpdoctor.examinations.step.events import (
+    AccelerateBackward,
     ClipNorm,
     Collective,
     DDPReduce,
@@ -29,15 +41,19 @@ from cpdoctor.examinations.step.events import (
     EventLog,
     FSDPReduce,
     GradScale,
-    LossFactor,
+    InnerStep,
     LossTerm,
     Op,
     Source,
 )
 from cpdoctor.examinations.step.group import StepGroup
+from cpdoctor.examinations.step.measure import OutGrad
 
 SAME = 1e-6
 """Relative difference under which two values are one (a Python float of cp / accum against cp / accum)."""
+
+MAX_READINGS = 4096
+"""Readings are every combination of the literals' meanings; past this many the loss is not read at all."""
 
 
 @dataclass(frozen=True)
@@ -54,13 +70,6 @@ class Power:
         num = [f"{n}{sup.get(e, '')}" for n, e in self.exponents if e > 0]
         den = [f"{n}{sup.get(-e, '')}" for n, e in self.exponents if e < 0]
         return ("·".join(num) or "1") + (f"/{'·'.join(den)}" if den else "")
-
-    @property
-    def is_one(self) -> bool:
-        return not self.exponents
-
-
-ONE = Power((), 1.0)
 
 
 def degree_powers(ring: int, ulysses: int, dp: int) -> tuple[Power, ...]:
@@ -91,10 +100,14 @@ def power_of(value: float, powers: tuple[Power, ...]) -> Power | None:
     return next((p for p in powers if math.isclose(value, p.value, rel_tol=SAME)), None)
 
 
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=SAME)
+
+
 @dataclass(frozen=True)
 class Counts:
-    """The counts a normaliser is compared with: the output's full counts (elements, tokens × batch, tokens), this
-    rank's shard's (each over cp), and the step's micro-batches."""
+    """The counts a number is compared with: the output's full counts (elements, tokens × batch, tokens), this
+    rank's shard's (each over cp), and the step's micro-batches (its forwards, or accelerate's accumulation)."""
 
     full: tuple[int, ...]
     shard: tuple[int, ...]
@@ -114,85 +127,229 @@ class Counts:
         shard = {k // cp for k in full if cp > 1 and k % cp == 0}
         return cls(tuple(sorted(full)), tuple(sorted(shard)), tuple(sorted({m for m in micro if m > 1})), cp)
 
-
-@dataclass(frozen=True)
-class Reading:
-    """What one factor (or a path's normaliser) means: the degree power it carries (ONE: none) and why."""
-
-    power: Power
-    why: str
-
-
-def _same(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=SAME)
-
-
-def read_constant(factor: LossFactor, counts: Counts, powers: tuple[Power, ...], micro_free: bool) -> tuple[Reading, bool]:
-    """A constant on the loss: (its reading, whether it used the micro-batch count). The same in one process when it
-    is 1, 1/micro-batches, 1/a full count or any number that is no degree power; a degree power otherwise (also
-    times 1/micro-batches or 1/a full count: `loss * (cp / accum)`, `sum() * cp / numel`)."""
-    a = abs(factor.value)
-    v = f"{factor.value:.6g}"
-    if factor.source is not Source.CONSTANT and factor.source is not Source.GRADIENT:
-        return Reading(ONE, ""), False
-    if _same(a, 1.0):
-        return Reading(ONE, ""), False
-    micro = counts.micro if micro_free else ()
-    if any(_same(a, 1 / m) for m in micro):
-        return Reading(ONE, f"1/{round(1 / a)}: the mean over the micro-batches"), True
-    if any(_same(a, 1 / k) for k in counts.full):
-        return Reading(ONE, f"1/{round(1 / a)}: the full output's count"), False
-    shard = next((k for k in counts.shard if _same(a, 1 / k)), None)
-    if shard is not None:  # a normaliser by this rank's shard's count: one process divides by the full one
-        p = power_of(float(counts.cp), powers) or Power((("cp", 1),), float(counts.cp))
-        return Reading(p, f"1/{shard}: this rank's shard's count ({shard * counts.cp} / cp)"), False
-    for p in powers:
-        if _same(a, p.value):
-            return Reading(p, f"the constant {v}"), False
-        for m in micro:
-            if _same(a, p.value / m):
-                return Reading(p, f"{v} = {p.text} / {m} micro-batches"), True
-        for k in counts.full:
-            if _same(a, p.value / k):
-                return Reading(p, f"{v} = {p.text} / {k}"), False
-    return Reading(ONE, f"{v}: a constant, the same in one process"), False
-
-
-def read_mean(count: int, counts: Counts, powers: tuple[Power, ...]) -> Reading:
-    """A mean over `count` elements: over the full output (the same in one process), over this rank's shard (the
-    shards' sum then weighs the loss cp× one process's), or over something else (the same in one process)."""
-    if count in counts.full or count not in counts.shard:
-        return Reading(ONE, "")
-    full = count * counts.cp
-    p = power_of(float(counts.cp), powers) or Power((("cp", 1),), float(counts.cp))
-    return Reading(p, f"a mean over its own shard ({count} of the output's {full})")
+    @property
+    def cp_power(self) -> Power:
+        return Power((("cp", 1),), float(self.cp))
 
 
 @dataclass(frozen=True)
-class TermReading:
-    """One term of the loss: the degree power λ its factors carry, and the readings that carry it."""
+class Literal:
+    """A number whose meaning only its value tells: on the loss (`on_loss`) or a scaling of the gradients. Read as a
+    weight, one process applies `value` too; read as one of `degrees` (a power of the job's degrees, with its
+    meaning), one process does not apply that part: `value / degree` on the gradients, the loss divided by it."""
 
-    power: float
-    readings: tuple[Reading, ...]
+    value: float
+    where: str
+    degrees: tuple[tuple[float, str], ...]
+    weight: str = "a weight of the step's own"
+    on_loss: bool = True
+    seen: str = ""
+    """Where the watcher saw it, said once (a scaling of the gradients: between which events)."""
 
     @property
-    def why(self) -> str:
-        return "; ".join(r.why for r in self.readings if not r.power.is_one)
+    def text(self) -> str:
+        return f"the {self.value:.4g} {self.where}"
+
+    def meaning(self, reading: int) -> str:
+        """Reading 0 is the weight, reading i the (i-1)th degree power."""
+        return self.weight if reading == 0 else self.degrees[reading - 1][1]
+
+    def degree(self, reading: int) -> float:
+        return 1.0 if reading == 0 else self.degrees[reading - 1][0]
+
+    def both_ways(self) -> str:
+        seen = f" ({self.seen})" if self.seen else ""
+        return f"{self.text}{seen} is {', '.join(m for _, m in self.degrees)} or {self.weight}"
 
 
-def read_term(term: LossTerm, counts: Counts, powers: tuple[Power, ...]) -> TermReading:
-    readings = []
-    micro_free = True
+def read_number(value: float, counts: Counts, powers: tuple[Power, ...]) -> tuple[tuple[float, str], ...]:
+    """Every degree power a number could carry besides being a weight of the step's own (empty: none, it is the same
+    in one process; 1 and 1 / the output's own count included): a degree power, such a power over the micro-batches
+    or over the output's count, 1 / this rank's shard's count; one meaning per degree value, simplest first."""
+    a = abs(value)
+    if _same(a, 1.0) or any(_same(a, 1 / k) for k in counts.full):
+        return ()
+    found: dict[float, str] = {}
+    shard = next((k for k in counts.shard if _same(a, 1 / k)), None)
+    if shard is not None:
+        found[float(counts.cp)] = f"1/{shard}, this rank's shard's count ({shard * counts.cp} / cp)"
+    for p in powers:
+        meanings = [f"{p.text} = {p.value:.4g}"] if _same(a, p.value) else []
+        if sum(abs(e) for _, e in p.exponents) == 1:  # one degree over a count: `loss * cp / accum`, `sum() * cp / numel`
+            meanings += [f"{p.text} / {m} micro-batches" for m in counts.micro if _same(a, p.value / m)]
+            meanings += [f"{p.text} / {k}" for k in counts.full if _same(a, p.value / k)]
+        if meanings and not any(_same(p.value, d) for d in found):
+            found[p.value] = meanings[0]
+    return tuple(found.items())
+
+
+def weight_text(value: float, counts: Counts) -> str:
+    m = next((m for m in counts.micro if _same(abs(value), 1 / m)), None)
+    return f"the mean over its {m} micro-batches" if m else "a weight of the step's own"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One path from a backward root to a model output, as the readings see it: the degree power it certainly
+    carries (a per-shard mean over its own shard: cp) and the literals on it."""
+
+    certain: float = 1.0
+    literals: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One reading: which meaning each literal is read as (0: a weight, i: its i-th degree power), and what a
+    correct step's G / R is then (None: not a single number, the loss's terms then carry different factors of the
+    degrees, or the loss could not be read)."""
+
+    readings: tuple[int, ...]
+    factor: float | None
+    loss_power: float | None = None
+
+
+@dataclass(frozen=True)
+class Readings:
+    """What the events leave open about what one process computes: the literals, the loss's terms, the step's own
+    scalings of its gradients that are no degree power (`own`, the same in one process), what was observed and is
+    said (`notes`), why the loss's factor cannot be known at all (`unknown`), or what the user said (`said`)."""
+
+    literals: tuple[Literal, ...] = ()
+    terms: tuple[Term, ...] = (Term(),)
+    own: float = 1.0
+    notes: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    said: float | None = None
+    folds: tuple[str, ...] = ()
+    """The loss's numbers that are no power of the degrees, a micro-batch mean or the output's count (`loss * 0.7`,
+    `loss * cp / 3` as one number): read as the step's own weight, the same in one process; but such a number may
+    fold a degree in (cp / 3 at cp 2 is 0.667), so a factor of one degree it could absorb is never a FAIL."""
+
+    def outcomes(self) -> tuple[Outcome, ...]:
+        """Every reading, the all-weights reading first."""
+        choices = [range(len(lit.degrees) + 1) for lit in self.literals]
+        if math.prod(len(c) for c in choices) > MAX_READINGS:
+            return (Outcome((), None),)
+        return tuple(self._outcome(r) for r in itertools.product(*choices))
+
+    def _outcome(self, readings: tuple[int, ...]) -> Outcome:
+        lits = self.literals
+        on_grads = math.prod(lit.value / lit.degree(r) for lit, r in zip(lits, readings) if not lit.on_loss)
+        if self.unknown:
+            return Outcome(readings, None)
+        if self.said is not None:
+            return Outcome(readings, self.own * on_grads / self.said, self.said)
+        powers = {t.certain * math.prod(lits[i].degree(readings[i]) for i in t.literals) for t in self.terms}
+        if len({round(math.log(p), 9) for p in powers}) != 1:
+            return Outcome(readings, None)
+        power = powers.pop()
+        return Outcome(readings, self.own * on_grads / power, power)
+
+    @property
+    def as_degrees(self) -> float:
+        """λ with every literal read as its first degree power (two runs name a factor by it), 1 when that is no number."""
+        power = self._outcome((1,) * len(self.literals)).loss_power
+        return power if power is not None else 1.0
+
+    @property
+    def certain_power(self) -> float | None:
+        """λ when nothing about it is read (no literal, nothing unknown, one value for every term), else None."""
+        outcomes = self.outcomes()
+        return outcomes[0].loss_power if len(outcomes) == 1 else None
+
+
+@dataclass
+class _Read:
+    """What reading the loss's roots collects: its literals (one per number and place, shared by every term and
+    micro-batch that has it), the terms, what was observed and said, and why the loss's factor is unknown."""
+
+    literals: list[Literal] = field(default_factory=list)
+    keys: dict[tuple, int] = field(default_factory=dict)
+    terms: list[Term] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    folds: list[str] = field(default_factory=list)
+
+    def literal(self, key: tuple, literal: Literal) -> int:
+        if key not in self.keys:
+            self.keys[key] = len(self.literals)
+            self.literals.append(literal)
+        return self.keys[key]
+
+
+def _loss_readings(log: EventLog, counts: Counts, powers: tuple[Power, ...], shapes: tuple[OutGrad, ...], out_numel: int) -> _Read:
+    """The literals, terms, notes and unknowns of the loss, read from the first rank's backward roots."""
+    read = _Read()
+    for root in log.roots:
+        read.unknown += [f"the loss's constants inside {h}" for h in root.hidden]
+        for term in root.terms:
+            shape = shapes[term.output] if term.output < len(shapes) else OutGrad.REPLICATED
+            read.terms.append(_term(term, counts, powers, shape, out_numel, read))
+    if not read.terms:
+        read.unknown.append(
+            "no backward reaching the model's output was observed (torch.autograd.backward or grad bound before the watch?)"
+        )
+    read.notes, read.unknown = list(dict.fromkeys(read.notes)), list(dict.fromkeys(read.unknown))
+    read.folds = list(dict.fromkeys(read.folds))
+    return read
+
+
+def _term(term: LossTerm, counts: Counts, powers: tuple[Power, ...], shape: OutGrad, out_numel: int, read: _Read) -> Term:
+    """One term: its means (observed, with what the peers' output gradients are) and its literals."""
+    certain, mine = 1.0, []
+    count = math.prod(f.count for f in term.factors if f.source is Source.MEAN and f.count)
+    if count > 1 and count not in counts.full:
+        if shape is OutGrad.PER_SHARD and count in counts.shard:
+            certain = float(counts.cp)
+            read.notes.append(
+                f"a per-shard loss averaging its own shard ({count} of the output's {count * counts.cp} elements; one process averages cp× as many)"
+            )
+        elif shape is OutGrad.PER_SHARD:
+            part = ((float(counts.cp), "over its shard's part (cp)"),)
+            where = f"(a mean over {count} elements of a per-shard loss)"
+            mine.append(read.literal(("mean", count), Literal(1 / count, where, part, "the same part in one process")))
+        else:
+            read.notes.append(
+                f"a mean over {count} of the output's {out_numel} elements, the same part on every CP peer (the same in one process)"
+            )
     for f in term.factors:
-        if f.source is Source.MEAN:
+        if f.source not in (Source.CONSTANT, Source.GRADIENT):
             continue
-        reading, used = read_constant(f, counts, powers, micro_free)
-        micro_free = micro_free and not used
-        readings.append(reading)
-    means = [f.count for f in term.factors if f.source is Source.MEAN and f.count]
-    if means:
-        readings.append(read_mean(math.prod(means), counts, powers))
-    return TermReading(math.prod(r.power.value for r in readings), tuple(readings))
+        degrees = read_number(f.value, counts, powers)
+        if degrees:
+            literal = Literal(f.value, "on the loss", degrees, weight_text(f.value, counts))
+            mine.append(read.literal((f.source, round(f.value, 12), f.place), literal))
+        elif not _same(abs(f.value), 1.0):
+            read.notes.append(f"the {f.value:.4g} on the loss (no power of the degrees: the same in one process)")
+            if not any(_same(abs(f.value), 1 / k) for k in (*counts.micro, *counts.full)):
+                read.folds.append(f"the {f.value:.4g} on the loss")
+    return Term(certain, tuple(dict.fromkeys(mine)))
+
+
+def _gradient_readings(
+    log: EventLog, counts: Counts, powers: tuple[Power, ...]
+) -> tuple[list[Literal], float, list[str], list[tuple[str, float]]]:
+    """The step's own scalings of its gradients, seen on the tensors between events: one by a power of the degrees
+    and nothing else its value fits is part of a reduction (`p.grad /= dp` after a sum over the replicas: observed,
+    returned as (text, factor)); one whose value also fits a count (1 / this rank's shard's tokens, 1 / the
+    micro-batches: `p.grad /= accum` at accum = cp) is a literal read every way; any other is the step's own, the
+    same in one process (said)."""
+    literals, own, notes, observed = [], 1.0, [], []
+    for e in log.of(GradScale):
+        read = read_number(e.factor, counts, powers)
+        pure = power_of(abs(e.factor), powers)
+        own_count = any(_same(abs(e.factor), 1 / m) for m in counts.micro)  # `p.grad /= accum` after accumulating
+        if pure is not None and [d for d, _ in read] == [pure.value] and not own_count:
+            observed.append((f"the step's own code scaled the gradients by {e.factor:.4g} = {pure.text} (between {e.between})", e.factor))
+        elif read:
+            seen = f"the step's own code scaled them between {e.between}"
+            literals.append(Literal(e.factor, "on the gradients", read, weight_text(e.factor, counts), False, seen))
+        else:
+            own *= e.factor
+            notes.append(
+                f"the step's own code scaled the gradients by {e.factor:.4g} between {e.between} (no power of the degrees: the same in one process)"
+            )
+    return literals, own, notes, observed
 
 
 @dataclass(frozen=True)
@@ -204,14 +361,11 @@ class Reduction:
     factor: float
 
 
-def reductions(log: EventLog, group: StepGroup, powers: tuple[Power, ...]) -> tuple[tuple[Reduction, ...], float, tuple[str, ...]]:
+def reductions(log: EventLog, group: StepGroup, scaled: list[tuple[str, float]]) -> tuple[tuple[Reduction, ...], tuple[str, ...]]:
     """The reductions of the gradients in `log` (DDP's, FSDP2's, the collectives on the first reduced parameter's
-    gradient, and the step's own scaling by a power of the degrees: `p.grad /= dp`), the product of the step's own
-    scalings that are no power of the degrees (the same in one process: a manual unscaling), and what could not
-    be read."""
-    found: list[Reduction] = []
+    gradient, the step's own scalings by a power of the degrees: `scaled`) and what could not be read of them."""
+    found: list[Reduction] = [Reduction(text, factor) for text, factor in scaled]
     unread: list[str] = []
-    own = 1.0
     on_grads = [e for e in log.of(Collective) if e.on_gradients]
     first = on_grads[0].param if on_grads else None
     for e in log.events:
@@ -222,14 +376,6 @@ def reductions(log: EventLog, group: StepGroup, powers: tuple[Power, ...]) -> tu
             n = group.replicas_in(e.ranks)
             text = f"FSDP2 sums over its {len(e.ranks)} ranks ({_span(e.ranks, group)}) and divides by {e.divide_factor:g}"
             found.append(Reduction(text, n / e.divide_factor))
-        elif isinstance(e, GradScale):
-            p = power_of(abs(e.factor), powers)
-            if p is None:
-                own *= e.factor
-            else:
-                found.append(
-                    Reduction(f"the step's own code scaled the gradients by {e.factor:.4g} = {p.text} (between {e.between})", e.factor)
-                )
         elif isinstance(e, Collective) and e.on_gradients and e.param == first:
             n = group.replicas_in(e.ranks)
             span = _span(e.ranks, group)
@@ -239,7 +385,7 @@ def reductions(log: EventLog, group: StepGroup, powers: tuple[Power, ...]) -> tu
                 found.append(Reduction(f"{e.call}(AVG) over ranks {_ranks(e.ranks)} ({span})", n / len(e.ranks)))
             else:
                 unread.append(f"a {e.op.value} reduction of the gradients over ranks {_ranks(e.ranks)} (its factor is not readable)")
-    return tuple(found), own, tuple(unread)
+    return tuple(found), tuple(unread)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -263,42 +409,33 @@ def _span(ranks: tuple[int, ...], group: StepGroup) -> str:
 
 @dataclass(frozen=True)
 class Expectation:
-    """What the step's events say its gradients must be, relative to the recomputed reference (one run), and
-    what in them the watcher could not read."""
+    """What the step's events say its gradients must be, relative to the recomputed reference (one run), what in
+    that rests on a reading, and what the watcher saw but could not read."""
 
-    loss_power: float = 1.0
-    """λ: the degree power on the loss (1: none), read from its terms or said by `loss_scale=`."""
-    loss_why: str = ""
-    said: bool = False
-    """λ was given by the user (`loss_scale=`), not read."""
+    readings: Readings = field(default_factory=Readings)
     scale: float | None = None
     unscaled: float | None = None
     clips: tuple[ClipNorm, ...] = ()
     value_clipped: bool = False
+    inner_steps: int = 0
+    """Trainable parameters an optimizer stepped inside backward (each compared as its step found it)."""
     reductions: tuple[Reduction, ...] = ()
-    scaled: float = 1.0
-    """What the step's own code scaled the gradients by besides the degrees (a manual unscaling or clip), seen
-    between the events: one process does the same."""
-    hidden: tuple[str, ...] = ()
-    """Why λ may be incomplete: loss nodes whose constants are unreadable, terms whose λ differ."""
-    param_paths: bool = False
-    """A term of the loss reaches the weights without the output: its gradient is not recomputed."""
     unobserved: tuple[str, ...] = ()
     """Reductions or scales the watcher saw but could not read (a comm hook, a PREMUL_SUM, a failed read)."""
     skipped: str | None = None
     """Why the optimizer skips this step (not examined), None when it does not."""
-    per_shard_loss: bool = False
 
-    @property
-    def factor(self) -> float:
-        """F / R for a correct step: 1 / (λ · the scale it unscaled by), times the step's own scaling that is no
-        power of the degrees."""
-        return self.scaled / (self.loss_power * (self.unscaled or 1.0))
+    def factors(self) -> tuple[tuple[Outcome, float | None], ...]:
+        """Every reading, with G / R a correct step shows under it (None: unknown)."""
+        t = self.unscaled or 1.0
+        return tuple((o, None if o.factor is None else o.factor / t) for o in self.readings.outcomes())
 
     @property
     def events_factor(self) -> float:
-        """F / R if the seen reductions, scalings and the unscaling are all that happened to the gradients."""
-        return math.prod(r.factor for r in self.reductions) * self.scaled / (self.unscaled or 1.0)
+        """G / R if the seen reductions, the step's own scalings and the unscaling are all that happened to the
+        gradients."""
+        on_grads = math.prod(lit.value for lit in self.readings.literals if not lit.on_loss)
+        return math.prod(r.factor for r in self.reductions) * self.readings.own * on_grads / (self.unscaled or 1.0)
 
     @property
     def clip_text(self) -> str:
@@ -310,6 +447,9 @@ class Expectation:
                 c = self.clips[0]
                 return f"clip_grad_norm_(max_norm={c.max_norm:g}) did not act (total norm {c.total_norm:.4g})"
             return ""
+        if len(self.clips) > 1:
+            each = ", ".join(f"{c.coefficient:.4g} on {c.params}" for c in self.clips)
+            return f"the step clipped {len(self.clips)} groups of parameters by their norm ({each}); each divided out of the parameters it clipped"
         c = active[0]
         return (
             f"the step clipped: clip_grad_norm_(max_norm={c.max_norm:g}) multiplied the gradients by {c.coefficient:.4g} "
@@ -324,6 +464,12 @@ class Expectation:
             return f"still scaled by the GradScaler's scale {self.scale:g} when the gradients were read (as in one process)"
         return ""
 
+    @property
+    def inner_text(self) -> str:
+        if not self.inner_steps:
+            return ""
+        return f"an optimizer stepped inside backward on {self.inner_steps} parameters: each compared as its step found it"
+
 
 def expectation(
     logs: list[EventLog],
@@ -332,43 +478,50 @@ def expectation(
     gather_dim: int,
     forwards: int,
     loss_scale: float | None = None,
-    per_shard_loss: bool = False,
+    shapes: tuple[OutGrad, ...] = (),
 ) -> Expectation:
-    """The expectation of one CP group's step from its ranks' event logs (the first rank's first): λ from the
-    first rank's backward roots, the scaler and clips from its events, a skip from any rank's."""
+    """The expectation of one CP group's step from its ranks' event logs (the first rank's first): the loss's
+    readings from the first rank's backward roots and the output gradients' shapes, the scaler, clips and
+    reductions from its events, a skip from any rank's. The micro-batches are the forwards of the model in the
+    step (a backward root is not one: a step may call backward once per loss term), or accelerate's accumulation."""
     mine = logs[0]
     powers = degree_powers(group.ring, group.ulysses, group.dp)
-    roots = [r for r in mine.roots if r.reaches_output]
-    counts = Counts.of(out_shape, gather_dim, group.cp, (len(roots), forwards))
-    readings = [read_term(t, counts, powers) for r in roots for t in r.terms]
-    hidden = [h for r in mine.roots for h in r.hidden]
-    lambdas = {round(math.log(t.power), 9) for t in readings} if readings else set()
-    if len(lambdas) > 1:
-        hidden.append(
-            "the loss's terms carry different factors of the degrees (" + ", ".join(f"{math.exp(x):.4g}" for x in sorted(lambdas)) + ")"
-        )
-    power, why = (readings[0].power, readings[0].why) if len(lambdas) == 1 else (1.0, "")
-    said = loss_scale is not None
-    if said:
-        power, why = float(loss_scale), f"you said the CP step scales its loss by {loss_scale:g} (loss_scale=)"
-    reduced, scaled, unread = reductions(mine, group, powers)
-    skipped = _skipped(logs)
-    return Expectation(
-        loss_power=power,
-        loss_why=why,
+    micro = (forwards, *(e.accumulation_steps for e in mine.of(AccelerateBackward)))
+    counts = Counts.of(out_shape, gather_dim, group.cp, micro)
+    loss = _loss_readings(mine, counts, powers, shapes, math.prod(out_shape) if out_shape else 0)
+    loss_literals, terms, notes, unknown = loss.literals, loss.terms, loss.notes, loss.unknown
+    grad_literals, own, grad_notes, scaled = _gradient_readings(mine, counts, powers)
+    said = float(loss_scale) if loss_scale is not None else None
+    if said is not None:  # the user said λ: the loss is not read
+        loss_literals, terms, unknown, notes = [], [Term()], [], [f"you said the CP step scales its loss by {said:g} (loss_scale=)"]
+        loss.folds = []
+    readings = Readings(
+        literals=tuple(loss_literals + grad_literals),
+        terms=tuple(terms) or (Term(),),
+        own=own,
+        notes=tuple(notes + grad_notes),
+        folds=tuple(loss.folds),
+        unknown=tuple(unknown),
         said=said,
+    )
+    reduced, unread = reductions(mine, group, scaled)
+    return Expectation(
+        readings=readings,
         scale=mine.scale,
         unscaled=mine.unscaled_by,
         clips=tuple(mine.clips),
         value_clipped=mine.value_clipped,
+        inner_steps=sum(e.params for e in mine.of(InnerStep)),
         reductions=reduced,
-        scaled=scaled,
-        hidden=tuple(dict.fromkeys(hidden)),
-        param_paths=any(r.param_paths for r in mine.roots),
-        unobserved=tuple(dict.fromkeys((*unread, *mine.unobserved))),
-        skipped=skipped,
-        per_shard_loss=per_shard_loss,
+        unobserved=tuple(dict.fromkeys((*unread, *mine.unobserved, *_weight_terms(mine)))),
+        skipped=_skipped(logs),
     )
+
+
+def _weight_terms(log: EventLog) -> tuple[str, ...]:
+    if any(r.param_paths for r in log.roots):
+        return ("a term of the loss on the weights themselves (not in the recomputed output gradient)",)
+    return ()
 
 
 def _skipped(logs: list[EventLog]) -> str | None:

@@ -6,7 +6,11 @@ before that optimizer step runs, so it can stop the job before it learns from a 
 
 A step the optimizer never takes (GradScaler found inf/NaN, the usual start of fp16 training, and skipped
 `optimizer.step()`) is not examined: the watch is dropped at the skip and armed again for the next step, so the
-examination is of the first step the optimizer takes."""
+examination is of the first step the optimizer takes.
+
+An optimizer that steps inside backward (per parameter, from post-accumulate-grad hooks) does not close the watch at
+its first step: the watch closes when that backward ends, every parameter's gradient taken before its own step, so
+the examination stops a wrong job after the first update instead of before it."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class FirstStep:
         """Steps the optimizer skipped before the one examined (each re-armed the watch)."""
         self.watch = self._arm()
         self._listening = True
+        self._deferred = False
         OBSERVING.listen_steps(self._close)  # after the watch's own look at the gradients at that step
 
     def _arm(self) -> StepWatch:
@@ -45,6 +50,16 @@ class FirstStep:
         self.watch = self._arm()
 
     def _close(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._listening:
+            return
+        if OBSERVING.depth:  # an optimizer step inside backward: the step ends with that backward
+            if not self._deferred:
+                self._deferred = True
+                OBSERVING.after_backward(self._finish)
+            return
+        self._finish()
+
+    def _finish(self) -> None:
         if not self._listening:
             return
         self.cancel()

@@ -5,6 +5,7 @@ so a layout whose gradients need another gathering extends it here (full_grads.p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,3 +62,21 @@ def gather_grads(module: Any) -> Gradients:
         names.append((name, n))
         offset += n
     return Gradients(tuple(names), flat, tuple(missing))
+
+
+def unclipped(grads: Gradients, coefficients: Mapping[int, float], parts: Mapping[int, Any]) -> Gradients:
+    """`grads` as before the step's norm clips: parameter i's slice divided by `coefficients[i]` (what its clips
+    multiplied it by), or replaced by `parts[i]` (its gradient as an optimizer step inside backward found it). A new
+    flat vector only when something changes; `grads` itself is left as it is."""
+    divide = {i: c for i, c in coefficients.items() if c != 1.0 and c > 0}
+    if not divide and not parts:
+        return grads
+    flat, offset = grads.flat.clone(), 0
+    for i, (_, n) in enumerate(grads.names):
+        if i in parts:
+            flat[offset : offset + n] = parts[i]
+        elif i in divide:
+            flat[offset : offset + n] /= divide[i]
+        offset += n
+    replaced = {grads.names[i][0] for i in parts}
+    return Gradients(grads.names, flat, tuple(m for m in grads.missing if m not in replaced))

@@ -1,20 +1,23 @@
 """From a CP group's step numbers and events to a finding: a table of rules over measured relations and observed
 events (judging.Rule), each with its remedy. The rules never know which fault was injected; they read what the
-numbers say (inputs that differ between CP peers, output gradients that differ and whether each is confined to
-its own shard, gradients that differ between peers after the sync, RNG states that part) and what the events
-say the gradients must be (factors.py: the loss's factors of the degrees, the GradScaler's unscaling, a clip
-divided out), and, when they are off by a uniform factor, which observed reductions and loss factors make it.
+numbers say (inputs that differ between CP peers, output gradients that differ and not as a per-shard loss's,
+gradients that differ between peers after the sync, RNG states that part) and what the events say a correct step's
+gradients are (factors.py) under every reading of the numbers whose meaning only their value tells.
+
+One run FAILs only on what it observed: inputs that differ between CP peers, losses that differ between them,
+gradients that differ between them after the sync or between the data-parallel replicas, a uniform factor that is
+wrong under every reading and that the reductions it watched make, and a non-uniform error when nothing the watcher
+saw but could not read can explain it (then the attention is named). A verdict that rests on a reading (a literal
+equal to a power of the degrees, a loss it could not read through) is at most a WARN naming the reading and the
+two-run command that decides. Two runs compare with the same code without CP: any uniform factor that is a power
+of the degrees FAILs there.
 
 Tolerance. The expected gradients come from one process; a correct fp32 CP step lands ~1e-7–1e-6 from them
 on the tiny models (docs/FACTS.md), the defects this examination exists for at 1e-2 and beyond, or at an exact
 factor. The tolerance is fixed per dtype the step computed in (`DType.grad_tolerance`; under autocast the
 autocast dtype), or BASELINE_SLACK × the same step without CP in its own dtypes for bf16/fp16. A parameter
-whose own error is PARAM_SLACK× the tolerance fails the step even when the total is within it.
-
-A uniform factor between the step and one process is a FAIL when it is a power of the job's degrees (the
-signature of a reduction over the job's ranks, named from the events that produce it), and a WARN with both
-readings when it is not (a scale the watcher did not see) or when the loss's factors could not all be read. A
-step the optimizer skips is not examined. RNG states that part while the gradients are right are a WARN."""
+whose own error is PARAM_SLACK× the tolerance fails the step even when the total is within it. A step the
+optimizer skips is not examined. RNG states that part while the gradients are right are a WARN."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING, Aspect, CrashSignature, Rule, diagnosis_of, spoken_rules
-from cpdoctor.examinations.step.factors import Expectation, Power, degree_powers, power_of
+from cpdoctor.examinations.step.factors import MAX_READINGS, Expectation, Outcome, Power, degree_powers, power_of
 from cpdoctor.examinations.step.input_layouts import Placement
 from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
@@ -61,10 +64,16 @@ RNG_REMEDY = (
     "rank; no rank-only draws such as dropout or logging samples between seeding and the step); `cpdoctor env` "
     "measures whether the attention op itself consumes RNG"
 )
-READINGS_REMEDY = (
-    "tell the watcher what your CP step scales its loss by (watch_step(model, loss_scale=...)), or run "
-    "`cpdoctor step path/to/train.py:function --ring R` with a function that takes its degrees: it compares with the same code "
-    "run without CP"
+TWO_RUNS_REMEDY = (
+    "two runs decide, with the same code without CP and with it (nothing read): `cpdoctor step path/to/train.py:fn{layout}` "
+    "with a function that takes its degrees, or `cpdoctor step{layout} -- <your launch command>`"
+)
+LAYOUT_SCALE_REMEDY = (
+    "look for a scaling of the loss or of the gradients that depends on the layout (a division by the world size or by "
+    "this rank's token count): the same code without CP does not apply it"
+)
+LOSS_SCALE_REMEDY = (
+    "or tell the watcher the loss's factor of the degrees: watch_step(model, loss_scale=...) or preflight(model=..., loss_scale=...)"
 )
 SKIP_REMEDY = "nothing to do for this step: the next step the optimizer takes is examined (preflight's armed watch re-arms)"
 
@@ -141,9 +150,12 @@ class StepSignature:
         return PARAM_SLACK * max(self.tol, BASELINE_SLACK * base)
 
     @property
-    def expected(self) -> float:
-        """F / R for a correct step: what the events say (one run); 1 with two runs (the reference is the same code)."""
-        return self.e.factor if self.n.recomputed else 1.0
+    def readings(self) -> tuple[tuple[Outcome, float | None], ...]:
+        """Every reading of the step, with G / R a correct step shows under it (None: no single number): one run's
+        from the events (factors.py); two runs have one, 1 (the reference is the same code without CP)."""
+        if not self.n.recomputed:
+            return ((Outcome((), 1.0, 1.0), 1.0),)
+        return self.e.factors()
 
     @property
     def nonfinite(self) -> int:
@@ -166,6 +178,23 @@ class StepSignature:
     def worst(self) -> RankGrad:
         return max(self.n.grads, key=lambda g: g.rel_err)
 
+    @property
+    def factor_tol(self) -> float:
+        """How close (relative) a factor must sit to 1 or to a candidate: 10 tolerances, at most 5 % (the factor
+        itself is far more precise than the residual around it)."""
+        return min(10 * self.tol, 0.05)
+
+    def right_under(self, expected: float | None) -> bool:
+        """The worst rank's factor is what a correct step shows under a reading whose G / R is `expected`."""
+        return expected is not None and expected > 0 and abs(self.worst.factor / expected - 1) <= self.factor_tol
+
+    @property
+    def expected(self) -> float:
+        """G / R of a correct step under the reading the numbers are shown against: the first under which the step
+        is right, else the first that is a number (every literal a weight), else 1 (against R itself)."""
+        known = [e for _, e in self.readings if e is not None]
+        return next((e for e in known if self.right_under(e)), known[0] if known else 1.0)
+
     def ratio(self, g: RankGrad) -> float:
         """A rank's uniform factor against what one process computes."""
         return g.factor / self.expected
@@ -176,18 +205,20 @@ class StepSignature:
         return not self.peers_differ and self.worst.residual <= self.tol and self.worst.factor > 0
 
     @property
-    def factor_tol(self) -> float:
-        """How close (relative) a factor must sit to 1 or to a candidate: 10 tolerances, at most 5 % (the factor
-        itself is far more precise than the residual around it)."""
-        return min(10 * self.tol, 0.05)
+    def right_everywhere(self) -> bool:
+        return self.uniform and all(self.right_under(e) for _, e in self.readings)
+
+    @property
+    def wrong_everywhere(self) -> bool:
+        return self.uniform and all(e is not None and not self.right_under(e) for _, e in self.readings)
 
     @property
     def off(self) -> float | None:
-        """The uniform factor between the step and one process, when there is one other than 1."""
-        if not self.uniform:
+        """The uniform factor between the step and one process (under the reading shown), when the step is not right
+        under every reading."""
+        if not self.uniform or self.right_everywhere:
             return None
-        r = self.ratio(self.worst)
-        return None if abs(r - 1) <= self.factor_tol else r
+        return self.ratio(self.worst)
 
     @property
     def power(self) -> Power | None:
@@ -209,19 +240,35 @@ class StepSignature:
 
     @property
     def explained(self) -> bool:
-        """The seen reductions and unscaling give the measured factor: nothing the watcher missed acted. With two runs
-        the factor is against the same code at cp 1, so the reductions alone, or with the loss's factors of the
-        degrees read (a mean over the shard), may make it: the loss is read against this rank's output, which is
+        """The seen reductions, scalings and unscaling give the measured factor: nothing the watcher missed acted. With
+        two runs the factor is against the same code at cp 1, so the reductions alone, or with the loss's literals
+        read as degrees (a mean over the shard), may make it: the loss is read against this rank's output, which is
         a shard where the trainer shards it (torchtitan's global token count reads as 1/cp of it), so either counts."""
         c = self.worst.factor
         ev = self.e.events_factor
-        made = (ev,) if self.n.recomputed else (ev, ev * self.e.loss_power)
+        made = (ev,) if self.n.recomputed else (ev, ev * self.e.readings.as_degrees)
         return any(x > 0 and abs(c - x) <= self.factor_tol * x for x in made)
 
     @property
-    def loss_unread(self) -> tuple[str, ...]:
-        """Why the loss's factors may not all have been read (its expectation may be wrong)."""
-        return () if self.e.said or not self.n.recomputed else self.e.hidden
+    def unread(self) -> tuple[str, ...]:
+        """What the watcher saw but could not read (one run): a comm hook, an unobserved reduction, a loss node it
+        cannot read through, a term on the weights; any of them can make a factor or an error the rest does not."""
+        return (*self.e.readings.unknown, *self.e.unobserved) if self.n.recomputed else ()
+
+    @property
+    def folded(self) -> bool:
+        """One run: the uniform factor is one degree (or its inverse) that a number on the loss read as the step's own
+        weight could have folded in (`loss * cp / 3` is 0.667 at cp 2): only its value tells, so never a FAIL."""
+        if not (self.n.recomputed and self.e.readings.folds and self.off is not None):
+            return False
+        singles = [p for p in degree_powers(self.n.ring, self.n.ulysses, self.n.dp) if sum(abs(e) for _, e in p.exponents) == 1]
+        return any(abs(self.off / p.value - 1) <= self.factor_tol for p in singles)
+
+    @property
+    def observed(self) -> bool:
+        """One run's uniform factor is wrong on what the watcher observed: the reductions it watched make it and it
+        saw nothing it could not read."""
+        return self.explained and not self.unread
 
     def rank_error(self, g: RankGrad) -> float:
         """A rank's error against what one process computes: the factor's distance from the expected one and the
@@ -244,7 +291,8 @@ class StepSignature:
 
     @property
     def dp_missing(self) -> bool:
-        return self.grads_bad and self.n.own_rel_err is not None and self.n.own_rel_err <= self.tol
+        """Each data-parallel replica ends with a multiple of its own data's gradient, not of the mean over them."""
+        return self.grads_bad and not self.uniform and self.n.own_residual is not None and self.n.own_residual <= self.tol
 
     @property
     def only_gradients_wrong(self) -> bool:
@@ -255,7 +303,7 @@ class StepSignature:
     @property
     def loss_differs(self) -> bool:
         """The peers' output gradients differ and not as the disjoint pieces of a per-shard loss."""
-        return bool(self.n.out_grad_differ) and not self.n.out_grad_own_shard
+        return self.n.losses_differ
 
     @property
     def rng_consumers(self) -> tuple[int, ...]:
@@ -274,6 +322,13 @@ class StepSignature:
     @property
     def layout(self) -> str:
         return f"CP {self.n.cp} (ring {self.n.ring} × Ulysses {self.n.ulysses}) × data-parallel {self.n.dp}"
+
+    @property
+    def switches(self) -> str:
+        """This job's degrees as `cpdoctor step` switches."""
+        out = f" --ring {self.n.ring}" if self.n.ring > 1 else ""
+        out += f" --ulysses {self.n.ulysses}" if self.n.ulysses > 1 else ""
+        return out + (f" --dp {self.n.dp}" if self.n.dp > 1 else "")
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -349,10 +404,14 @@ def _seen(s: StepSignature) -> str:
     """What the watcher saw that makes the factor: the loss's factors of the degrees and the reductions."""
     parts = []
     if s.n.recomputed:
-        if s.e.loss_why:
-            parts.append(f"the loss carries {s.e.loss_power:g} ({s.e.loss_why})")
-        else:
+        r = s.e.readings
+        power = r.certain_power
+        if power is not None and power != 1.0:
+            p = power_of(power, degree_powers(s.n.ring, s.n.ulysses, s.n.dp))
+            parts.append(f"the loss carries {p.text + ' = ' if p else ''}{power:g}")
+        elif power is not None:
             parts.append("the loss carries no factor of the degrees")
+        parts += list(r.notes)
     made = [r.text for r in s.e.reductions]
     parts.append("the gradients went through " + "; ".join(made) if made else "no reduction of the gradients was seen")
     if s.e.unobserved:
@@ -362,7 +421,7 @@ def _seen(s: StepSignature) -> str:
 
 def _factor_text(s: StepSignature) -> str:
     p = s.power
-    assert p is not None and s.off is not None
+    assert s.off is not None
     f = s.candidate
     cause = f": {f.cause}" if f is not None else ""
     said = (
@@ -370,11 +429,16 @@ def _factor_text(s: StepSignature) -> str:
         if s.explained
         else "a scaling of the gradients the watcher did not see makes part of it (a manual division, a comm hook, a reduction inside a compiled region)"
     )
-    name = f.text if f is not None else p.text  # cp^a · dp^b where one fits: what a misplaced reduction is named by
-    return (
-        f"every rank's gradients are exactly {s.off:.4g}× what one process computes (factor {name} = {p.value:g} at "
-        f"{s.layout}; residual {s.worst.residual:.2g}); the watcher saw: {_seen(s)}; {said}{cause}"
-    )
+    name = f.text if f is not None else p.text if p is not None else ""  # cp^a · dp^b where one fits
+    factor = f"factor {name} = {p.value:g} at {s.layout}" if p is not None else f"at {s.layout}"
+    text = f"every rank's gradients are exactly {s.off:.4g}× what one process computes ({factor}; residual {s.worst.residual:.2g})"
+    if len(s.readings) > 1:
+        others = ", ".join(f"{s.worst.factor / e:.4g}×" for _, e in s.readings[1:] if e is not None)
+        read = "; ".join(lit.both_ways() for lit in s.e.readings.literals)
+        text += (
+            f" if every number read is a weight of the step's own, and {others} under the other readings ({read}): wrong under every one"
+        )
+    return f"{text}; the watcher saw: {_seen(s)}; {said}{cause}"
 
 
 def _factor_remedy(s: StepSignature) -> str:
@@ -384,12 +448,58 @@ def _factor_remedy(s: StepSignature) -> str:
     return CP_SUM_REMEDY
 
 
-def _unread_text(s: StepSignature) -> str:
+def _reading(s: StepSignature, outcome: Outcome) -> str:
+    """One reading, in words: what each literal is taken as."""
+    said = [f"{lit.text} is {lit.meaning(r)}" for lit, r in zip(s.e.readings.literals, outcome.readings)]
     return (
-        f"every rank's gradients are exactly {s.off:.4g}× what the loss's readable factors give (residual {s.worst.residual:.2g}); "
-        f"part of the loss could not be read ({'; '.join(s.loss_unread)}): if it carries that factor the step is right, "
-        f"otherwise it is wrong by {s.off:.4g}; the watcher saw: {_seen(s)}"
+        " and ".join(said) if len(said) <= 3 else f"{sum(map(bool, outcome.readings))} of its {len(said)} numbers are powers of the degrees"
     )
+
+
+def _reading_text(s: StepSignature) -> str:
+    """One run, a uniform factor that is not wrong on what the watcher observed: what the verdict rests on."""
+    r = s.e.readings
+    head = f"every rank's gradients are exactly {s.worst.factor:.4g}× the gradients of the loss as computed here (residual {s.worst.residual:.2g})"
+    if all(e is None for _, e in s.readings):
+        why = "; ".join(r.unknown) or (
+            f"more than {MAX_READINGS} readings of its numbers"
+            if len(s.readings) == 1 and r.literals
+            else "the loss's terms carry different factors of the degrees under every reading"
+        )
+        body = f"what one process computes cannot be read: {why}"
+    elif s.folded and s.wrong_everywhere:
+        folds = ", ".join(r.folds)
+        body = (
+            f"{s.off:.4g}× what one process computes if {folds} is a weight of the step's own, which one process applies "
+            f"too; right if it folds that factor in (a number written with the degrees, as `loss * cp / n` is): only its "
+            f"value could tell"
+        )
+    elif s.wrong_everywhere:
+        ev = s.e.events_factor
+        unread = f"; not read: {'; '.join(s.unread)}" if s.unread else ""
+        body = (
+            f"under every reading it is wrong ({s.off:.4g}× what one process computes with every number a weight), but "
+            f"the reductions the watcher saw make {ev:.4g}×, not that{unread}: what it could not see may be the step's own scaling"
+        )
+    else:
+        right = [o for o, e in s.readings if s.right_under(e)]
+        wrong = [(o, e) for o, e in s.readings if e is not None and not s.right_under(e)]
+        body = "whether that is right rests on reading " + "; ".join(lit.both_ways() for lit in r.literals)
+        if right:
+            body += f": right if {_reading(s, right[0])}"
+        if wrong:
+            o, e = wrong[0]
+            body += f"; {s.worst.factor / e:.4g}× what one process computes if {_reading(s, o)}"
+        if any(e is None for _, e in s.readings):
+            body += "; under the other readings the loss's terms carry different factors of the degrees"
+    return f"{head}: {body}; the watcher saw: {_seen(s)}"
+
+
+def _reading_remedy(s: StepSignature) -> str:
+    """The two runs at this job's degrees, and `loss_scale=` where the loss is what is read."""
+    r = s.e.readings
+    on_loss = any(lit.on_loss for lit in r.literals) or bool(r.unknown) or bool(r.folds)
+    return TWO_RUNS_REMEDY.format(layout=s.switches) + (f"; {LOSS_SCALE_REMEDY}" if on_loss and s.n.recomputed else "")
 
 
 def _unseen_text(s: StepSignature) -> str:
@@ -450,15 +560,12 @@ def _attention_text(s: StepSignature) -> str:
     )
 
 
-def _partial_loss_text(s: StepSignature) -> str:
-    why = "a term of the loss reaches the weights without passing through the model's output (its gradient is not recomputed)"
-    if not s.e.param_paths:
-        why = "; ".join(s.loss_unread)
+def _unread_text(s: StepSignature) -> str:
     worst = max(s.n.grads, key=s.rank_error)
     return (
-        f"the gradients are {s.rank_error(worst):.2g} from the recomputed reference (tolerance {s.tol:.2g}), but the "
-        f"reference cannot hold the whole loss: {why}; run `cpdoctor step` with a function that takes its degrees to compare "
-        "with the same code without CP"
+        f"the gradients are {s.rank_error(worst):.2g} from the recomputed reference and not by one factor (tolerance "
+        f"{s.tol:.2g}), but the watcher saw what it could not read, which can make that: {'; '.join(s.unread)}; the "
+        f"attention is named only when nothing else can explain an error (`{attention_command(s)}` examines it alone)"
     )
 
 
@@ -518,10 +625,11 @@ RULES: tuple[StepRule, ...] = (
     StepRule(Aspect.CAUSE, "loss differs per rank", lambda s: s.loss_differs, _out_grad_text, (LOSS_REMEDY,)),
     StepRule(Aspect.CAUSE, "CP reduction missing", lambda s: s.peers_differ, _peers_text, (CP_SUM_REMEDY,)),
     StepRule(Aspect.CAUSE, "DP averaging missing", lambda s: s.dp_missing, _dp_text, (DP_REMEDY,)),
-    StepRule(Aspect.CAUSE, "loss not all read", lambda s: s.off is not None and bool(s.loss_unread), _unread_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "wrong under every reading", lambda s: s.n.recomputed and s.wrong_everywhere and s.observed and not s.folded, _factor_text, remedy_of=_factor_remedy),
+    StepRule(Aspect.CAUSE, "rests on a reading", lambda s: s.n.recomputed and s.off is not None, _reading_text, remedy_of=_reading_remedy, verdict=Verdict.WARN),
     StepRule(Aspect.CAUSE, "factor of the degrees", lambda s: s.power is not None, _factor_text, remedy_of=_factor_remedy),
-    StepRule(Aspect.CAUSE, "unseen scale", lambda s: s.off is not None, _unseen_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
-    StepRule(Aspect.CAUSE, "loss partly outside the reference", lambda s: _gradients_wrong(s) and (s.e.param_paths or bool(s.loss_unread)) and s.n.recomputed, _partial_loss_text, (READINGS_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "unseen scale", lambda s: s.off is not None, _unseen_text, (LAYOUT_SCALE_REMEDY,), verdict=Verdict.WARN),
+    StepRule(Aspect.CAUSE, "seen, not read", lambda s: _gradients_wrong(s) and bool(s.unread), _unread_text, remedy_of=_reading_remedy, verdict=Verdict.WARN),
     StepRule(Aspect.CAUSE, "gradients wrong", _gradients_wrong, _attention_text, (ATTENTION_REMEDY,), names_attention=True),
     StepRule(Aspect.SHARD, "per-shard loss", lambda s: s.n.out_grad_own_shard and s.off is not None, _shard_text, (SHARD_LOSS_REMEDY,), decides=False),
     StepRule(Aspect.RNG, "RNG consumed unevenly", lambda s: s.rng_parted, _rng_text, (RNG_REMEDY,), verdict=Verdict.WARN),
@@ -580,17 +688,17 @@ def describe(n: StepNumbers) -> str:
 def _pass_text(s: StepSignature) -> str:
     worst = max(s.n.grads, key=s.rank_error)
     notes = []
-    if s.n.recomputed and s.e.said:
-        notes.append(s.e.loss_why)
-    elif s.n.recomputed and s.e.loss_why and s.e.loss_power != 1.0:
-        notes.append(
-            f"the loss was multiplied by {s.e.loss_power:g} = {_power_text(s)} ({s.e.loss_why}), which the step's reductions make up for"
-        )
-    elif s.n.recomputed and s.e.loss_why:
-        notes.append(f"the loss's factors of the degrees cancel ({s.e.loss_why})")
-    notes += [x for x in (s.e.scaler_text, s.e.clip_text) if x]
-    if s.e.hidden and s.n.recomputed and not s.e.said:
-        notes.append(f"not read: {'; '.join(s.e.hidden)}")
+    if s.n.recomputed:
+        power = s.e.readings.certain_power
+        read = "; ".join(s.e.readings.notes)
+        if power is not None and power != 1.0:
+            p = power_of(power, degree_powers(s.n.ring, s.n.ulysses, s.n.dp))
+            notes.append(f"the loss carries {power:g} = {p.text if p else power} ({read}), which the step's reductions make up for")
+        elif read:
+            notes.append(read)
+    notes += [x for x in (s.e.scaler_text, s.e.clip_text, s.e.inner_text) if x]
+    if s.unread:
+        notes.append(f"not read, the gradients match regardless: {'; '.join(s.unread)}")
     said = f" ({'; '.join(notes)})" if notes else ""
     out = f"; out {s.n.out_rel_err:.2g}" if math.isfinite(s.n.out_rel_err) else ""
     inputs = "same inputs and loss on every CP peer"
@@ -602,11 +710,6 @@ def _pass_text(s: StepSignature) -> str:
         f"the step matches {s.n.reference}: {inputs}, gradients reduced right{said} "
         f"(worst rank rel err {s.rank_error(worst):.2g}, tolerance {s.tol:.2g} for {s.n.dtype}{out}), RNG states in step"
     )
-
-
-def _power_text(s: StepSignature) -> str:
-    p = power_of(s.e.loss_power, degree_powers(s.n.ring, s.n.ulysses, s.n.dp))
-    return p.text if p is not None else f"{s.e.loss_power:g}"
 
 
 def step_finding(n: StepNumbers, expectation: Expectation | None = None, evidence: object = None) -> Finding:

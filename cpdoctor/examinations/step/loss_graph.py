@@ -2,22 +2,25 @@
 term), and the linear factors on each path, read node by node before the backward frees the graph.
 
 The one-run reference back-propagates the recorded output gradient, which already carries every factor the
-step put on its loss; one process running the same code would put the same factors there except those that
-come from the job's degrees (`loss * cp_size`, a mean over this rank's shard). So the factors themselves are
-needed, wherever the code wrote them: a Python number or a 0-dim / 1-element tensor, above the reduction
-(`loss * cp`), inside it (`(cp * err).mean()`), on each term of a sum of losses, GradScaler's scale
-(`Source.SCALER`, known by the node `GradScaler.scale` made) and accelerate's division by the accumulation steps
-(`Source.ACCELERATE`). A path's linear part ends at the first node that is not a linear scalar operation (a
-square, a weighting by a tensor): what lies below it is the loss's own math, the same in one process.
+step put on its loss; one process running the same code puts the same factors there except those that come from
+the job's degrees. So the factors themselves are recorded, wherever the code wrote them: a Python number or a
+0-dim / 1-element tensor, above the reduction (`loss * cp`), inside it (`(cp * err).mean()`), on each term of a sum
+of losses, each mean with the elements it averaged, GradScaler's scale (`Source.SCALER`, known by the node
+`GradScaler.scale` made) and accelerate's division by the accumulation steps (`Source.ACCELERATE`). What a number
+means (a weight, or a power of the degrees) is factors.py's question, never this walk's. A path's linear part ends
+at the first node that is not a linear scalar operation (a square, a weighting by a tensor): what lies below it is
+the loss's own math, the same in one process.
 
-A node whose constants cannot be read (a loss inside a compiled graph, a custom autograd Function) is named in
-`BackwardRoot.hidden`; a path that reaches the model's parameters without passing through its output (a
-regulariser on the weights) is counted in `param_paths`. The walk only reads the graph; it touches no tensor."""
+A node whose constants cannot be read (a loss inside a compiled graph, a custom autograd Function such as a
+differentiable all_reduce) is named in `BackwardRoot.hidden`; a path that reaches the model's parameters without
+passing through its output (a regulariser on the weights) is counted in `param_paths`. The walk only reads the
+graph; it touches no tensor."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from cpdoctor.examinations.step.events import BackwardRoot, LossFactor, LossTerm, Source
@@ -147,12 +150,12 @@ def read_root(
                 hidden.append(type(node).__name__)
             edges = None if _hides_constants(node) else _linear(node, marks)
             if edges is not None:
-                stack.extend((fn, factors + ((f,) if f is not None else ()), True) for fn, f in edges)
+                stack.extend((fn, factors + ((replace(f, place=len(factors)),) if f is not None else ()), True) for fn, f in edges)
                 continue
             if type(node).__name__ in LOSS_FUNCTIONS and getattr(node, "_saved_reduction", None) == 1:
                 saved = getattr(node, "_saved_self", None)
                 if saved is not None:
-                    factors = factors + (LossFactor(1.0 / saved.numel(), Source.MEAN, int(saved.numel())),)
+                    factors = factors + (LossFactor(1.0 / saved.numel(), Source.MEAN, int(saved.numel()), len(factors)),)
         key = (id(node), factors)
         if key in seen_math:
             continue

@@ -3,8 +3,9 @@ from which the rules (judge.py) read the cause. Nothing here names a fault; it m
 
 - which inputs differ between peers (bitwise), or with two runs which are not what the run without CP fed the model
   (equal, or this rank's shard of it), and on which ranks (inputs.py);
-- whether the output gradients differ between peers, and whether each peer's is confined to its own shard (with two
-  runs, none differs where each peer's is the run without CP's or its shard of it);
+- what the peers' output gradients are, per forward (`OutGrad`): the same on every peer (one loss on the gathered
+  output), each confined to its own shard (a per-shard loss), or different otherwise (with two runs, none differs
+  where each peer's is the run without CP's or its shard of it);
 - the RNG states before and after the step, grouped;
 - each rank's parameter gradients against the expected ones (relative error, the best constant factor and what
   is left after it), the spread between peers, and whether summing the peers gives the expected gradient;
@@ -13,12 +14,25 @@ from which the rules (judge.py) read the cause. Nothing here names a fault; it m
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.step.inputs import InputDiff, InputsJudged, input_diffs
 from cpdoctor.examinations.step.messages import PeerRecord
+from cpdoctor.vocabulary import DType
+
+
+class OutGrad(str, enum.Enum):
+    """What the CP peers' output gradients of one forward are: it decides what a mean on the loss means (factors.py)."""
+
+    REPLICATED = "replicated"
+    """The same on every peer (within the step's tolerance): one loss on the gathered output."""
+    PER_SHARD = "per-shard"
+    """Each peer's vanishes outside its own shard of the gathered output: a per-shard loss."""
+    DIFFER = "differ"
+    """Neither: the peers computed different losses."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +78,6 @@ class StepNumbers:
     out_grad_spread: float
     """Largest relative difference of a peer's output gradient from the first rank's (0 when identical)."""
     out_grad_differ: tuple[int, ...]
-    out_grad_own_shard: bool
-    """Every peer's output gradient is zero outside its own shard of the gathered output (a per-shard loss)."""
     out_rel_err: float
     """The model's output on the first rank against the reference forward."""
     out_max_abs: float
@@ -93,6 +105,21 @@ class StepNumbers:
     """That baseline per parameter, in `params` order."""
     inputs_judged: InputsJudged | None = None
     """Two runs: the inputs against the run without CP (what each is; `inputs_differ` are its wrong ones)."""
+    out_grads: tuple[OutGrad, ...] = ()
+    """What the peers' output gradients are, per forward."""
+    own_residual: float | None = None
+    """What is left of the first rank's gradients after the best factor against its own CP group's reference alone
+    (None at dp 1): ~0 when each replica holds a multiple of its own data's gradient (no data-parallel averaging)."""
+
+    @property
+    def out_grad_own_shard(self) -> bool:
+        """Every forward's output gradients are each peer's own shard (a per-shard loss)."""
+        return bool(self.out_grads) and all(g is OutGrad.PER_SHARD for g in self.out_grads)
+
+    @property
+    def losses_differ(self) -> bool:
+        """Some forward's output gradients differ between the peers, and not as a per-shard loss's."""
+        return OutGrad.DIFFER in self.out_grads
 
     @property
     def cp(self) -> int:
@@ -180,6 +207,24 @@ def own_shard_only(grads: list[Any], dim: int) -> bool:
     return True
 
 
+def out_grad_shapes(records: list[PeerRecord], dim: int, dtype: str) -> tuple[OutGrad, ...]:
+    """What the peers' output gradients are, per forward (a forward no peer back-propagated counts as replicated),
+    equal within the step's dtype's tolerance."""
+    tol = DType(dtype).grad_tolerance if dtype in DType.names() else DType.FP32.grad_tolerance
+    shapes = []
+    for k in range(len(records[0].out_grads)):
+        grads = [r.out_grads[k] if k < len(r.out_grads) else None for r in records]
+        if all(g is None for g in grads):
+            shapes.append(OutGrad.REPLICATED)
+        elif any(g is None for g in grads):
+            shapes.append(OutGrad.DIFFER)
+        elif all(rel(g, grads[0]) <= tol for g in grads[1:]):
+            shapes.append(OutGrad.REPLICATED)
+        else:
+            shapes.append(OutGrad.PER_SHARD if own_shard_only(grads, dim) else OutGrad.DIFFER)
+    return tuple(shapes)
+
+
 def reference_out_grads(records: list[PeerRecord], dim: int) -> list[Any]:
     """The output gradient the reference back-propagates for each forward: the peers' common one (their mean,
     which is it when they agree); when each peer's is confined to its own shard (a per-shard loss), their sum:
@@ -255,7 +300,9 @@ def measure(
     peers' are not compared with each other)."""
 
     ranks = tuple(r.rank for r in records)
-    spread, differ = (0.0, []) if judged is not None and judged.out_grads_right else output_grad_spread(records)
+    right = judged is not None and judged.out_grads_right
+    spread, differ = (0.0, []) if right else output_grad_spread(records)
+    shapes = tuple(OutGrad.REPLICATED for _ in records[0].out_grads) if right else out_grad_shapes(records, gather_dim, dtype)
     gradients = gradient_relations(records, expected, param_names, param_numels)
     first = records[0].grads
     baselines = param_errors(native, own, param_names, param_numels) if native is not None and own is not None else []
@@ -273,12 +320,12 @@ def measure(
         rng_after_groups=groups_of([r.rng_after for r in records], ranks),
         out_grad_spread=spread,
         out_grad_differ=tuple(differ),
-        out_grad_own_shard=bool(differ)
-        and all(own_shard_only([r.out_grads[k] for r in records], gather_dim) for k in range(len(records[0].out_grads))),
+        out_grads=shapes,
         out_rel_err=rel(out, ref_out) if out is not None and ref_out is not None else float("nan"),
         out_max_abs=dots(out, ref_out).max_abs if out is not None and ref_out is not None else float("nan"),
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
         own_rel_err=rel(first, own) if own is not None and dp > 1 and recomputed else None,
+        own_residual=best_factor(first, own)[1] if own is not None and dp > 1 and recomputed else None,
         reference=reference,
         recomputed=recomputed,
         out_numel=out_numel,

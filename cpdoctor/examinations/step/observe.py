@@ -3,7 +3,8 @@ a training step calls are wrapped, and each call becomes a typed event (events.p
 `Recorder`; the originals are back in place when the last watch closes, on every rank, whatever happened.
 
 Wrapped (each call goes on unchanged; the watcher only reads):
-- `torch.Tensor.backward`, `torch.autograd.backward`: the root's autograd graph (loss_graph.py), before it is freed;
+- `torch.Tensor.backward`, `torch.autograd.backward`, `torch.autograd.grad` (when its inputs are the watched model's
+  parameters): the root's autograd graph (loss_graph.py), before it is freed;
 - `GradScaler.scale` / `unscale_` / `step` / `update`: the scale used, inf/NaN found, a skipped optimizer step;
 - the norm clip (the module global of torch.nn.utils.clip_grad that every clip_grad_norm_ scales through, and the
   public clip_grads_with_norm_), `clip_grad_value_`, FSDP1's `clip_grad_norm_`: the pre-clip norm and the
@@ -11,7 +12,10 @@ Wrapped (each call goes on unchanged; the watcher only reads):
 - `torch.distributed` reductions (all_reduce, all_reduce_coalesced, reduce_scatter_tensor, reduce_scatter, reduce):
   op and group, on the watched model's gradients or inside its backward (FSDP2's reduce-scatter);
 - `DistributedDataParallel.forward`: the DDP module around the watched model, its group and comm hook;
-- accelerate's `Accelerator.backward` (when accelerate is imported): its division by the accumulation steps.
+- accelerate's `Accelerator.backward` (when accelerate is imported): its division by the accumulation steps;
+- every optimizer step (torch's global pre-hook): outside a backward, the gradients as it finds them; inside one (an
+  optimizer stepped per parameter from a post-accumulate-grad hook), each stepped parameter's gradient before its
+  step, which neither ends the watched step nor narrows the comparison.
 
 Every observation runs in a function dynamo never traces (`torch.compiler.disable`) and that never raises into the
 step (a failure to read is an `Unobserved` event); the wrappers themselves only forward their arguments, so a
@@ -38,6 +42,7 @@ from cpdoctor.examinations.step.events import (
     EventLog,
     FSDPReduce,
     GradScale,
+    InnerStep,
     Op,
     ScalerScale,
     ScalerStep,
@@ -46,7 +51,7 @@ from cpdoctor.examinations.step.events import (
     Source,
     Unobserved,
 )
-from cpdoctor.examinations.step.grads import Gradients, gather_grads
+from cpdoctor.examinations.step.grads import Gradients, gather_grads, unclipped
 from cpdoctor.examinations.step.loss_graph import SCALAR_OPS, read_root
 from cpdoctor.launch import watcher_comm
 
@@ -88,10 +93,16 @@ class Recorder:
     outputs: dict[int, int] = field(default_factory=dict)
     """id(grad_fn) of each recorded output -> which forward; `_nodes` keeps the nodes alive so ids stay unique."""
     marks: dict[int, Source] = field(default_factory=dict)
-    captured: Gradients | None = None
-    """The gradients as the first clip found them (when `capture` asks for it)."""
-    stepped: Gradients | None = None
+    on_inner_step: Callable[[list[Any]], None] | None = None
+    """Called with the parameters an optimizer is about to step inside backward (the watch keeps their weights)."""
+    coefficients: dict[int, float] = field(default_factory=dict)
+    """Per trainable parameter (its index): the product of the norm clips' coefficients applied to it so far."""
+    captured: tuple[Gradients, dict[int, float]] | None = None
+    """The gradients as the first clip found them (when `capture` asks for it), and the coefficients applied then."""
+    stepped: tuple[Gradients, dict[int, float]] | None = None
     """The gradients as the first optimizer step inside the watch found them (a step that zeroes them after)."""
+    inner: dict[int, Any] = field(default_factory=dict)
+    """Per parameter an optimizer stepped inside backward: its flat gradient before that step, unclipped."""
     _nodes: list = field(default_factory=list)
     _params: dict[int, int] = field(default_factory=dict)
     _grads: dict[int, int] = field(default_factory=dict)
@@ -181,30 +192,52 @@ class Recorder:
         """After an observed event changed the gradients: what they are now (the next `gap` compares with it)."""
         self._probe, self._since = self._sample(), after
 
-    def optimizer_step(self, optimizer: Any) -> None:
-        """An optimizer step begins: the gradients as it finds them, when it updates this model's parameters."""
+    def optimizer_step(self, optimizer: Any, inside: bool | None = None) -> None:
+        """An optimizer step begins: the gradients as it finds them, when it updates this model's parameters. Inside
+        a backward (None: OBSERVING says) it steps some parameters whose gradients are complete: those are kept."""
         params = [p for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())]
         if not self.covers(params):
             return  # another model's optimizer
+        if OBSERVING.depth > 0 if inside is None else inside:
+            self._inner_step(params)
+            return
         self.gap("the optimizer step")
         if self.stepped is None:
-            self.stepped = gather_grads(self.module)
+            self.stepped = (gather_grads(self.module), dict(self.coefficients))
+
+    def _inner_step(self, params: list[Any]) -> None:
+        import torch
+
+        fresh = [(self._params[id(p)], p) for p in params if id(p) in self._params and p.grad is not None]
+        fresh = [(i, p) for i, p in fresh if i not in self.inner]
+        if not fresh:
+            return
+        if self.on_inner_step is not None:
+            self.on_inner_step([p for _, p in fresh])
+        with torch.no_grad():
+            for i, p in fresh:
+                grad = watcher_comm.full_tensor(p.grad.detach()).reshape(-1).to(torch.float32, copy=True)
+                self.inner[i] = grad.div_(self.coefficients.get(i, 1.0))
+        self.log.add(InnerStep(len(fresh)))
 
     def as_compared(self) -> Gradients:
         """The gradients the examination compares: before any clip. Captured at the first clip's entry where the
         watch asked for it (two runs; a clip by value); else as the first optimizer step inside the watch found
-        them, or now, with the norm clips' recorded coefficient divided out."""
-        if self.captured is not None:
-            return self.captured
-        grads = self.stepped if self.stepped is not None else gather_grads(self.module)
-        coefficient = self.log.clip_coefficient
-        if coefficient != 1.0 and coefficient > 0:
-            grads = Gradients(grads.names, grads.flat / coefficient, grads.missing)  # torch multiplied by exactly this
-        return grads
+        them, or now; each parameter's norm clips divided out of it (torch multiplied it by exactly those), and a
+        parameter an optimizer stepped inside backward as that step found it."""
+        grads, clipped = self.captured or self.stepped or (gather_grads(self.module), self.coefficients)
+        return unclipped(grads, clipped, self.inner)
+
+    def clipped(self, params: list[Any], coefficient: float) -> int:
+        """A norm clip multiplied these parameters' gradients by `coefficient`: how many of this model's it clipped."""
+        mine = [self._params[id(p)] for p in params if id(p) in self._params]
+        for i in mine:
+            self.coefficients[i] = self.coefficients.get(i, 1.0) * coefficient
+        return len(mine)
 
     def clip_entry(self, params: list[Any], by_value: bool) -> None:
         if self.captured is None and self.covers(params) and (by_value or self.capture is Capture.EVERY_CLIP):
-            self.captured = gather_grads(self.module)
+            self.captured = (gather_grads(self.module), dict(self.coefficients))
 
     def ddp(self, ddp: Any) -> None:
         """DDP around the model, once per DDP module (under `no_sync` micro-batches, once it syncs)."""
@@ -288,6 +321,8 @@ class Observing:
         optimizer step) would break that step. With no watch open and no listener it does nothing."""
         self.step_listeners: list[Callable[[Any, Any, Any], None]] = []
         """Called at every optimizer step after the open watches took their gradients (preflight's armed watch)."""
+        self.after: list[Callable[[], None]] = []
+        """Called once when the outermost backward running now ends (a step whose optimizer stepped inside it ends there)."""
 
     def enter(self, recorder: Recorder) -> None:
         if not self.recorders:
@@ -313,7 +348,7 @@ class Observing:
         while self.saved:
             owner, name, original = self.saved.pop()
             setattr(owner, name, original)
-        self.depth, self.accelerate, self.clipping = 0, [], 0
+        self.depth, self.accelerate, self.clipping, self.after = 0, [], 0, []
 
     def _install(self) -> None:
         import torch
@@ -321,6 +356,7 @@ class Observing:
 
         self._wrap(torch.Tensor, "backward", self._tensor_backward)
         self._wrap(torch.autograd, "backward", self._autograd_backward)
+        self._wrap(torch.autograd, "grad", self._autograd_grad)
         for cls in training.scaler_classes():
             self._wrap(cls, "scale", self._then(self._note_scale))
             self._wrap(cls, "unscale_", self._then(self._note_unscale, around="GradScaler.unscale_"))
@@ -377,6 +413,18 @@ class Observing:
 
         return backward
 
+    def _autograd_grad(self, original: Callable) -> Callable:
+        note = _disabled(self._note_backward)
+
+        def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            gradients = args[0] if args else kwargs.get("grad_outputs")
+            if not isinstance(inputs, (tuple, list, dict)) and not hasattr(inputs, "grad_fn"):
+                inputs = tuple(inputs)  # a generator (model.parameters()) is read once: both get the tuple
+            note(outputs, gradients, inputs)
+            return self._inside(original, outputs, inputs, *args, **kwargs)
+
+        return grad
+
     def _inside(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         outermost = self.depth == 0
         self.depth += 1
@@ -386,6 +434,16 @@ class Observing:
             self.depth -= 1
             if outermost:
                 self.settle("the backward")
+                after, self.after = self.after, []
+                for fn in after:
+                    fn()
+
+    def after_backward(self, fn: Callable[[], None]) -> None:
+        """Call `fn` when the outermost backward running now ends (at once when none runs)."""
+        if self.depth:
+            self.after.append(fn)
+        else:
+            fn()
 
     def gap(self, now: str, tensors: list[Any] | None = None) -> None:
         """Before an observed event changes the gradients of the recorders it concerns (`tensors`: those whose
@@ -402,18 +460,26 @@ class Observing:
 
         self._each("the gradients between events", act)
 
-    def _note_backward(self, tensors: Any, gradients: Any) -> None:
+    def _note_backward(self, tensors: Any, gradients: Any, inputs: Any = None) -> None:
+        """A backward root (or `torch.autograd.grad`'s outputs: a root of the recorders whose parameters are among
+        its `inputs`)."""
         import torch
 
         if self.depth or not self.recorders:  # a backward inside a backward (reentrant checkpointing) is not a root
             return
+        wanted = None if inputs is None else _listed(inputs.values() if isinstance(inputs, dict) else inputs)
         self._probe("gap", "the next backward", None)
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         grads = gradients if isinstance(gradients, (list, tuple)) else [gradients] * len(roots)
         frame = self.accelerate[-1] if self.accelerate else None
+
+        def act(r: Recorder, root: Any, g: Any) -> None:
+            if wanted is None or r.covers(wanted):
+                r.backward(root, g, frame)
+
         for root, gradient in zip(roots, grads):
             if isinstance(root, torch.Tensor):
-                self._each("the loss's autograd graph", lambda r, root=root, g=gradient: r.backward(root, g, frame))
+                self._each("the loss's autograd graph", lambda r, root=root, g=gradient: act(r, root, g))
 
     def _then(self, note: Callable, around: str = "") -> Callable[[Callable], Callable]:
         """A wrapper maker: call the original, then `note(result, *args)` (run eagerly, never raising); with
@@ -535,8 +601,12 @@ class Observing:
             return
         total = float(watcher_comm.full_tensor(total_norm)) if hasattr(total_norm, "detach") else float(total_norm)
         coefficient = min(1.0, float(max_norm) / (total + 1e-6))
-        event = ClipNorm(float(max_norm), total, coefficient)
-        self._each("the clip", lambda r: r.log.add(event) if r.covers(params) else None)
+
+        def act(r: Recorder) -> None:
+            if r.covers(params):
+                r.log.add(ClipNorm(float(max_norm), total, coefficient, params=r.clipped(params, coefficient)))
+
+        self._each("the clip", act)
 
     def _note_clip_value(self, params: list[Any], clip_value: Any) -> None:
         if self.recorders:
@@ -606,7 +676,8 @@ class Observing:
             listener(optimizer, args, kwargs)
 
     def _note_optimizer_step(self, optimizer: Any) -> None:
-        self._each("the gradients at the optimizer step", lambda r: r.optimizer_step(optimizer))
+        inside = self.depth > 0
+        self._each("the gradients at the optimizer step", lambda r: r.optimizer_step(optimizer, inside))
 
     def _ddp_forward(self, original: Callable) -> Callable:
         note = _disabled(self._note_ddp)
@@ -641,7 +712,8 @@ class Observing:
 
 
 def _listed(parameters: Any) -> list[Any]:
-    """The parameters a clip was given, as a list (a generator is consumed once: the original gets the list)."""
+    """The parameters a clip (or a backward's inputs) were given, as a list (a generator is consumed once: the
+    original gets the list)."""
     import torch
 
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -11,7 +11,7 @@ from typing import Any
 from cpdoctor.errors import BadInput
 from cpdoctor.launch.jobs import Case, CaseNumbers, RankResult
 from cpdoctor.report import Report
-from cpdoctor.report.environment import Environment
+from cpdoctor.report.environment import Environment, Launch
 
 
 @dataclass
@@ -55,8 +55,9 @@ def watcher_for(req: Any, result: StepRankResult) -> Any:
     def watch(model: Any, **options: Any) -> StepWatch:
         options.setdefault("reference", req.reference)
         options.setdefault("target", req.target)  # a refusal of one run names the two-run command for it
-        for name in ("ring", "ulysses", "dp"):  # the degrees the function was handed (a model whose CP is not diffusers')
-            options.setdefault(name, getattr(req, name))
+        # the degrees the function was handed (a model whose CP is not diffusers')
+        for name, value in (("ring", req.ring), ("ulysses", req.ulysses), ("dp", req.dp)):
+            options.setdefault(name, value)
         baseline = RecordedRun(req.workdir) if role is Role.WITH_CP else OneProcessReference(options["reference"])
         return StepWatch(model, baseline=baseline, on_report=result.reports.append, **options)
 
@@ -80,5 +81,5 @@ def run_rank(case: Case, ctx: Any) -> StepRankResult:
 def evaluate(case: Case, results: list[RankResult], ctx: Any) -> StepCaseNumbers:
     first = results[0]
     assert isinstance(first, StepRankResult)
-    env = first.reports[-1].environment if first.reports else Environment(world_size=ctx.world_size)
+    env = first.reports[-1].environment if first.reports else Environment(launch=Launch(world_size=ctx.world_size))
     return StepCaseNumbers(first.reports, env)

@@ -162,6 +162,12 @@ class Hooks:
         self._handles.append(self.module.register_forward_hook(torch.compiler.disable(self._post)))
         return self
 
+    def seen(self, args: tuple, kwargs: dict, result: Any) -> None:
+        """One call of the model seen whole after it ran (`cpdoctor step -- cmd` records through torch's global
+        forward hook, which is the only one that receives keyword arguments): as the two hooks record it."""
+        self._pre(self.module, args, kwargs)
+        self._post(self.module, args, result)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

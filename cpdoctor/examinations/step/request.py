@@ -9,6 +9,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from cpdoctor.errors import BadInput
+from cpdoctor.examinations.request import NotEmulated, Unpatched
+from cpdoctor.report.environment import Environment, Launch
 from cpdoctor.vocabulary import Device, DType, Kind, parse
 
 CONTRACT = (
@@ -31,7 +33,7 @@ class Role(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class StepRequest:
+class StepRequest(Unpatched, NotEmulated):
     """`cpdoctor step`'s request: the user's step function, where its ranks run and their layout."""
 
     kind = Kind.STEP  # the examination this request is for (registry.of)
@@ -72,6 +74,9 @@ class StepRequest:
     @property
     def cp(self) -> int:
         return (self.ring or 1) * (self.ulysses or 1)
+
+    def asked(self) -> Environment:
+        return Environment(launch=Launch(ring=self.ring, ulysses=self.ulysses))
 
     @classmethod
     def from_dict(cls, fields: dict) -> StepRequest:

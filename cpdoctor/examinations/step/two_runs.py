@@ -83,16 +83,25 @@ class RecordingWatch:
 
     def __enter__(self) -> RecordingWatch:
         from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder
-        from cpdoctor.examinations.step.record import Hooks, weights_digest
+        from cpdoctor.examinations.step.record import Hooks
+
+        recorder = Recorder(self.module, Capture.EVERY_CLIP)
+        self.adopt(recorder, Hooks(self.module, keep_full=True, snapshot_weights=dict, recorder=recorder))
+        self._hooks.install()
+        OBSERVING.enter(recorder)
+        return self
+
+    def adopt(self, recorder: Any, hooks: Any) -> RecordingWatch:
+        """Enter on a step already recorded by `recorder` and `hooks` (`cpdoctor step -- cmd`, at the first optimizer
+        step, before the weights move); `__exit__` saves it as any watch."""
+        from cpdoctor.examinations.step.record import weights_digest
         from cpdoctor.examinations.step.reference import canonical
         from cpdoctor.examinations.step.watch import WATCHED
         from cpdoctor.launch import watcher_comm
 
         self.seq = WATCHED.next()
         self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
-        self._recorder = Recorder(self.module, Capture.EVERY_CLIP)
-        self._hooks = Hooks(self.module, keep_full=True, snapshot_weights=dict, recorder=self._recorder).install()
-        OBSERVING.enter(self._recorder)
+        self._recorder, self._hooks = recorder, hooks
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:

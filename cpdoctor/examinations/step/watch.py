@@ -163,15 +163,28 @@ class StepWatch:
         self._recorder: Recorder | None = None
 
     # -- entry ----------------------------------------------------------------------------------------------
-    def __enter__(self) -> StepWatch:
+    def _begin(self) -> None:
+        """The group, the clock, the RNG states and the weights the step starts from."""
         self.group = step_group(self.module, self.step, self.timeout_s, self.given, one_run=self.baseline.needs_inputs)
         self._t0 = time.perf_counter()
         self.rng_before = rng_digest()
         self.weights = None
         if self.baseline.needs_weights_digest:  # two runs: did both start from the same weights?
             self.weights = weights_digest(self.module, canonical, watcher_comm.full_tensor)
+
+    def adopt(self, recorder: Recorder, hooks: Hooks, rng_before: str, started: float) -> StepWatch:
+        """Enter the watch on a step already recorded by `recorder` and `hooks` (entered in OBSERVING by whoever made
+        them), as `cpdoctor step -- cmd` does at the first optimizer step: the weights have not moved yet, so the
+        group and the weights are read now; `__exit__` closes it as any watch."""
+        self._begin()
+        self.rng_before, self._t0 = rng_before, started
+        self._recorder, self._hooks = recorder, hooks
+        return self
+
+    def __enter__(self) -> StepWatch:
+        self._begin()
         keep = (self.group.leader and self.baseline.needs_inputs) or self.baseline.judges_inputs
-        self._recorder = Recorder(self.module, self.capture, on_skip=self._skipped)
+        self._recorder = Recorder(self.module, self.capture, on_skip=self._skipped, on_inner_step=self._keep_weights)
         self._hooks = Hooks(self.module, keep_full=keep, snapshot_weights=self._weights, recorder=self._recorder)
         OBSERVING.enter(self._recorder)
         try:
@@ -194,6 +207,17 @@ class StepWatch:
                 # a plain weight does not change before the block's exit and the reference only reads it: not copied
                 out[canonical(name)] = full.clone() if swapped or hasattr(p, "full_tensor") else full
         return out
+
+    def _keep_weights(self, params: list[Any]) -> None:
+        """An optimizer is about to step these parameters inside backward: the reference keeps the weights the
+        forward used (the snapshot holds plain weights by reference)."""
+        hooks = self._hooks
+        if hooks is None or hooks.weights is None:
+            return
+        ids = {id(p) for p in params}
+        for name, p in self.module.named_parameters():
+            if id(p) in ids and canonical(name) in hooks.weights:
+                hooks.weights[canonical(name)] = watcher_comm.full_tensor(p.detach()).clone()
 
     def _skipped(self) -> None:
         if self.on_skip is not None:

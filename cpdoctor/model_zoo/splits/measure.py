@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from cpdoctor.attempt import Attempt
 from cpdoctor.compat.diffusers import cp_plan, quiet
 from cpdoctor.errors import CannotExamine, first_line
 from cpdoctor.model_zoo.catalog import build_model
@@ -121,12 +122,11 @@ class SplitRecorder:
         self.handles: list[Any] = []
         display = display_modules(plan)
         for module_id, spec in plan.items():
-            try:
-                modules = find_modules(model, module_id)
-            except LookupError as exc:
-                self.skipped[module_id or "<model>"] = f"module not found ({exc})"
+            found = Attempt.of(lambda m=module_id: find_modules(model, m), catching=(LookupError,))
+            if found.value is None:
+                self.skipped[module_id or "<model>"] = f"module not found ({found.error})"
                 continue
-            for mod in modules:
+            for mod in found.value:
                 self._attach(mod, display[module_id], spec)
 
     def _note(self, key: Key, tensor: Any, spec: Any) -> None:
@@ -211,8 +211,10 @@ class SplitRecorder:
 
 
 @contextlib.contextmanager
-def attention_spy() -> Iterator[set[tuple[int, int]]]:
-    """Records (query heads, key heads) of every scaled_dot_product_attention call (layout B, H, S, D)."""
+def attention_spy(dims: set[tuple[int, int]] | None = None) -> Iterator[set[tuple[int, int]]]:
+    """Records (query heads, key heads) of every scaled_dot_product_attention call (layout B, H, S, D), and into
+    `dims`, when given, (query/key head dim, value head dim): a rope table broadcast over a too small head dim
+    widens the queries and keys but not the values (a tiny config's trial refuses that)."""
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -225,8 +227,11 @@ def attention_spy() -> Iterator[set[tuple[int, int]]]:
             if func is sdpa:
                 q = args[0] if args else kwargs.get("query")
                 k = args[1] if len(args) > 1 else kwargs.get("key")
+                v = args[2] if len(args) > 2 else kwargs.get("value")
                 if q is not None and k is not None and q.dim() >= 3:
                     heads.add((int(q.shape[-3]), int(k.shape[-3])))
+                    if dims is not None and v is not None:
+                        dims.add((int(max(q.shape[-1], k.shape[-1])), int(v.shape[-1])))
             return func(*args, **kwargs)
 
     with _Spy():

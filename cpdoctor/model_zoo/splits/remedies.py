@@ -271,6 +271,12 @@ class Search:
     def failing(self) -> set[Key]:
         return {k for k, seen in self.base.lengths.items() if any(length % self.world for length in seen)}
 
+    def kept(self, keys: set[Key]) -> set[Key]:
+        """`keys` and every tensor that divides at the requested settings: a way out must not break one that was
+        fine (Helios's self-attention, history latents included, and its cross-attention move apart with the
+        resolution)."""
+        return keys | (set(self.base.lengths) - self.failing())
+
 
 def dependencies(s: Search) -> dict[Key, list[str]]:
     """What each tensor's length depends on: perturb one knob at a time and see which lengths move."""
@@ -298,7 +304,7 @@ def resolution_remedies(s: Search, keys: set[Key]) -> list[Remedy]:
         if len(found) >= RESOLUTION_OPTIONS or runs >= MAX_RESOLUTION_RUNS:
             break
         m = try_measure(s.meas, h, w, s.base.text_len, s.base.frames)
-        if m is not None and m.all_divide(s.world, keys):
+        if m is not None and m.all_divide(s.world, s.kept(keys)):
             values = {"height": h, "width": w, "lengths": _lengths_of(m, keys)}
             found.append(Remedy(kind=RemedyKind.RESOLUTION, text=f"{h}x{w}: {fmt_lengths(m, keys, s.world)}", measured=True, values=values))
     return found or [
@@ -312,7 +318,7 @@ def frame_remedies(s: Search, keys: set[Key]) -> list[Remedy]:
         if len(found) >= FRAME_OPTIONS:
             break
         m = try_measure(s.meas, s.base.height, s.base.width, s.base.text_len, f)
-        if m is not None and m.all_divide(s.world, keys):
+        if m is not None and m.all_divide(s.world, s.kept(keys)):
             values = {"frames": f, "lengths": _lengths_of(m, keys)}
             found.append(Remedy(kind=RemedyKind.FRAMES, text=f"{f} frames: {fmt_lengths(m, keys, s.world)}", measured=True, values=values))
     return found
@@ -325,7 +331,7 @@ def text_remedies(s: Search, keys: set[Key]) -> list[Remedy]:
         m = try_measure(s.meas, b.height, b.width, t, b.frames, text_mask=s.mask_param is not None)
         if m is None:
             continue
-        split = keys | {k for k in m.lengths if k not in b.lengths}  # e.g. the mask, split once it is passed
+        split = s.kept(keys) | {k for k in m.lengths if k not in b.lengths}  # e.g. the mask, split once it is passed
         if m.all_divide(s.world, split):
             text = f"{padding_advice(b.text_len, t, s.mask_param, s.ring)}: {fmt_lengths(m, split, s.world)}"
             values = {"text_len": t, "pad": t - b.text_len, "mask": s.mask_param}

@@ -21,15 +21,15 @@ from typing import Optional
 
 import torch
 
-from cpdoctor.cpu_kernels import standins as _s
+from cpdoctor.cpu_kernels import standin_checks, standin_math, standins
 
 
 def _round_multiple(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-_require_emulation = _s.flash_attn_require_emulation
-_unsupported = _s.flash_attn_unsupported
+_require_emulation = standins.flash_attn_require_emulation
+_unsupported = standin_checks.flash_attn_unsupported
 
 
 def _flash_attn_forward(
@@ -46,18 +46,15 @@ def _flash_attn_forward(
     return_softmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _require_emulation(q)
-    _s.flash_checks(q, k, v)
+    standin_checks.flash_checks(q, k, v)
     _unsupported(window_size_left, window_size_right, softcap, alibi_slopes, causal)
     if return_softmax and not dropout_p > 0.0:
         raise RuntimeError("return_softmax is only supported when p_dropout > 0.0")
     batch, sq, heads, _ = q.shape
     sk = k.shape[1]
-    seed, offset, keep = 0, 0, None
-    if dropout_p > 0.0:
-        seed, offset = _s.philox_draw(batch * heads * 32)
-        keep = _s._dropout_mask(seed, offset, (batch, heads, sq, sk), dropout_p)
+    seed, offset, keep = standin_math.dropout_draw(batch * heads * 32, (batch, heads, sq, sk), dropout_p)
     with torch.no_grad():
-        out, lse = _s.attention_forward(
+        out, lse = standin_math.attention_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, softmax_scale, keep, 1.0 - dropout_p, bottom_right=True
         )
     out = out.transpose(1, 2).to(q.dtype).contiguous()
@@ -75,9 +72,12 @@ def _softmax_with_dropout_signs(q, k, lse, scale, causal, keep) -> torch.Tensor:
     batch, sq, heads, _ = q.shape
     sk = k.shape[1]
     with torch.no_grad():
-        s = torch.matmul(q.transpose(1, 2).float(), _s._expand_kv(q.transpose(1, 2), k.transpose(1, 2)).float().transpose(-1, -2)) * scale
+        s = (
+            torch.matmul(q.transpose(1, 2).float(), standin_math.expand_kv(q.transpose(1, 2), k.transpose(1, 2)).float().transpose(-1, -2))
+            * scale
+        )
         if causal:
-            s = s + _s._causal_bias(sq, sk, bottom_right=True)
+            s = s + standin_math.causal_bias(sq, sk, bottom_right=True)
         p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
         if keep is not None:
             p = torch.where(keep, p, -p)
@@ -107,21 +107,21 @@ def _flash_attn_backward(
     rng_state: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     _require_emulation(q)
-    _s.flash_checks(q, k, v, backward=True)
+    standin_checks.flash_checks(q, k, v, backward=True)
     _unsupported(window_size_left, window_size_right, softcap, alibi_slopes, causal)
     batch, sq, heads, _ = q.shape
     if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise RuntimeError(f"dout and out must have shape (batch_size, seqlen_q, num_heads, head_size) = {tuple(q.shape)}")
-    lse = _s._lse_as_kernel_reads_it(softmax_lse, (batch, heads, sq), "flash-attn backward")
+    lse = standin_math.lse_as_kernel_reads_it(softmax_lse, (batch, heads, sq), "flash-attn backward")
     keep = None
     if dropout_p > 0.0:
         if rng_state is None:
             raise RuntimeError("flash-attn backward with dropout needs the forward's rng_state")
         seed, offset = (int(x) for x in rng_state.tolist()[:2])
-        keep = _s._dropout_mask(seed, offset, (batch, heads, sq, k.shape[1]), dropout_p)
+        keep = standin_math.dropout_mask(seed, offset, (batch, heads, sq, k.shape[1]), dropout_p)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     with torch.no_grad():
-        gq, gk, gv = _s.attention_backward(
+        gq, gk, gv = standin_math.attention_backward(
             t(dout), t(q), t(k), t(v), t(out), lse, None, causal, softmax_scale, keep, 1.0 - dropout_p, bottom_right=True
         )
         for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
