@@ -22,7 +22,9 @@ Faults to plant (`--fault`), each a real mistake of CP training scripts:
 - `loss-times-cp`: the loss multiplied by the CP degree with nothing that undoes it (gradients cp times too large);
 - `no-cp-sum`: the CP group's sum of the parameter gradients left out (each CP rank keeps its own tokens' part).
 And for the examination's own failure paths: `--crash-rank R` (rank R raises once its process group is up),
-`--hang-rank R` (rank R sleeps before its first forward), `--no-step` (the job ends before any optimizer step)."""
+`--hang-rank R` (rank R sleeps before its first forward), `--no-step` (the job ends before any optimizer step).
+`--preflight` calls `cpdoctor.preflight(model=transformer)` after `enable_parallelism` (the one-run guard of a
+running job: tests/integration/test_preflight.py runs it at dp 2 × ring 2)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-rank", type=int, default=None)
     p.add_argument("--hang-rank", type=int, default=None)
     p.add_argument("--no-step", action="store_true", help="stop before the first optimizer step")
+    p.add_argument("--preflight", action="store_true", help="call cpdoctor.preflight(model=...) before training (one run's guard)")
     args = p.parse_args(argv)
     if args.cp is not None:
         args.ring = args.cp
@@ -249,6 +252,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.crash_rank == layout.rank:
         raise RuntimeError(f"planted crash on rank {layout.rank}")
     transformer = build_transformer(args, layout)
+    if args.preflight and layout.cp > 1:  # the one-run guard: the attention now, the first step when it runs
+        import cpdoctor
+
+        report = cpdoctor.preflight(model=transformer)
+        if layout.rank == 0:
+            print(f"preflight: attention {report.verdict}", flush=True)
     model = transformer
     if args.ddp and layout.dp > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP

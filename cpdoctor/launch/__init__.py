@@ -35,13 +35,16 @@ __all__ = [
 
 
 def run(job: Job, world_size: int, on_tick: Callable[[], None] | None = None) -> LaunchResult:
-    """Join torchrun's world when there is one, else spawn the ranks."""
+    """Join torchrun's world when there is one, else spawn the ranks. A torchrun world of k × `world_size`
+    processes (a dp × cp training job calling `preflight`) examines its k CP groups at once, rank 0's result
+    every rank's; a world that is no multiple is bad input."""
     if under_torchrun():
-        if torchrun_world_size() != world_size:
-            raise BadInput(f"torchrun started {torchrun_world_size()} processes but ring × ulysses = {world_size}")
+        world = torchrun_world_size()
+        if world % world_size:
+            raise BadInput(f"torchrun started {world} processes but ring × ulysses = {world_size}, which does not divide it")
         from cpdoctor.launch.torchrun import run_in_this_process
 
-        return run_in_this_process(job)
+        return run_in_this_process(job, group_size=world_size)
     from cpdoctor.launch.spawn import run_spawned
 
     return run_spawned(job, world_size, on_tick)

@@ -49,11 +49,23 @@ class DistContext:
     _meshes: dict = field(default_factory=dict)
     owns_group: bool = True
     _kept: dict[int, Any] = field(default_factory=dict)
+    replicas: int = 1
+    """How many CP groups of `world_size` ranks the job's world holds (a dp × cp training job under torchrun): each
+    examines at once; `rank` and `world_size` are this rank's within its own group."""
+    _leader: int = 0
+    """The global rank of this group's rank 0 (where its payloads are gathered)."""
+    _group: Any = None
+    """This CP group's process group for sums (None: the default group, one replica)."""
+    _world_report: Any = None
+    """A gloo group of the whole world, for rank 0's decision on every rank (None: the report group is the world)."""
 
     @classmethod
-    def join(cls, timeout_s: float, device_pref: str = "auto") -> DistContext:
+    def join(cls, timeout_s: float, device_pref: str = "auto", group_size: int | None = None) -> DistContext:
         """Join (or create) the default process group. NCCL when every local rank has a GPU of its own,
-        gloo otherwise, so a one-GPU workstation can still examine CUDA kernels with ranks sharing it."""
+        gloo otherwise, so a one-GPU workstation can still examine CUDA kernels with ranks sharing it.
+        `group_size` smaller than the world: the world is split into consecutive groups of that size (the CP
+        groups of a dp × cp job, dp outermost, as diffusers' and torch's meshes lay them out), each a replica of
+        the examination."""
         import torch
         import torch.distributed as dist
 
@@ -79,8 +91,18 @@ class DistContext:
             pg_backend = dist.get_backend()
         # A group of its own for reports: a rank that failed early gathers there while its peers may still be
         # inside a collective of the examination on the default group, and the two must never pair up.
-        report_group = dist.new_group(backend="gloo", timeout=timeout * 2)
-        return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group)
+        size = world_size if group_size is None else group_size
+        if size == world_size:
+            report_group = dist.new_group(backend="gloo", timeout=timeout * 2)
+            return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group)
+        world_report = dist.new_group(backend="gloo", timeout=timeout * 2)
+        mine = rank // size
+        groups = [(dist.new_group(list(range(r * size, (r + 1) * size)), timeout=timeout),
+                   dist.new_group(list(range(r * size, (r + 1) * size)), backend="gloo", timeout=timeout * 2))
+                  for r in range(world_size // size)]  # fmt: skip  # every rank creates every group, in one order
+        group, report_group = groups[mine]
+        return cls(rank % size, size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group,
+                   replicas=world_size // size, _leader=mine * size, _group=group, _world_report=world_report)  # fmt: skip
 
     def cp_mesh(self, ring: int, ulysses: int) -> Any:
         """The (ring, ulysses) device mesh diffusers' ParallelConfig.setup expects."""
@@ -89,7 +111,12 @@ class DistContext:
         if ring * ulysses != self.world_size:
             raise BadInput(f"ring {ring} × ulysses {ulysses} = {ring * ulysses} but the world has {self.world_size} ranks")
         if (ring, ulysses) not in self._meshes:
-            self._meshes[ring, ulysses] = init_device_mesh(self.device.type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+            if self.replicas == 1:
+                mesh = init_device_mesh(self.device.type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+            else:  # this rank's CP group of the world's (replica, ring, ulysses) mesh
+                whole = init_device_mesh(self.device.type, (self.replicas, ring, ulysses), mesh_dim_names=("replica", "ring", "ulysses"))
+                mesh = whole["ring", "ulysses"]
+            self._meshes[ring, ulysses] = mesh
         return self._meshes[ring, ulysses]
 
     def gather_to_root(self, obj: Any) -> list[Any] | None:
@@ -97,7 +124,7 @@ class DistContext:
         import torch.distributed as dist
 
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self._report_group)
+        dist.gather_object(obj, out, dst=self._leader, group=self._report_group)
         return out
 
     def all_sum_cpu(self, tensor: Any) -> Any:
@@ -105,7 +132,7 @@ class DistContext:
         import torch.distributed as dist
 
         t = tensor.to(self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self._group)
         return t.cpu()
 
     def keep(self, obj: Any) -> LocalRef:
@@ -125,7 +152,18 @@ class DistContext:
         import torch.distributed as dist
 
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self._report_group)
+        dist.broadcast_object_list(box, src=self._leader, group=self._report_group)
+        return box[0]
+
+    def broadcast_to_world(self, obj: Any) -> Any:
+        """Global rank 0's `obj` on every rank of the world: with replicas, the first CP group's result is every
+        group's, so that every rank of the job takes one decision."""
+        import torch.distributed as dist
+
+        if self.replicas == 1:
+            return self.broadcast_from_root(obj)
+        box = [obj if self.rank == 0 and self._leader == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._world_report)
         return box[0]
 
     def close(self, sync: bool = True) -> None:
@@ -139,10 +177,12 @@ class DistContext:
         if sync:
             # broad: a peer that already died makes gloo raise anything; teardown goes on regardless
             with contextlib.suppress(Exception):
-                dist.barrier(group=self._report_group)
+                dist.barrier(group=self._world_report or self._report_group)
         # broad: a group already broken by a lost peer may raise anything on destroy; the process is ending
         with contextlib.suppress(Exception):
             if self.owns_group:
                 dist.destroy_process_group()
-            elif self._report_group is not None:
-                dist.destroy_process_group(self._report_group)
+            else:
+                for group in (self._report_group, self._group, self._world_report):
+                    if group is not None:
+                        dist.destroy_process_group(group)

@@ -88,7 +88,7 @@ def leave_together(code: int) -> None:
     sys.stderr.flush()
     deadline = time.time() + EXIT_DELAY_S
     with contextlib.suppress(Exception):  # one moment for all: rank 0's clock (one node shares it)
-        deadline = held.broadcast_from_root(deadline)
+        deadline = held.broadcast_to_world(deadline)
     time.sleep(max(0.0, min(EXIT_DELAY_S * 4, deadline - time.time())))
     os._exit(code)
 
@@ -97,17 +97,19 @@ def _lost_peer(outcomes: list[CaseOutcome]) -> bool:
     return any(f.kind is FailureKind.HANG for o in outcomes for f in o.failures)
 
 
-def run_in_this_process(job: Job) -> LaunchResult:
-    """Run the job as this rank. Cases after a failed one that every rank reported still run; a case whose
-    collective timed out ends the job (nobody can relaunch under torchrun), and the rest are left out."""
+def run_in_this_process(job: Job, group_size: int | None = None) -> LaunchResult:
+    """Run the job as this rank (of its CP group of `group_size` ranks, where the world holds several: each group
+    examines at once and the first group's outcomes are every rank's). Cases after a failed one that every rank
+    reported still run; a case whose collective timed out ends the job (nobody can relaunch under torchrun), and
+    the rest are left out."""
     start = time.monotonic()
-    ctx = DistContext.join(job.timeout_s, job.device)
+    ctx = DistContext.join(job.timeout_s, job.device, group_size)
     peer_lost = False
     try:
         outcomes = execute_job(job, ctx, StepLog(None))
         peer_lost = ctx.rank == 0 and _lost_peer(outcomes or [])
         if not peer_lost:  # a lost peer would never join the broadcast
-            shared = Attempt.of(lambda: ctx.broadcast_from_root(outcomes))  # rank 0 saw a lost peer and did not share
+            shared = Attempt.of(lambda: ctx.broadcast_to_world(outcomes))  # rank 0 saw a lost peer and did not share
             if shared.error is not None:
                 failure = RankFailure(0, FailureKind.HANG, f"rank 0 did not share the result ({type(shared.error).__name__})")
                 peer_lost = True

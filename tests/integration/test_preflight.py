@@ -54,3 +54,17 @@ def test_preflight_refuses_what_the_fix_cannot_repair():
     from cpdoctor.fix import patch
 
     assert not patch.is_patched()  # a refused pre-flight leaves this process as it found it
+
+
+def test_preflight_in_a_dp_times_cp_job_does_not_stop_a_healthy_step():
+    # dp 2 × ring 2 under torchrun: the attention examined in both CP groups at once, the first step watched; a
+    # correct LoRA step (examples/train_flux_lora_cp.py) trains its three steps on every release: on 0.39.0 the
+    # ring is wrong and the fix is patched in, never a stop
+    example = os.path.join(os.path.dirname(EXAMPLE), "train_flux_lora_cp.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port()),
+           example, "--ring", "2", "--preflight"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr[-4000:]
+    assert proc.returncode == 0, out
+    assert "preflight: attention PASS" in proc.stdout, out
+    assert "PreflightFailed" not in out and "step 2: loss" in proc.stdout, out
