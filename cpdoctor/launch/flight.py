@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.launch.progress import ACTIVE, Collectives
+from cpdoctor.patching import Patches
 
 FUNCTIONAL = {
     "all_gather_single": "all_gather",
@@ -114,7 +115,7 @@ class FlightRecorder:
     on its behalf), so `depth` need not be per thread."""
 
     def __init__(self) -> None:
-        self.installed: dict[tuple[Any, str], tuple[Any, Any]] = {}  # (owner, name) -> (original, our wrapper)
+        self.patches = Patches()  # the collectives wrapped (patching.py, the mechanism the step watcher shares)
         self.entered = 0
         self.depth = 0
         self.pending: dict[tuple[str, int], _Pending] = {}
@@ -122,7 +123,7 @@ class FlightRecorder:
 
     @property
     def armed(self) -> bool:
-        return bool(self.installed)
+        return bool(self.patches)
 
     def arm(self) -> None:
         """Wrap the collectives and their waits (armed twice is a no-op) and start the count at zero."""
@@ -141,17 +142,13 @@ class FlightRecorder:
         self._reset()
 
     def _install(self, owner: Any, name: str, original: Any, wrapper: Any) -> None:
-        self.installed[owner, name] = (original, wrapper)
-        setattr(owner, name, wrapper)
+        self.patches.install(owner, name, original, wrapper)
 
     def disarm(self) -> None:
         """Restore every original and empty the record (the flight file says no collective again). A function
         wrapped again over ours meanwhile (the step watcher's reductions, left open) keeps that wrapper, whose
         inner call of ours now passes straight through."""
-        for (owner, name), (original, wrapper) in self.installed.items():
-            if getattr(owner, name, None) is wrapper:
-                setattr(owner, name, original)
-        self.installed.clear()
+        self.patches.restore()
         self.stall_first = False
         self._reset()
 

@@ -248,18 +248,18 @@ def test_the_observed_entry_points_wrapped_and_restored_twice():
     originals = (torch.Tensor.backward, torch.autograd.backward, torch.nn.utils.clip_grad_value_)
     model = torch.nn.Linear(2, 2)
     for _ in range(2):
-        assert not OBSERVING.recorders and not OBSERVING.saved
+        assert not OBSERVING.recorders and not OBSERVING.patches
         first, second = Recorder(model), Recorder(model)
         OBSERVING.enter(first)
         wrapped = torch.Tensor.backward
-        assert wrapped is not originals[0] and OBSERVING.saved
+        assert wrapped is not originals[0] and OBSERVING.patches
         OBSERVING.enter(second)
         assert torch.Tensor.backward is wrapped  # one set of wrappers for every open watch
         OBSERVING.leave(first)
         assert torch.Tensor.backward is wrapped and OBSERVING.recorders == [second]
         OBSERVING.leave(second)
         assert (torch.Tensor.backward, torch.autograd.backward, torch.nn.utils.clip_grad_value_) == originals
-        assert not OBSERVING.saved and OBSERVING.depth == 0
+        assert not OBSERVING.patches and OBSERVING.depth == 0
 
 
 def test_a_memo_computes_once_per_key_until_cleared():

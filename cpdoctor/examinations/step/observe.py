@@ -54,6 +54,7 @@ from cpdoctor.examinations.step.events import (
 from cpdoctor.examinations.step.grads import Gradients, gather_grads, unclipped
 from cpdoctor.examinations.step.loss_graph import SCALAR_OPS, read_root
 from cpdoctor.launch import watcher_comm
+from cpdoctor.patching import Patches
 
 
 class Capture(enum.Enum):
@@ -309,7 +310,8 @@ class Observing:
 
     def __init__(self) -> None:
         self.recorders: list[Recorder] = []
-        self.saved: list[tuple[Any, str, Any]] = []
+        self.patches = Patches()
+        """The entry points wrapped while a watch is open (patching.py, the mechanism launch/flight.py shares)."""
         self.depth = 0
         """How deep inside a backward this thread is (a backward inside a backward is not a root)."""
         self.accelerate: list[int] = []
@@ -337,17 +339,10 @@ class Observing:
 
     # -- the wrapped entry points ----------------------------------------------------------------------------
     def _wrap(self, owner: Any, name: str, make: Callable[[Any], Callable]) -> None:
-        original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-        if original is None:
-            return
-        wrapper = functools.wraps(original)(make(original))
-        self.saved.append((owner, name, original))
-        setattr(owner, name, wrapper)
+        self.patches.wrap(owner, name, make)
 
     def _restore(self) -> None:
-        while self.saved:
-            owner, name, original = self.saved.pop()
-            setattr(owner, name, original)
+        self.patches.restore()
         self.depth, self.accelerate, self.clipping, self.after = 0, [], 0, []
 
     def _install(self) -> None:
