@@ -80,8 +80,8 @@ def run(mode: str, run_dir: str) -> dict[str, float]:
 
 
 def arm_folder() -> str:
-    from cpdoctor.examinations.step.capture import ArmSpec
-    from cpdoctor.examinations.step.request import Role
+    from cpdoctor.examinations.step.runs.capture import ArmSpec
+    from cpdoctor.examinations.step.runs.request import Role
 
     folder = tempfile.mkdtemp(prefix="cpdoctor-arming-")
     ArmSpec(Role.WITHOUT_CP, os.path.join(folder, "saved"), 1, 1, 1, 300.0).write(folder)

@@ -111,7 +111,7 @@ def main() -> None:
     import torch
     import torchtitan
 
-    from cpdoctor.examinations.step.full_grads import compare
+    from cpdoctor.examinations.step.watcher.full_grads import compare
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="*", default=[r.name for r in ROWS])

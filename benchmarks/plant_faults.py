@@ -81,7 +81,7 @@ PLANTS = (
         "tests/integration/test_step_compile.py",
         "inductor compiles in each rank's process, the watched compile hitting the plain one's FX graph cache",
         "the watcher's forward hooks are traced by dynamo (issue 29's setStorage failure under aot_eager)",
-        "cpdoctor/examinations/step/record.py",
+        "cpdoctor/examinations/step/watcher/record.py",
         "register_forward_pre_hook(torch.compiler.disable(self._pre), with_kwargs=True))\n"
         "        self._handles.append(self.module.register_forward_hook(torch.compiler.disable(self._post)))",
         "register_forward_pre_hook(self._pre, with_kwargs=True))\n        self._handles.append(self.module.register_forward_hook(self._post))",

@@ -297,8 +297,8 @@ def watch_step(
     the `cp` dimension, as torchtitan's `parallel_dims.get_mesh("cp")`, or `ring` and `ulysses`), or the degrees
     (`ring=`, `ulysses=`, `dp=`: CP groups of consecutive ranks); one run cannot examine such a model (its reference
     rebuilds a diffusers class) and says which two-run `cpdoctor step` command does. The watcher itself is
-    examinations/step/watch.py's `StepWatch`."""
-    from cpdoctor.examinations.step.watch import StepWatch
+    examinations/step/watcher/watch.py's `StepWatch`."""
+    from cpdoctor.examinations.step.watcher.watch import StepWatch
 
     return StepWatch(
         model,
@@ -349,8 +349,8 @@ def examine_command(
     """`cpdoctor step -- COMMAND`: the user's own launch command run twice, without CP and with CP (placeholders
     {cp} {ring} {ulysses} {dp} {world} {nproc} give each run its degrees), its first optimizer step captured in
     every rank and judged as two runs are (docs/STEP_COMMAND.md)."""
-    from cpdoctor.examinations.step.command import CommandRequest
-    from cpdoctor.examinations.step.command_run import examine_command as run_twice
+    from cpdoctor.examinations.step.runs.command import CommandRequest
+    from cpdoctor.examinations.step.runs.command_run import examine_command as run_twice
 
     validate_timeout(timeout_s)
     request = CommandRequest.of(command, ring, ulysses, dp, tuple(emulate), cwd)

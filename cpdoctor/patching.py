@@ -1,6 +1,6 @@
 """Functions replaced in the modules or classes that own them, and put back: the one mechanism by which cpdoctor
 wraps torch's entry points in a running process (the flight record's collectives, launch/flight.py; the step
-watcher's training entry points, examinations/step/observe.py).
+watcher's training entry points, examinations/step/watcher/observe.py).
 
 Why one mechanism: both wrap some of the same functions (`torch.distributed.all_reduce` is a collective for the
 flight record and a reduction for the step watcher), opened and closed at different moments. Put back in reverse

@@ -75,7 +75,7 @@ class DType(Word):
     @property
     def grad_tolerance(self) -> float:
         """The step examination's fixed relative-L2 tolerance for gradients computed in this dtype (far above
-        rounding, far below every defect measured: examinations/step/judge.py)."""
+        rounding, far below every defect measured: examinations/step/judgment/judge.py)."""
         return _GRAD_TOLERANCE[self]
 
     @property

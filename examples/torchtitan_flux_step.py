@@ -285,7 +285,7 @@ def step_titan_seeding(job: Any, cp: int, dp: int) -> None:
 
 def full_grads(model: Any) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full tensor (FSDP2's DTensor gathered), under its bare name."""
-    from cpdoctor.examinations.step.full_grads import full_gradients
+    from cpdoctor.examinations.step.watcher.full_grads import full_gradients
 
     return full_gradients(model)
 

@@ -38,7 +38,7 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
 
 def cp_subgroup(mine: tuple[int, ...]) -> Any:
     """This rank's CP group as a torch process group, when nothing on the model holds one (a model whose CP is not
-    diffusers': its ranks come from the job's degrees, a mesh or the world, examinations/step/degrees.py). Every rank
+    diffusers': its ranks come from the job's degrees, a mesh or the world, examinations/step/watcher/degrees.py). Every rank
     of the default group calls it at the same point: each says its CP group's ranks (an object all-gather), then every
     distinct group is created in one order on every rank (`new_group` is a collective over the world)."""
     import torch.distributed as dist

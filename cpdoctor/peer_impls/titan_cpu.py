@@ -1,6 +1,6 @@
 """torchtitan's trainer on CPU ranks (gloo), unmodified: the environment shims `cpdoctor step --emulate
 torchtitan-cpu -- <command>` applies in every process of the command, right after torch is imported and before
-any of the user's code (examinations/step/emulation.py). Each is only where CPU ranks differ from the CUDA ranks
+any of the user's code (examinations/step/runs/emulation.py). Each is only where CPU ranks differ from the CUDA ranks
 torchtitan 0.3.0 is written for (docs/TORCHTITAN.md, docs/FACTS.md "torchtitan's FLUX trainer on CPU ranks"); none
 changes torchtitan's logic or the user's command:
 

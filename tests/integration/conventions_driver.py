@@ -80,7 +80,7 @@ VARIANTS: dict[str, dict] = {
 def inject(fault: str | None):
     """A fault in cpdoctor's own reference on the CP groups' first ranks: it raises, or the machine has no memory
     for it. Returns the undo."""
-    from cpdoctor.examinations.step import reference
+    from cpdoctor.examinations.step.judgment import reference
     from cpdoctor.model_zoo import memory
 
     if fault is None:

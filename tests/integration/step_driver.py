@@ -90,7 +90,7 @@ def bad_inputs(example, args, patched: bool = False) -> dict:
         model(hidden_states=x, timestep=torch.tensor([0.5]), **cond)[0].sum().backward()
     out["step_count"] = summary(w.report)
     model.zero_grad(set_to_none=True)
-    from cpdoctor.examinations.step.first import watch_first_step
+    from cpdoctor.examinations.step.runs.first import watch_first_step
 
     seen = []
     first = watch_first_step(model, seen.append)  # what preflight(model=...) arms: closed by the optimizer step

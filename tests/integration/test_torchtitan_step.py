@@ -166,7 +166,7 @@ def test_an_input_drawn_per_cp_rank_fails_naming_it_and_the_ranks(one_process):
 
 @pytest.mark.parametrize("dp", LAYOUTS)
 def test_an_extra_average_over_cp_fails_with_its_factor(one_process, dp):
-    from cpdoctor.examinations.step.full_grads import compare
+    from cpdoctor.examinations.step.watcher.full_grads import compare
 
     ex = one_process.example
     without_cp, with_cp = (one_process.grads(ex.fsdp_divisor(dp, cp, "reduction") / dp) for cp in (1, CP))
@@ -216,14 +216,14 @@ def by_hand(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 def _judged(ranks_inputs: list[dict], full: dict) -> dict:
-    from cpdoctor.examinations.step.input_layouts import classify_all, judge_inputs
+    from cpdoctor.examinations.step.judgment.input_layouts import classify_all, judge_inputs
 
     per_rank = [classify_all(inputs, full, CP, r) for r, inputs in enumerate(ranks_inputs)]
     return {g.name: g for g in judge_inputs(per_rank, tuple(range(CP)))}
 
 
 def test_torchtitans_token_shards_are_read_as_shards_and_the_rest_as_replicated(by_hand):
-    from cpdoctor.examinations.step.input_layouts import Placement
+    from cpdoctor.examinations.step.judgment.input_layouts import Placement
     from cpdoctor.peer_impls.layouts import Layout
 
     full = by_hand["without"]
@@ -238,7 +238,7 @@ def test_torchtitans_token_shards_are_read_as_shards_and_the_rest_as_replicated(
 
 @pytest.mark.parametrize("case", ["input_fault", "titan"])
 def test_inputs_drawn_per_cp_rank_are_named_with_their_ranks(by_hand, one_process, case):
-    from cpdoctor.examinations.step.input_layouts import Placement
+    from cpdoctor.examinations.step.judgment.input_layouts import Placement
 
     ex = one_process.example
     seeds = [ex.step_seed(0, r, "input") for r in range(CP)] if case == "input_fault" else titan_seeds(ex, CP)
@@ -250,7 +250,7 @@ def test_inputs_drawn_per_cp_rank_are_named_with_their_ranks(by_hand, one_proces
 
 
 def test_degrees_from_torchtitans_own_cp_mesh(one_process):
-    from cpdoctor.examinations.step.degrees import DegreeSource, consecutive_group, job_degrees
+    from cpdoctor.examinations.step.watcher.degrees import DegreeSource, consecutive_group, job_degrees
 
     ex = one_process.example
     for r in range(4):  # dp 2 × cp 2

@@ -363,6 +363,18 @@ def test_the_cycle_rule_catches_a_planted_cycle(tmp_path):
     ]
 
 
+def imported_names(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of everything a file imports, at module level or in a function, absolute imports only:
+    `import a.b` is `a.b`; `from a.b import c` is `a.b.c` (c a module or a name in a.b: a rule reads the prefix)."""
+    names = []
+    for node in ast.walk(parsed(path)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [(node.lineno, a.name) for a in node.names]
+    return names
+
+
 def sibling_imports(root: pathlib.Path = PACKAGE) -> list[str]:
     """`file:line imports examinations.<kind>` for every import (module level or inside a function) from one
     examination package (examinations/<kind>/) into a sibling kind's. What two kinds share lives in modules at
@@ -375,17 +387,10 @@ def sibling_imports(root: pathlib.Path = PACKAGE) -> list[str]:
         rel = path.relative_to(root)
         if len(rel.parts) < 3:  # an examinations-level module
             continue
-        for node in ast.walk(parsed(path)):
-            modules: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                prefix = "cpdoctor.examinations"
-                modules = [f"{prefix}.{a.name}" for a in node.names] if node.module == prefix else [node.module]
-            elif isinstance(node, ast.Import):
-                modules = [a.name for a in node.names]
-            for module in modules:
-                parts = module.split(".")
-                if parts[:2] == ["cpdoctor", "examinations"] and len(parts) > 2 and parts[2] in kinds - {rel.parts[1]}:
-                    offences.append(f"{rel.as_posix()}:{node.lineno} imports examinations.{parts[2]}")
+        for lineno, module in imported_names(path):
+            parts = module.split(".")
+            if parts[:2] == ["cpdoctor", "examinations"] and len(parts) > 2 and parts[2] in kinds - {rel.parts[1]}:
+                offences.append(f"{rel.as_posix()}:{lineno} imports examinations.{parts[2]}")
     return offences
 
 
@@ -411,6 +416,60 @@ def test_the_sibling_rule_catches_an_offender(tmp_path):
         "examinations/model/probe.py:4 imports examinations.attention",
         "examinations/step/judge.py:1 imports examinations.model",
         "examinations/step/judge.py:2 imports examinations.attention",
+    ]
+
+
+STEP_ROOMS_MAY_IMPORT = {
+    "runs": {"runs", "watcher", "judgment"},
+    "watcher": {"watcher", "judgment"},
+    "judgment": {"judgment"},
+}
+"""The step wing's three rooms (examinations/step/__init__.py): the command runs a step, the watcher records it and
+hands the recorded group to the judgment. The judgment reads the watcher's records only as data (below)."""
+WATCHER_DATA = {"events", "group", "messages", "record"}
+"""The watcher's modules whose types the judgment reads (the events, the group, the ranks' messages, the records)."""
+
+
+def step_room_offences(root: pathlib.Path = PACKAGE) -> list[str]:
+    """`file:line imports step.<room>.<module>` for every import, module level or in a function, that goes against
+    the step wing's direction: runs → watcher → judgment, and the judgment reading the watcher's data only."""
+    home = root / "examinations" / "step"
+    prefix = ["cpdoctor", "examinations", "step"]
+    offences = []
+    for room in STEP_ROOMS_MAY_IMPORT:
+        for path in sorted((home / room).rglob("*.py")):
+            for lineno, module in imported_names(path):
+                parts = module.split(".")
+                if parts[:3] != prefix or len(parts) < 5 or parts[3] not in STEP_ROOMS_MAY_IMPORT:
+                    continue
+                target, name = parts[3], parts[4]
+                allowed = target in STEP_ROOMS_MAY_IMPORT[room] or (room == "judgment" and target == "watcher" and name in WATCHER_DATA)
+                if not allowed:
+                    offences.append(f"{path.relative_to(root).as_posix()}:{lineno} imports step.{target}.{name}")
+    return offences
+
+
+def test_the_step_rooms_import_one_way():
+    offences = step_room_offences()
+    assert not offences, "the step wing's rooms import runs → watcher → judgment:\n" + "\n".join(offences)
+
+
+def test_the_step_room_rule_catches_an_offender(tmp_path):
+    home = tmp_path / "examinations" / "step"
+    for room in STEP_ROOMS_MAY_IMPORT:
+        (home / room).mkdir(parents=True)
+    (home / "judgment" / "judge.py").write_text(
+        "from cpdoctor.examinations.step.watcher.group import StepGroup\n"  # data: allowed
+        "from cpdoctor.examinations.step.watcher.observe import OBSERVING\n"
+        "def f():\n    from cpdoctor.examinations.step.runs import capture\n    import cpdoctor.examinations.step.runs.first\n"
+    )
+    (home / "watcher" / "watch.py").write_text("from cpdoctor.examinations.step.judgment.judge import rules\n")  # allowed
+    (home / "watcher" / "record.py").write_text("from cpdoctor.examinations.step.runs.capture import CAPTURE\n")
+    assert step_room_offences(tmp_path) == [
+        "examinations/step/watcher/record.py:1 imports step.runs.capture",
+        "examinations/step/judgment/judge.py:2 imports step.watcher.observe",
+        "examinations/step/judgment/judge.py:4 imports step.runs.capture",
+        "examinations/step/judgment/judge.py:5 imports step.runs.first",
     ]
 
 
@@ -469,16 +528,10 @@ def layer_table() -> tuple[dict[str, int], dict[str, set[str]]]:
 def _imported_packages(path: pathlib.Path) -> list[tuple[str, int]]:
     """(top-level cpdoctor package, line) of every import in the file, module level and inside functions alike."""
     out = []
-    for node in ast.walk(parsed(path)):
-        modules: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules = [f"{node.module}.{a.name}" for a in node.names] if node.module == "cpdoctor" else [node.module]
-        elif isinstance(node, ast.Import):
-            modules = [a.name for a in node.names]
-        for module in modules:
-            parts = module.split(".")
-            if parts[0] == "cpdoctor" and len(parts) > 1:
-                out.append((parts[1], node.lineno))
+    for lineno, module in imported_names(path):
+        parts = module.split(".")
+        if parts[0] == "cpdoctor" and len(parts) > 1:
+            out.append((parts[1], lineno))
     return out
 
 
@@ -538,9 +591,9 @@ STATE_OWNERS = {
     "launch/progress.py": "ACTIVE",
     "launch/warm.py": "WARM",
     "cpu_kernels/standins.py": "LIBRARY",
-    "examinations/step/watch.py": "WATCHED",
-    "examinations/step/observe.py": "OBSERVING",
-    "examinations/step/capture.py": "CAPTURE",
+    "examinations/step/watcher/watch.py": "WATCHED",
+    "examinations/step/watcher/observe.py": "OBSERVING",
+    "examinations/step/runs/capture.py": "CAPTURE",
     "autopatch.py": "AUTOPATCH",
     "peer_impls/yunchang.py": "GROUPS",
     "examinations/model/spec.py": "SURVEYS",

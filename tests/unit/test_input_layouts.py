@@ -1,4 +1,4 @@
-"""A CP rank's inputs against the run without CP's (examinations/step/input_layouts.py): replicated, this rank's
+"""A CP rank's inputs against the run without CP's (examinations/step/judgment/input_layouts.py): replicated, this rank's
 shard in a layout torch's context parallelism uses (made here with torch's own sharding code where it is
 importable), or wrong with what it is instead; and the CP group's verdict on each input."""
 
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cpdoctor.examinations.step.input_layouts import (  # noqa: E402
+from cpdoctor.examinations.step.judgment.input_layouts import (  # noqa: E402
     InputLayout,
     Mismatch,
     Placement,
@@ -134,14 +134,14 @@ def test_a_tensor_computed_through_the_model_is_judged_within_a_tolerance(img):
     assert classify_all({"o": rounded}, {"o": img}, 2, 0, rtol=1e-5)[0].right
 
 
-# -- a CP group against the run without CP (examinations/step/inputs.py: which replica, which inputs are wrong) ----
+# -- a CP group against the run without CP (examinations/step/judgment/inputs.py: which replica, which inputs are wrong) ----
 
 
 def _peer(rank: int, cp_place: int, mine: dict, replicas: list[dict], cp: int = 2):
     """A CP rank's record as the examination gathers it: its inputs' fingerprints and, for every rank of the run
     without CP, what its inputs are against that rank's (each rank classifies its own)."""
-    from cpdoctor.examinations.step.messages import InputPrint, PeerRecord, ReplicaLayouts
-    from cpdoctor.examinations.step.record import digest
+    from cpdoctor.examinations.step.watcher.messages import InputPrint, PeerRecord, ReplicaLayouts
+    from cpdoctor.examinations.step.watcher.record import digest
 
     layouts = tuple(ReplicaLayouts(r, classify_all(mine, full, cp, cp_place), ()) for r, full in enumerate(replicas))
     prints = tuple(InputPrint(n, digest(v), None) for n, v in mine.items())
@@ -158,7 +158,7 @@ def _shards(full: dict, cp: int = 2) -> list[dict]:
 
 
 def test_a_cp_group_is_judged_against_the_replica_it_fed_whole():
-    from cpdoctor.examinations.step.inputs import judge_against_run
+    from cpdoctor.examinations.step.judgment.inputs import judge_against_run
 
     replicas = [_sample(0), _sample(1)]  # the run without CP on 2 data-parallel ranks
     group = [_peer(2 + r, r, mine, replicas) for r, mine in enumerate(_shards(replicas[1]))]  # the second CP group
@@ -173,7 +173,7 @@ def test_a_cp_group_is_judged_against_the_replica_it_fed_whole():
 
 
 def test_an_input_one_cp_rank_drew_apart_is_named_with_its_rank():
-    from cpdoctor.examinations.step.inputs import judge_against_run
+    from cpdoctor.examinations.step.judgment.inputs import judge_against_run
 
     full = _sample(0)
     drawn = _sample(7)  # rank 1 drew its own noise and timestep
@@ -188,7 +188,7 @@ def test_an_input_one_cp_rank_drew_apart_is_named_with_its_rank():
 def test_data_that_depend_on_the_layout_are_not_blamed_on_cp():
     """No CP rank fed what any rank of the run without CP did (data seeded by the world size): nothing is named
     unless the peers' whole inputs differ between them; a shard has nothing to be compared with."""
-    from cpdoctor.examinations.step.inputs import judge_against_run
+    from cpdoctor.examinations.step.judgment.inputs import judge_against_run
 
     full, other = _sample(0), _sample(5)
     agree = [_peer(r, r, m, [full]) for r, m in enumerate(_shards(other))]

@@ -184,7 +184,7 @@ def test_the_standin_library_installed_and_uninstalled_twice(standins):
 
 def test_the_watch_counter_reset_and_counted_twice(monkeypatch):
     pytest.importorskip("torch")
-    from cpdoctor.examinations.step.watch import WATCHED
+    from cpdoctor.examinations.step.watcher.watch import WATCHED
 
     monkeypatch.setattr(WATCHED, "count", WATCHED.count)  # the process's own count, put back afterwards
     for _ in range(2):
@@ -202,10 +202,10 @@ def test_the_capture_armed_captured_and_disarmed_twice(tmp_path, monkeypatch):
     from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
 
-    from cpdoctor.examinations.step.capture import CAPTURE, ArmSpec, Ending
-    from cpdoctor.examinations.step.observe import OBSERVING
-    from cpdoctor.examinations.step.request import Role
-    from cpdoctor.examinations.step.watch import WATCHED
+    from cpdoctor.examinations.step.runs.capture import CAPTURE, ArmSpec, Ending
+    from cpdoctor.examinations.step.runs.request import Role
+    from cpdoctor.examinations.step.watcher.observe import OBSERVING
+    from cpdoctor.examinations.step.watcher.watch import WATCHED
 
     monkeypatch.setattr(WATCHED, "count", WATCHED.count)
     monkeypatch.delenv("RANK", raising=False)
@@ -243,7 +243,7 @@ def test_the_observed_entry_points_wrapped_and_restored_twice():
     """The first watch wraps the training entry points, a second one shares them, the last to leave puts every
     original back (twice over: nothing of the first use is left for the next)."""
     torch = pytest.importorskip("torch")
-    from cpdoctor.examinations.step.observe import OBSERVING, Recorder
+    from cpdoctor.examinations.step.watcher.observe import OBSERVING, Recorder
 
     originals = (torch.Tensor.backward, torch.autograd.backward, torch.nn.utils.clip_grad_value_)
     model = torch.nn.Linear(2, 2)

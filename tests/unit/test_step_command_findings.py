@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.step.capture import Captured, Ending
-from cpdoctor.examinations.step.command import RunDegrees
-from cpdoctor.examinations.step.command_run import Launched, stop_findings
-from cpdoctor.examinations.step.request import Role
+from cpdoctor.examinations.step.runs.capture import Captured, Ending
+from cpdoctor.examinations.step.runs.command import RunDegrees
+from cpdoctor.examinations.step.runs.command_run import Launched, stop_findings
+from cpdoctor.examinations.step.runs.request import Role
 from cpdoctor.launch.command import CommandRun
 from cpdoctor.launch.progress import STEPS, Blame, Milestone
 from cpdoctor.report import Verdict

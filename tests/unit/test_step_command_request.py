@@ -10,8 +10,8 @@ import pytest
 
 from cpdoctor.cli.step import FUNCTION_FORM
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.step.command import CommandRequest, RunDegrees, substitute
-from cpdoctor.examinations.step.request import Role
+from cpdoctor.examinations.step.runs.command import CommandRequest, RunDegrees, substitute
+from cpdoctor.examinations.step.runs.request import Role
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node={nproc}", "train.py", "--cp", "{cp}"]
 

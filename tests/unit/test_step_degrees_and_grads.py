@@ -1,6 +1,6 @@
-"""A watched step's degrees for a model whose CP is not diffusers' (examinations/step/degrees.py), the refusal of
+"""A watched step's degrees for a model whose CP is not diffusers' (examinations/step/watcher/degrees.py), the refusal of
 one run where no reference copy can be built, and gradients compared as full tensors under bare names
-(examinations/step/full_grads.py)."""
+(examinations/step/watcher/full_grads.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cpdoctor.errors import BadInput  # noqa: E402
-from cpdoctor.examinations.step.degrees import (  # noqa: E402
+from cpdoctor.examinations.step.watcher.degrees import (  # noqa: E402
     Declared,
     DegreeSource,
     consecutive_group,
@@ -21,7 +21,7 @@ from cpdoctor.examinations.step.degrees import (  # noqa: E402
     rebuildable,
     two_run_command,
 )
-from cpdoctor.examinations.step.full_grads import compare, full_gradients  # noqa: E402
+from cpdoctor.examinations.step.watcher.full_grads import compare, full_gradients  # noqa: E402
 
 
 class FakeMesh:

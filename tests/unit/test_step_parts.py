@@ -10,7 +10,11 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from cpdoctor.examinations.step.events import (  # noqa: E402
+from cpdoctor.examinations.step.judgment.factors import expectation  # noqa: E402
+from cpdoctor.examinations.step.judgment.measure import OutGrad  # noqa: E402
+from cpdoctor.examinations.step.judgment.reference import ReferencePlan, canonical, reference_plan  # noqa: E402
+from cpdoctor.examinations.step.runs.two_runs import StepJob, call_arguments, parameters_of, takes_degrees  # noqa: E402
+from cpdoctor.examinations.step.watcher.events import (  # noqa: E402
     ClipNorm,
     ClipValue,
     EventLog,
@@ -21,14 +25,10 @@ from cpdoctor.examinations.step.events import (  # noqa: E402
     ScalerUnscale,
     Source,
 )
-from cpdoctor.examinations.step.factors import expectation  # noqa: E402
-from cpdoctor.examinations.step.group import StepGroup  # noqa: E402
-from cpdoctor.examinations.step.loss_graph import read_root  # noqa: E402
-from cpdoctor.examinations.step.measure import OutGrad  # noqa: E402
-from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder  # noqa: E402
-from cpdoctor.examinations.step.record import Hooks, compute_dtype, unwrap  # noqa: E402
-from cpdoctor.examinations.step.reference import ReferencePlan, canonical, reference_plan  # noqa: E402
-from cpdoctor.examinations.step.two_runs import StepJob, call_arguments, parameters_of, takes_degrees  # noqa: E402
+from cpdoctor.examinations.step.watcher.group import StepGroup  # noqa: E402
+from cpdoctor.examinations.step.watcher.loss_graph import read_root  # noqa: E402
+from cpdoctor.examinations.step.watcher.observe import OBSERVING, Capture, Recorder  # noqa: E402
+from cpdoctor.examinations.step.watcher.record import Hooks, compute_dtype, unwrap  # noqa: E402
 
 CP = 2
 GROUP = StepGroup(rank=0, world=CP, ranks=(0, 1), ring=CP, ulysses=1, seq=1, index=1, timeout_s=1.0, cp_groups=((0, 1),))
@@ -254,7 +254,7 @@ def test_compute_dtype_is_the_least_precise():
 
 
 def test_dots_in_slices_count_non_finite_values_only_when_there_are_some():
-    from cpdoctor.examinations.step import measure
+    from cpdoctor.examinations.step.judgment import measure
 
     x = torch.ones(10)
     x[3] = float("nan")

@@ -14,7 +14,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cpdoctor.examinations.step.events import (  # noqa: E402
+from cpdoctor.examinations.step.judgment.factors import Expectation, Reduction, expectation  # noqa: E402
+from cpdoctor.examinations.step.judgment.inputs import InputDiff, input_diffs  # noqa: E402
+from cpdoctor.examinations.step.judgment.judge import block_of, factor_candidates, step_finding  # noqa: E402
+from cpdoctor.examinations.step.judgment.measure import (  # noqa: E402
+    OutGrad,
+    ParamError,
+    RankGrad,
+    StepNumbers,
+    best_factor,
+    groups_of,
+    own_shard_only,
+    reference_out_grads,
+)
+from cpdoctor.examinations.step.watcher.events import (  # noqa: E402
     BackwardRoot,
     ClipNorm,
     Collective,
@@ -27,21 +40,8 @@ from cpdoctor.examinations.step.events import (  # noqa: E402
     Source,
     Unobserved,
 )
-from cpdoctor.examinations.step.factors import Expectation, Reduction, expectation  # noqa: E402
-from cpdoctor.examinations.step.group import StepGroup  # noqa: E402
-from cpdoctor.examinations.step.inputs import InputDiff, input_diffs  # noqa: E402
-from cpdoctor.examinations.step.judge import block_of, factor_candidates, step_finding  # noqa: E402
-from cpdoctor.examinations.step.measure import (  # noqa: E402
-    OutGrad,
-    ParamError,
-    RankGrad,
-    StepNumbers,
-    best_factor,
-    groups_of,
-    own_shard_only,
-    reference_out_grads,
-)
-from cpdoctor.examinations.step.messages import InputPrint, PeerRecord  # noqa: E402
+from cpdoctor.examinations.step.watcher.group import StepGroup  # noqa: E402
+from cpdoctor.examinations.step.watcher.messages import InputPrint, PeerRecord  # noqa: E402
 from cpdoctor.report import Verdict  # noqa: E402
 from cpdoctor.vocabulary import DType  # noqa: E402
 
@@ -88,8 +88,8 @@ def test_inputs_differ_names_the_input_the_ranks_and_the_seed():
 def test_two_runs_judge_inputs_against_the_run_without_cp_and_say_what_each_is():
     """A trainer that shards the tokens itself (torchtitan): its shards are right; a timestep drawn on one CP rank
     is named with what it is instead, against the run without CP; a correct step says which inputs were shards."""
-    from cpdoctor.examinations.step.input_layouts import GroupInput, Placement
-    from cpdoctor.examinations.step.inputs import InputsJudged
+    from cpdoctor.examinations.step.judgment.input_layouts import GroupInput, Placement
+    from cpdoctor.examinations.step.judgment.inputs import InputsJudged
     from cpdoctor.peer_impls.layouts import Layout
 
     img = GroupInput("img", Placement.SHARD, dim=1, layout=Layout.CONTIGUOUS)
@@ -477,8 +477,8 @@ def test_a_crash_of_the_cp_attention_in_a_step_is_the_attentions_defect_with_its
     defect (not the user's crash), with the `cpdoctor check` that raises it alone at the job's degrees."""
     from test_failures import RING_BACKWARD_TB
 
-    from cpdoctor.examinations.step.agree import crash
-    from cpdoctor.examinations.step.group import StepGroup
+    from cpdoctor.examinations.step.watcher.agree import crash
+    from cpdoctor.examinations.step.watcher.group import StepGroup
 
     group = StepGroup(rank=0, world=4, ranks=(0, 1), ring=2, ulysses=1, seq=1, index=0, timeout_s=5.0)
     f = crash(group, {r: RING_BACKWARD_TB for r in range(4)}, "the step raised")

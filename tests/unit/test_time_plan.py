@@ -64,11 +64,11 @@ def test_the_probe_measures_a_rate_quickly():
 
 
 def test_a_watched_step_in_bf16_on_a_slow_cpu_is_advised_once_and_fp32_or_cuda_never(monkeypatch):
-    """The step's side (examinations/step/watch.py): the rates are measured once per process (a pre-filled memo
+    """The step's side (examinations/step/watcher/watch.py): the rates are measured once per process (a pre-filled memo
     stands in for a CPU without native bf16), the warning names the dtype and says what to do in a step."""
     import torch
 
-    from cpdoctor.examinations.step import watch
+    from cpdoctor.examinations.step.watcher import watch
     from cpdoctor.launch import progress
 
     said: list[str] = []
@@ -91,7 +91,7 @@ def test_a_watched_step_in_bf16_on_a_slow_cpu_is_advised_once_and_fp32_or_cuda_n
 def test_autocast_entered_here_is_seen_as_the_step_dtype():
     import torch
 
-    from cpdoctor.examinations.step.watch import autocast_dtypes, compute_dtype
+    from cpdoctor.examinations.step.watcher.watch import autocast_dtypes, compute_dtype
 
     model = torch.nn.Linear(2, 2)
     assert autocast_dtypes() == [] and compute_dtype(model, autocast_dtypes()) == "fp32"

@@ -1,18 +1,22 @@
-"""The user's whole CP training step, examined against one process: `cpdoctor.watch_step` in a training script,
-`cpdoctor step path/to/train.py:function` for a script that exposes its step.
+"""The user's whole CP training step, examined against one process or against the same job without CP:
+`cpdoctor.watch_step` and `preflight(model=)` in a training script (one run), `cpdoctor step train.py:function`
+(two runs of a function), `cpdoctor step -- <launch command>` (two runs of the user's own command).
 
-watch.py (the context manager's lifetime) → record.py (hooks: inputs, output gradient, weights, RNG) and
-observe.py (what the step does to its gradients, as typed events: events.py, loss_graph.py) → examine.py (at
-the block's exit: agree.py through the store, grads.py, the baseline: reference.py's recomputation or the run
-without CP, factors.py what the events say the gradients must be, measure.py numbers, judge.py the rules).
-request.py and probe.py are the command's; the collectives are launch/watcher_comm.py's."""
+Three rooms, each one job (docs/ARCHITECTURE.md):
+- runs/ — the command: how a step is run (one run, two runs of a function, two runs of the launched command);
+- watcher/ — what is recorded and observed while it runs (watch.py's lifetime, record.py's hooks, observe.py's
+  wrapped entry points as events.py's typed events) and the block's exit (examine.py), which hands the recorded
+  group (group.py) to
+- judgment/ — a function of that group: the baseline (reference.py or the run without CP), factors.py, measure.py,
+  judge.py's rules.
+The collectives are launch/watcher_comm.py's."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from cpdoctor.examinations.base import Examination
-from cpdoctor.examinations.step.request import CONTRACT, Role, StepRequest
+from cpdoctor.examinations.step.runs.request import CONTRACT, Role, StepRequest
 from cpdoctor.launch.jobs import Case, RankFailure
 from cpdoctor.report import Finding, Verdict
 from cpdoctor.vocabulary import Kind
@@ -34,8 +38,8 @@ def model_degrees(model: Any) -> tuple[int, int]:
     not diffusers' (examined in one run, which it cannot be), the reason and the two-run command."""
     from cpdoctor.compat import parallel_config as compat
     from cpdoctor.errors import BadInput
-    from cpdoctor.examinations.step.degrees import one_run_refusal, rebuildable
-    from cpdoctor.examinations.step.record import unwrap
+    from cpdoctor.examinations.step.watcher.degrees import one_run_refusal, rebuildable
+    from cpdoctor.examinations.step.watcher.record import unwrap
 
     inner = unwrap(model)
     config = compat.parallel_config_of(inner)
@@ -49,7 +53,7 @@ def model_degrees(model: Any) -> tuple[int, int]:
 def arm_first_step(model: Any, on_report: Any = None, *, reference: str = "fp64", loss_scale: float | None = None) -> Any:
     """Arm the step examination on `model`'s next training step, closed by the first optimizer.step() of any
     optimizer; `on_report(report)` runs on every rank before that step (first.py)."""
-    from cpdoctor.examinations.step.first import watch_first_step
+    from cpdoctor.examinations.step.runs.first import watch_first_step
 
     return watch_first_step(model, on_report, reference=reference, loss_scale=loss_scale)
 
@@ -72,7 +76,7 @@ class StepExamination(Examination[StepRequest]):
         import dataclasses
         import tempfile
 
-        from cpdoctor.examinations.step.two_runs import parameters_of, takes_degrees
+        from cpdoctor.examinations.step.runs.two_runs import parameters_of, takes_degrees
         from cpdoctor.launch import under_torchrun
 
         request = request.validate()
@@ -95,12 +99,12 @@ class StepExamination(Examination[StepRequest]):
             shutil.rmtree(request.workdir, ignore_errors=True)
 
     def run_rank(self, case: Case, ctx: Any) -> Any:
-        from cpdoctor.examinations.step import probe
+        from cpdoctor.examinations.step.runs import probe
 
         return probe.run_rank(case, ctx)
 
     def evaluate(self, case: Case, results: list, ctx: Any) -> Any:
-        from cpdoctor.examinations.step import probe
+        from cpdoctor.examinations.step.runs import probe
 
         return probe.evaluate(case, results, ctx)
 
@@ -108,7 +112,7 @@ class StepExamination(Examination[StepRequest]):
         """Every CP group's finding of every watched step (one finding per CP group and step). A reference that
         its memory plan refused everywhere is bad input for the command (exit 2, the plan and what fits)."""
         from cpdoctor.errors import BadInput
-        from cpdoctor.examinations.step.evidence import TooLarge
+        from cpdoctor.examinations.step.judgment.evidence import TooLarge
 
         found = [f for report in evaluated.reports for f in report.findings]
         if found and all(isinstance(f.evidence, TooLarge) for f in found):

@@ -14,18 +14,18 @@ from typing import Any
 
 from cpdoctor.attempt import Attempt
 from cpdoctor.compat import parallel_config as compat
-from cpdoctor.examinations.step import agree
-from cpdoctor.examinations.step.baseline import Baseline
-from cpdoctor.examinations.step.evidence import StepEvidence, WatchedStep
-from cpdoctor.examinations.step.factors import Expectation, expectation, logs_of
-from cpdoctor.examinations.step.grads import Gradients
-from cpdoctor.examinations.step.group import StepGroup
-from cpdoctor.examinations.step.judge import StepSignature, first_bad_param, step_finding
-from cpdoctor.examinations.step.measure import measure
-from cpdoctor.examinations.step.messages import Arrival, PeerRecord, ReferenceOutcome
-from cpdoctor.examinations.step.observe import Recorder
-from cpdoctor.examinations.step.record import Recorded, rng_digest
-from cpdoctor.examinations.step.reference import ReferenceTooLarge
+from cpdoctor.examinations.step.judgment.baseline import Baseline
+from cpdoctor.examinations.step.judgment.evidence import StepEvidence, WatchedStep
+from cpdoctor.examinations.step.judgment.factors import Expectation, expectation, logs_of
+from cpdoctor.examinations.step.judgment.judge import StepSignature, first_bad_param, step_finding
+from cpdoctor.examinations.step.judgment.measure import measure
+from cpdoctor.examinations.step.judgment.reference import ReferenceTooLarge
+from cpdoctor.examinations.step.watcher import agree
+from cpdoctor.examinations.step.watcher.grads import Gradients
+from cpdoctor.examinations.step.watcher.group import StepGroup
+from cpdoctor.examinations.step.watcher.messages import Arrival, PeerRecord, ReferenceOutcome
+from cpdoctor.examinations.step.watcher.observe import Recorder
+from cpdoctor.examinations.step.watcher.record import Recorded, rng_digest
 from cpdoctor.launch import watcher_comm
 from cpdoctor.report import Environment, Finding, Report, Verdict
 from cpdoctor.report.environment import Launch, Software

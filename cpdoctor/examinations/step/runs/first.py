@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cpdoctor.examinations.step.observe import OBSERVING
-from cpdoctor.examinations.step.watch import StepWatch
+from cpdoctor.examinations.step.watcher.observe import OBSERVING
+from cpdoctor.examinations.step.watcher.watch import StepWatch
 from cpdoctor.report import Report
 
 

@@ -43,10 +43,10 @@ def load_function(path: str, name: str) -> Any:
 def watcher_for(req: Any, result: StepRankResult) -> Any:
     """The `watch_step` this run hands the user's function: the one watcher, with the reference of this run
     (recomputed, or the run without CP on disk), keeping every report it makes in `result`."""
-    from cpdoctor.examinations.step.baseline import OneProcessReference, RecordedRun
-    from cpdoctor.examinations.step.request import Role
-    from cpdoctor.examinations.step.two_runs import RecordingWatch
-    from cpdoctor.examinations.step.watch import StepWatch
+    from cpdoctor.examinations.step.judgment.baseline import OneProcessReference, RecordedRun
+    from cpdoctor.examinations.step.runs.request import Role
+    from cpdoctor.examinations.step.runs.two_runs import RecordingWatch
+    from cpdoctor.examinations.step.watcher.watch import StepWatch
 
     role = req.role
     if role is Role.WITHOUT_CP:
@@ -65,8 +65,8 @@ def watcher_for(req: Any, result: StepRankResult) -> Any:
 
 
 def run_rank(case: Case, ctx: Any) -> StepRankResult:
-    from cpdoctor.examinations.step.request import Role
-    from cpdoctor.examinations.step.two_runs import StepJob, call_arguments, parameters_of
+    from cpdoctor.examinations.step.runs.request import Role
+    from cpdoctor.examinations.step.runs.two_runs import StepJob, call_arguments, parameters_of
 
     req = case.request
     result = StepRankResult()

@@ -184,7 +184,7 @@ def no_degrees_text(world: int) -> str:
 def rebuildable(module: Any) -> bool:
     """Whether the one-run reference can rebuild `module` in one process: a diffusers model class (its
     `from_config`, under FSDP2's subclass) with its `config`."""
-    from cpdoctor.examinations.step.reference import model_class
+    from cpdoctor.examinations.step.judgment.reference import model_class
 
     return hasattr(model_class(module), "from_config") and getattr(module, "config", None) is not None
 

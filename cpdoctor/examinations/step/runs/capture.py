@@ -34,10 +34,10 @@ from typing import Any
 
 from cpdoctor.attempt import Attempt
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.step.request import Role
+from cpdoctor.examinations.step.runs.request import Role
 from cpdoctor.launch import armed, progress
 
-ENTRY = "cpdoctor.examinations.step.capture:arm"
+ENTRY = "cpdoctor.examinations.step.runs.capture:arm"
 """What the startup module calls (arm.json names it: launch/ never imports an examination)."""
 MAX_CANDIDATES = 4
 """Outermost modules with gradients watched at once before the first optimizer step (one model is the contract)."""
@@ -112,7 +112,7 @@ class Candidate:
         return sum(1 for p in params if id(p) in mine)
 
     def drop(self) -> None:
-        from cpdoctor.examinations.step.observe import OBSERVING
+        from cpdoctor.examinations.step.watcher.observe import OBSERVING
 
         try:
             self.hooks.remove()
@@ -191,7 +191,7 @@ class Capturing:
             return
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
-        observing = sys.modules.get("cpdoctor.examinations.step.observe")
+        observing = sys.modules.get("cpdoctor.examinations.step.watcher.observe")
         if observing is not None and observing.OBSERVING.depth:  # a forward recomputed inside a backward
             return
         if not any(p.requires_grad for p in module.parameters()):
@@ -199,8 +199,8 @@ class Capturing:
         self._watch(module)
 
     def _watch(self, outer: Any) -> None:
-        from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder
-        from cpdoctor.examinations.step.record import Hooks, rng_digest, unwrap
+        from cpdoctor.examinations.step.watcher.observe import OBSERVING, Capture, Recorder
+        from cpdoctor.examinations.step.watcher.record import Hooks, rng_digest, unwrap
 
         model = unwrap(outer)
         candidate = Candidate(type(outer).__name__, model, None, None, rng_digest(), time.perf_counter())
@@ -240,7 +240,7 @@ class Capturing:
         self.end(spec.timeout_s)
 
     def _capture(self, optimizer: Any, spec: ArmSpec) -> Captured:
-        observing = sys.modules.get("cpdoctor.examinations.step.observe")
+        observing = sys.modules.get("cpdoctor.examinations.step.watcher.observe")
         if observing is not None and observing.OBSERVING.depth:  # stepping from a post-accumulate-grad hook
             raise BadInput(
                 "the first optimizer step runs inside the backward (an optimizer stepped from a post-accumulate-grad "
@@ -263,15 +263,15 @@ class Capturing:
         chosen.recorder.optimizer_step(optimizer)  # the gradients as the optimizer step finds them (no clip before)
         forwards = chosen.hooks.forwards
         if spec.role is Role.WITHOUT_CP:
-            from cpdoctor.examinations.step.two_runs import RecordingWatch
+            from cpdoctor.examinations.step.runs.two_runs import RecordingWatch
 
             RecordingWatch(chosen.module, spec.saved).adopt(chosen.recorder, chosen.hooks).__exit__(None, None, None)
             return self._outcome(Ending.SAVED, model=type(chosen.module).__name__, forwards=forwards)
         return self._judged(chosen, spec, forwards)
 
     def _judged(self, chosen: Candidate, spec: ArmSpec, forwards: int) -> Captured:
-        from cpdoctor.examinations.step.baseline import RecordedRun
-        from cpdoctor.examinations.step.watch import StepWatch
+        from cpdoctor.examinations.step.judgment.baseline import RecordedRun
+        from cpdoctor.examinations.step.watcher.watch import StepWatch
 
         watch = StepWatch(chosen.module, baseline=RecordedRun(spec.saved), ring=spec.ring, ulysses=spec.ulysses, dp=spec.dp,
                           timeout_s=spec.timeout_s)  # fmt: skip
@@ -313,7 +313,7 @@ def arm(directory: str) -> None:
     if armed.RANK_VARIABLE in os.environ:
         armed.keep_progress(directory, armed.who())
     if spec.emulate:
-        from cpdoctor.examinations.step.emulation import apply
+        from cpdoctor.examinations.step.runs.emulation import apply
 
         apply(spec.emulate)
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from cpdoctor.examinations.step.events import BackwardRoot, LossFactor, LossTerm, Source
+from cpdoctor.examinations.step.watcher.events import BackwardRoot, LossFactor, LossTerm, Source
 
 PASS_THROUGH = frozenset(
     {

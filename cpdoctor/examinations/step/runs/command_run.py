@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.step.capture import ArmSpec, Captured, Ending
-from cpdoctor.examinations.step.command import RUNS, CommandRequest, RunDegrees, describe_run
-from cpdoctor.examinations.step.emulation import emulation_note
-from cpdoctor.examinations.step.request import Role
+from cpdoctor.examinations.step.runs.capture import ArmSpec, Captured, Ending
+from cpdoctor.examinations.step.runs.command import RUNS, CommandRequest, RunDegrees, describe_run
+from cpdoctor.examinations.step.runs.emulation import emulation_note
+from cpdoctor.examinations.step.runs.request import Role
 from cpdoctor.launch import armed
 from cpdoctor.launch.command import CommandRun, run_command
 from cpdoctor.launch.progress import Milestone, read_advice, read_raised, show_advice

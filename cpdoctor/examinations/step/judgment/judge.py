@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from cpdoctor.examinations.judging import RING_UNDER_CHECKPOINTING, Aspect, CrashSignature, Rule, diagnosis_of, spoken_rules
-from cpdoctor.examinations.step.factors import MAX_READINGS, Expectation, Outcome, Power, degree_powers, power_of
-from cpdoctor.examinations.step.input_layouts import Placement
-from cpdoctor.examinations.step.measure import ParamError, RankGrad, StepNumbers
+from cpdoctor.examinations.step.judgment.factors import MAX_READINGS, Expectation, Outcome, Power, degree_powers, power_of
+from cpdoctor.examinations.step.judgment.input_layouts import Placement
+from cpdoctor.examinations.step.judgment.measure import ParamError, RankGrad, StepNumbers
 from cpdoctor.report import Finding, JudgedRow, TensorRow, Verdict
 from cpdoctor.vocabulary import DType
 

@@ -24,13 +24,14 @@ from typing import Any
 
 from cpdoctor.compat import parallel_config as compat
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.step import agree
-from cpdoctor.examinations.step.baseline import Baseline, OneProcessReference
-from cpdoctor.examinations.step.degrees import Declared, Given, job_degrees, one_run_refusal, rebuildable
-from cpdoctor.examinations.step.examine import Closing, close, report_of
-from cpdoctor.examinations.step.group import StepGroup
-from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder
-from cpdoctor.examinations.step.record import (
+from cpdoctor.examinations.step.judgment.baseline import Baseline, OneProcessReference
+from cpdoctor.examinations.step.judgment.reference import canonical
+from cpdoctor.examinations.step.watcher import agree
+from cpdoctor.examinations.step.watcher.degrees import Declared, Given, job_degrees, one_run_refusal, rebuildable
+from cpdoctor.examinations.step.watcher.examine import Closing, close, report_of
+from cpdoctor.examinations.step.watcher.group import StepGroup
+from cpdoctor.examinations.step.watcher.observe import OBSERVING, Capture, Recorder
+from cpdoctor.examinations.step.watcher.record import (
     Hooks,
     Recorded,
     autocast_dtypes,
@@ -40,7 +41,6 @@ from cpdoctor.examinations.step.record import (
     unwrap,
     weights_digest,
 )
-from cpdoctor.examinations.step.reference import canonical
 from cpdoctor.launch import progress, watcher_comm
 from cpdoctor.report import Report
 from cpdoctor.vocabulary import DType, parse

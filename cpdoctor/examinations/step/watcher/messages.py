@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.events import Event
-from cpdoctor.examinations.step.input_layouts import InputLayout
+from cpdoctor.examinations.step.judgment.input_layouts import InputLayout
+from cpdoctor.examinations.step.watcher.events import Event
 from cpdoctor.report import Finding
 
 

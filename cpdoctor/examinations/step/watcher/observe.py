@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpdoctor.compat import training
-from cpdoctor.examinations.step.events import (
+from cpdoctor.examinations.step.watcher.events import (
     AccelerateBackward,
     ClipNorm,
     ClipValue,
@@ -51,8 +51,8 @@ from cpdoctor.examinations.step.events import (
     Source,
     Unobserved,
 )
-from cpdoctor.examinations.step.grads import Gradients, gather_grads, unclipped
-from cpdoctor.examinations.step.loss_graph import SCALAR_OPS, read_root
+from cpdoctor.examinations.step.watcher.grads import Gradients, gather_grads, unclipped
+from cpdoctor.examinations.step.watcher.loss_graph import SCALAR_OPS, read_root
 from cpdoctor.launch import watcher_comm
 from cpdoctor.patching import Patches
 

@@ -19,12 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cpdoctor.examinations.step.group import StepGroup
-from cpdoctor.examinations.step.input_layouts import Placement
-from cpdoctor.examinations.step.inputs import InputsJudged, judge_against_run
-from cpdoctor.examinations.step.measure import reference_out_grads
-from cpdoctor.examinations.step.messages import PeerRecord, ReplicaLayouts
-from cpdoctor.examinations.step.record import Recorded
+from cpdoctor.examinations.step.judgment.input_layouts import Placement
+from cpdoctor.examinations.step.judgment.inputs import InputsJudged, judge_against_run
+from cpdoctor.examinations.step.judgment.measure import reference_out_grads
+from cpdoctor.examinations.step.watcher.group import StepGroup
+from cpdoctor.examinations.step.watcher.messages import PeerRecord, ReplicaLayouts
+from cpdoctor.examinations.step.watcher.record import Recorded
 from cpdoctor.model_zoo import memory
 from cpdoctor.vocabulary import DType
 
@@ -74,7 +74,7 @@ class OneProcessReference:
 
     def expected(self, group: StepGroup, recorded: Recorded, records: list[PeerRecord], names: list[str]) -> Any:
         from cpdoctor.compat import parallel_config as compat
-        from cpdoctor.examinations.step.reference import Precision, ReferenceTooLarge, reference_plan, reference_step
+        from cpdoctor.examinations.step.judgment.reference import Precision, ReferenceTooLarge, reference_plan, reference_step
 
         hooks = recorded.hooks
         out_grads = reference_out_grads(records, compat.output_gather_dim(recorded.module))
@@ -215,7 +215,7 @@ class RecordedRun:
     def input_layouts(self, group: StepGroup, recorded: Recorded) -> tuple[ReplicaLayouts, ...]:
         """This rank's inputs and output gradients against every rank of the run without CP that saved them: equal,
         or this rank's shard (its place in the CP group); output gradients within the step's tolerance."""
-        from cpdoctor.examinations.step.input_layouts import classify_all
+        from cpdoctor.examinations.step.judgment.input_layouts import classify_all
 
         hooks, cp, place = recorded.hooks, len(group.ranks), group.ranks.index(group.rank)
         mine, out_grads = hooks.inputs(), hooks.out_grads()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpdoctor.compat import parallel_config as compat
-from cpdoctor.examinations.step.messages import InputPrint
+from cpdoctor.examinations.step.watcher.messages import InputPrint
 from cpdoctor.vocabulary import DType
 
 

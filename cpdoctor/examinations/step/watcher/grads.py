@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.reference import canonical
+from cpdoctor.examinations.step.judgment.reference import canonical
 from cpdoctor.launch import watcher_comm
 
 

@@ -32,7 +32,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from cpdoctor.examinations.step.events import (
+from cpdoctor.examinations.step.judgment.measure import OutGrad
+from cpdoctor.examinations.step.watcher.events import (
     AccelerateBackward,
     ClipNorm,
     Collective,
@@ -46,8 +47,7 @@ from cpdoctor.examinations.step.events import (
     Op,
     Source,
 )
-from cpdoctor.examinations.step.group import StepGroup
-from cpdoctor.examinations.step.measure import OutGrad
+from cpdoctor.examinations.step.watcher.group import StepGroup
 
 SAME = 1e-6
 """Relative difference under which two values are one (a Python float of cp / accum against cp / accum)."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cpdoctor.examinations.step.input_layouts import GroupInput, Placement, judge_inputs
-from cpdoctor.examinations.step.messages import PeerRecord, ReplicaLayouts
+from cpdoctor.examinations.step.judgment.input_layouts import GroupInput, Placement, judge_inputs
+from cpdoctor.examinations.step.watcher.messages import PeerRecord, ReplicaLayouts
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.record import output_tensor
+from cpdoctor.examinations.step.watcher.record import output_tensor
 from cpdoctor.launch.progress import ticking
 from cpdoctor.vocabulary import DType
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import traceback
 
-from cpdoctor.examinations.step.group import StepGroup
-from cpdoctor.examinations.step.judge import attention_crash, crash_command
-from cpdoctor.examinations.step.messages import Arrival, Decision, ReferenceOutcome
+from cpdoctor.examinations.step.judgment.judge import attention_crash, crash_command
+from cpdoctor.examinations.step.watcher.group import StepGroup
+from cpdoctor.examinations.step.watcher.messages import Arrival, Decision, ReferenceOutcome
 from cpdoctor.launch import watcher_comm
 from cpdoctor.report import FailureEvidence, Finding, Verdict
 
@@ -148,7 +148,7 @@ def count_problem(group: StepGroup, arrivals: list[Arrival]) -> Finding | None:
 def reference_outcome(group: StepGroup, mine: ReferenceOutcome, reference: str) -> Finding | None:
     """Every CP group's leader says how its reference ended; every rank reads all of them: the finding that stops
     the examination (a refusal by the memory plan, a crash, a leader that never said), None when all are done."""
-    from cpdoctor.examinations.step.evidence import TooLarge
+    from cpdoctor.examinations.step.judgment.evidence import TooLarge
 
     leaders = group.leaders
     posted = watcher_comm.exchange(f"cpdoctor/watch/{group.seq}/reference", mine, leaders, group.timeout_s)

@@ -15,7 +15,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.request import Role
+from cpdoctor.examinations.step.runs.request import Role
 
 __all__ = ["DEGREE_NAMES", "PASSED", "RecordingWatch", "Role", "StepJob", "call_arguments", "parameters_of", "takes_degrees"]
 
@@ -75,15 +75,15 @@ class RecordingWatch:
     and judges its inputs against these. It examines nothing and never raises out of the block for its own sake."""
 
     def __init__(self, model: Any, directory: str, **_: Any) -> None:
-        from cpdoctor.examinations.step.record import unwrap
+        from cpdoctor.examinations.step.watcher.record import unwrap
 
         self.module = unwrap(model)
         self.directory = directory
         self.report = None
 
     def __enter__(self) -> RecordingWatch:
-        from cpdoctor.examinations.step.observe import OBSERVING, Capture, Recorder
-        from cpdoctor.examinations.step.record import Hooks
+        from cpdoctor.examinations.step.watcher.observe import OBSERVING, Capture, Recorder
+        from cpdoctor.examinations.step.watcher.record import Hooks
 
         recorder = Recorder(self.module, Capture.EVERY_CLIP)
         self.adopt(recorder, Hooks(self.module, keep_full=True, snapshot_weights=dict, recorder=recorder))
@@ -94,9 +94,9 @@ class RecordingWatch:
     def adopt(self, recorder: Any, hooks: Any) -> RecordingWatch:
         """Enter on a step already recorded by `recorder` and `hooks` (`cpdoctor step -- cmd`, at the first optimizer
         step, before the weights move); `__exit__` saves it as any watch."""
-        from cpdoctor.examinations.step.record import weights_digest
-        from cpdoctor.examinations.step.reference import canonical
-        from cpdoctor.examinations.step.watch import WATCHED
+        from cpdoctor.examinations.step.judgment.reference import canonical
+        from cpdoctor.examinations.step.watcher.record import weights_digest
+        from cpdoctor.examinations.step.watcher.watch import WATCHED
         from cpdoctor.launch import watcher_comm
 
         self.seq = WATCHED.next()
@@ -105,9 +105,9 @@ class RecordingWatch:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        from cpdoctor.examinations.step.baseline import SavedInputs, save_step
-        from cpdoctor.examinations.step.observe import OBSERVING
-        from cpdoctor.examinations.step.record import compute_dtype
+        from cpdoctor.examinations.step.judgment.baseline import SavedInputs, save_step
+        from cpdoctor.examinations.step.watcher.observe import OBSERVING
+        from cpdoctor.examinations.step.watcher.record import compute_dtype
         from cpdoctor.launch import watcher_comm
 
         try:

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 
 from cpdoctor.errors import BadInput
-from cpdoctor.examinations.step.request import Role
+from cpdoctor.examinations.step.runs.request import Role
 from cpdoctor.vocabulary import Kind
 
 PLACEHOLDERS = ("cp", "ring", "ulysses", "dp", "world", "nproc")

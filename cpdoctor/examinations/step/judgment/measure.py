@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.inputs import InputDiff, InputsJudged, input_diffs
-from cpdoctor.examinations.step.messages import PeerRecord
+from cpdoctor.examinations.step.judgment.inputs import InputDiff, InputsJudged, input_diffs
+from cpdoctor.examinations.step.watcher.messages import PeerRecord
 from cpdoctor.vocabulary import DType
 
 

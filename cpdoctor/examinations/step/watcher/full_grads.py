@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cpdoctor.examinations.step.grads import gather_grads, trainable
+from cpdoctor.examinations.step.watcher.grads import gather_grads, trainable
 
 
 def full_gradients(module: Any) -> dict[str, Any]:
