@@ -46,10 +46,6 @@ def output_gather_dim(model: Any) -> int:
     return 1
 
 
-def has_cp_plan(model: Any) -> bool:
-    return bool(getattr(type(model), "_cp_plan", None))
-
-
 def attention_backend_of(model: Any) -> str | None:
     """The attention backend `model.set_attention_backend` gave the model's attention processors (None when it was
     never set: the process-wide active one runs). Read as the first processor's `_attention_backend`."""

@@ -81,15 +81,6 @@ def _device() -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def broadcast_from_first(obj: Any, group: Any) -> Any:
-    """The group's first rank's `obj` on every rank of the group."""
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=group_ranks(group)[0], group=group)
-    return box[0]
-
-
 def sum_over_world(tensor: Any) -> Any:
     """The element-wise sum of `tensor` over every rank of the default group, returned on the CPU (NCCL gets it
     on the current CUDA device)."""

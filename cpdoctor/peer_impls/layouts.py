@@ -64,13 +64,6 @@ def token_indices(layout: Layout, seq: int, ring: int, ulysses: int, rank: int) 
     raise ValueError(f"unknown layout {layout}")
 
 
-def divisor(layout: Layout, ring: int, ulysses: int) -> int:
-    """What the sequence length must be a multiple of for the layout to give every rank the same count."""
-    if layout in (Layout.ZIGZAG, Layout.HEAD_TAIL):
-        return 2 * ring * ulysses
-    return ring * ulysses
-
-
 def varlen_lengths(total: int, sequences: int) -> list[int]:
     """Lengths of `sequences` packed sequences summing to `total`, deliberately uneven (so sequence boundaries
     fall inside ranks' shards): a ramp 1, 2, ..., n scaled to the total, the rest on the last one."""

@@ -127,10 +127,6 @@ class Counts:
         shard = {k // cp for k in full if cp > 1 and k % cp == 0}
         return cls(tuple(sorted(full)), tuple(sorted(shard)), tuple(sorted({m for m in micro if m > 1})), cp)
 
-    @property
-    def cp_power(self) -> Power:
-        return Power((("cp", 1),), float(self.cp))
-
 
 @dataclass(frozen=True)
 class Literal:
