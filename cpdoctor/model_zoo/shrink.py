@@ -8,7 +8,7 @@ thetas, sampling rates and flags keep their defaults: they are not sizes, and th
 
 A trial builds the model on the meta device (no memory), runs its forward on the meta inputs its family's builder
 makes, and accepts the config when both work, every attention call's heads divide by `HEADS_MULTIPLE` (the
-smallest Ulysses degree) and, with `plan=True`, the class's `_cp_plan` fits the model (plan_fit.py). Constraints
+smallest Ulysses degree) and its head dims by `HEAD_DIM_MULTIPLE` (flash kernels') and, with `plan=True`, the class's `_cp_plan` fits the model (plan_fit.py). Constraints
 between keys are discovered, not listed: relations that hold among the defaults (a tuple summing to an int, as
 rope axes sum to the head dim; an int equal to another; an int that is the product of two others, as a
 cross-attention width is heads x head dim) are kept when one of their keys moves, and a move that fails with them
@@ -28,6 +28,10 @@ from cpdoctor.attempt import Attempt
 
 HEADS_MULTIPLE = 2
 """Attention heads must divide by this (the smallest Ulysses degree), so that a tiny model runs Ulysses 2."""
+HEAD_DIM_MULTIPLE = 8
+"""Every attention's head dim must divide by this, so that a tiny model runs on every backend cpdoctor examines:
+flash-attn 2's mha_fwd/mha_bwd (and aten's vendored copy behind `_native_flash`) refuse a head size that is not a
+multiple of 8 (csrc/flash_attn/flash_api.cpp; cpu_kernels/standin_checks.py keeps the same check)."""
 WIDTH_FLOOR = 2
 """No width goes below 2: a norm over a single channel is constant, and an examination of a constant learns nothing."""
 DEPTH_FLOOR = 1

@@ -5,7 +5,7 @@ identically on every rank. `cpdoctor model ltx` examines one; tests and examples
 Nothing here is a list of configs. `derive(cls)` starts from the class's `__init__` defaults and:
 1. shrinks every width (heads, head dim, channels, hidden sizes, rope axes...) with every block stack cut to one
    block, trying each smaller value on the meta device (shrink.py: the smallest the architecture accepts, its
-   relations kept, heads divisible by 2 so that Ulysses 2 runs);
+   relations kept, heads divisible by 2 so that Ulysses 2 runs, head dims by 8 so that flash kernels run);
 2. gives each block stack the fewest blocks the class's `_cp_plan` names (Helios's plan names its blocks by index
    up to 39: it keeps 40), bisected on whether the plan fits (plan_fit.py);
 3. runs the result for real (one block a stack), on the CPU in fp32: forward and backward through the family's inputs, the output
@@ -109,7 +109,8 @@ def stack_depth_keys(cls: type, defaults: dict[str, Any]) -> dict[str, int]:
 
 class Trial:
     """One trial config on the meta device: (parameters + buffers, None) when it builds, runs its family's inputs,
-    every attention's heads divide by HEADS_MULTIPLE and its queries and keys have its values' head dim; else
+    every attention's heads divide by HEADS_MULTIPLE, its head dims by HEAD_DIM_MULTIPLE (flash kernels run it) and its
+    queries and keys have its values' head dim; else
     (None, why). The plan is not asked here: the widths are searched at one block a stack (`fewest_blocks`)."""
 
     def __init__(self, cls: type) -> None:
@@ -131,6 +132,9 @@ class Trial:
         widened = next(((qk, v) for qk, v in sorted(dims) if qk != v), None)
         if widened is not None:
             return None, f"queries and keys of head dim {widened[0]} against values of {widened[1]}: something broadcast"
+        unaligned = sorted({d for pair in dims for d in pair if d % shrink.HEAD_DIM_MULTIPLE})
+        if unaligned:
+            return None, f"an attention of head dim {unaligned[0]}: flash kernels take multiples of {shrink.HEAD_DIM_MULTIPLE}"
         odd = sorted({h for pair in heads for h in pair if h % shrink.HEADS_MULTIPLE})
         if odd:
             return None, f"an attention with {odd[0]} heads: Ulysses {shrink.HEADS_MULTIPLE} could not split them"

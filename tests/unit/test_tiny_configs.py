@@ -201,3 +201,21 @@ def test_a_suite_check_for_each_video_class_present():
     with pytest.raises(BadInput, match="check 4: each: must be one of video, image, all"):
         _each((Kind.MODEL, {"each": "audio"}), "s.yaml", 4)
     assert [c[1] for c in load("video").checks][:2] == [{"each": "video", "ring": 2}, {"each": "video", "ring": 3}]
+
+
+def test_a_tiny_config_runs_on_flash_kernels_head_dims_a_multiple_of_8():
+    """Regression: Flux derived with head dim 6 (rope axes 2+2+2) and `cpdoctor model flux --backend _native_flash
+    --emulate` stopped on flash's own check (head size a multiple of 8) as UNSUPPORTED. The trial refuses such a
+    head dim; the derived config's attentions all run on flash."""
+    pytest.importorskip("diffusers")
+    from cpdoctor.model_zoo import tiny
+    from cpdoctor.model_zoo.catalog import full_config, resolve_model
+
+    cls = resolve_model("flux").cls
+    base = dict(num_layers=1, num_single_layers=1, num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=8)
+    cost, why = tiny.Trial(cls)(full_config(cls, {**base, "attention_head_dim": 6, "axes_dims_rope": (2, 2, 2)}))
+    assert cost is None and why == "an attention of head dim 6: flash kernels take multiples of 8"
+    cost, why = tiny.Trial(cls)(full_config(cls, {**base, "attention_head_dim": 8, "axes_dims_rope": (2, 2, 4)}))
+    assert why is None and cost > 0
+    derived = tiny.derive(cls).config
+    assert derived["attention_head_dim"] % shrink.HEAD_DIM_MULTIPLE == 0
