@@ -42,6 +42,15 @@ GRACE_AFTER_FAILURE_S = 3.0
 
 POLL_S = 0.05
 
+PORT_TRIES = 3
+"""How many ports a launch tries. `free_port` frees the port it found before rank 0 binds it, and another
+process (an outgoing gloo connection takes an ephemeral port from the same range) can take it meanwhile;
+torch then raises DistNetworkError "... EADDRINUSE ..." in rank 0's TCPStore before any case ran. That is our
+race, not the user's crash, so the launch is started again on a fresh port (torchrun's elastic agent retries
+its rendezvous the same way)."""
+
+PORT_TAKEN = "EADDRINUSE"
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -268,6 +277,13 @@ def _launch_once(
             _kill_all(procs)
 
 
+def _lost_port_race(outcomes: list[CaseOutcome], refused: RankPayload | None) -> bool:
+    """A launch whose first case failed because the rendezvous port was taken before rank 0 bound it."""
+    if refused is not None or len(outcomes) != 1 or outcomes[0].completed:
+        return False
+    return any(PORT_TAKEN in f.message or PORT_TAKEN in f.traceback for f in outcomes[0].failures)
+
+
 def _supervise(watch: _Watch, job: Job, on_tick: Callable[[], None] | None) -> tuple[list[CaseOutcome], RankPayload | None]:
     n = len(job.cases)
     wall_deadline = watch.started + wall_bound_s(job.timeout_s)
@@ -312,9 +328,14 @@ def run_spawned(job: Job, world_size: int, on_tick: Callable[[], None] | None = 
     start = time.monotonic()
     result = LaunchResult()
     remaining = list(job.cases)
+    port_tries = PORT_TRIES
     while remaining:
         outcomes, refused = _launch_once(replace(job, cases=tuple(remaining)), world_size, on_tick, result.advice)
         result.launches += 1
+        port_tries -= 1
+        if port_tries > 0 and _lost_port_race(outcomes, refused):
+            continue
+        port_tries = PORT_TRIES
         if refused is not None:
             setattr(result, "bad_input" if refused.status is RankStatus.BAD_INPUT else "cannot_examine", refused.message)
             break

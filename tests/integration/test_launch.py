@@ -247,3 +247,32 @@ def test_warm_ranks_fork_from_the_server_only_where_a_fresh_interpreter_would_se
     verdict = "FAIL" if has_stale_kv_backward else "PASS"
     warm, cold = ["WarmRank", "WarmRank"], ["Popen", "Popen"]
     assert json.loads(proc.stdout.splitlines()[-1]) == [[verdict, warm], [verdict, cold]] * 2
+
+
+PORT_RACE_SCRIPT = r"""
+import json, socket
+from cpdoctor import api
+from cpdoctor.launch import spawn
+
+taken = socket.socket()  # a port someone else holds, as when another process took it after free_port freed it
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+real, ports = spawn.free_port, []
+spawn.free_port = lambda: ports.append(p := taken.getsockname()[1] if not ports else real()) or p
+report = api.check_attention(ring=2)
+print(json.dumps([report.verdict.value, len(ports)]))
+"""
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_our_race_and_the_launch_starts_again(tmp_path, has_stale_kv_backward):
+    """free_port frees the port before rank 0 binds it; another process taking it meanwhile makes torch's
+    TCPStore raise EADDRINUSE. That is not the user's crash: the launch starts again on a fresh port, and the
+    verdict is the one a free port gives."""
+    script = tmp_path / "race.py"
+    script.write_text(PORT_RACE_SCRIPT)
+    key, value = TAG.split("=")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env={**os.environ, key: value})
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["FAIL" if has_stale_kv_backward else "PASS", 2]

@@ -118,7 +118,8 @@ def test_every_class_at_ring_2(world2, has_stale_kv_backward):
             assert_audio_left_whole(f)
             continue
         assert f.subject.startswith(f"model {name} tiny ring=2 "), f.subject
-        assert f.evidence.model.tiny is not None and f.evidence.model.tiny.parameters < 100_000
+        # the largest is Helios (110k): its plan names 40 blocks by index, each with head dims of 8 (flash's multiple)
+        assert f.evidence.model.tiny is not None and f.evidence.model.tiny.parameters < 150_000
         if has_stale_kv_backward:  # 0.39.0: stale iteration-0 K/V, every class
             assert_backward_wrong(f)
             assert "stale iteration-0" in f.diagnosis

@@ -13,7 +13,8 @@ def test_quick_suite_verdicts(has_stale_kv_backward, tmp_path):
     # the same run as a CI test report: one testcase per check, FAIL as <failure>, parsed as CI systems do
     junitparser = pytest.importorskip("junitparser")
     (suite,) = list(junitparser.JUnitXml.fromfile(str(junit)))
-    assert suite.tests == 5 and suite.failures == sum(f["verdict"] == "FAIL" for f in data["findings"]) and suite.errors == 0
+    errors = [(f["subject"], f["diagnosis"]) for f in data["findings"] if f["verdict"] in ("CRASH", "HANG")]
+    assert suite.tests == 5 and suite.failures == sum(f["verdict"] == "FAIL" for f in data["findings"]) and suite.errors == 0, errors
     assert "padding mask" in markdown.read_text() and markdown.read_text().startswith("### cpdoctor run: FAIL (exit 1)")
     verdicts = [f["verdict"] for f in data["findings"]]
     # ring 2, ring 3, Ulysses 2, ring 2 × Ulysses 2, ring 2 with a padding mask
