@@ -40,6 +40,10 @@ class Baseline(Protocol):
     ref_output: Any
     judged: InputsJudged | None
     """After `expected`: the CP group's inputs against the run without CP (None: compared between peers, one run)."""
+    native: Any
+    """After `expected`: the flat gradient recomputed at the step's own precision and backend (None: not recomputed)."""
+    plan: Any
+    """After `expected`: what the recomputation costs against the memory there is (None: nothing is recomputed)."""
 
     def input_layouts(self, group: StepGroup, recorded: Recorded) -> tuple[ReplicaLayouts, ...]:
         """On every rank: its inputs and output gradients against each rank of the run without CP (empty: one run)."""
@@ -53,8 +57,9 @@ class Baseline(Protocol):
     def output(self, hooks: Any) -> Any:
         """The watched step's output to compare with `ref_output` (None when there is none)."""
 
-    def unmatched(self) -> bool:
-        """Whether the baseline holds no run of this CP group's inputs and weights (two runs: nothing to compare)."""
+    def unmatched(self) -> str | None:
+        """None when the baseline holds a run of this CP group's inputs and weights; else what differs ("" where
+        unknown): two runs with nothing to compare."""
 
 
 class OneProcessReference:
@@ -113,8 +118,8 @@ class OneProcessReference:
     def output(self, hooks: Any) -> Any:
         return hooks.calls[0].output if hooks.calls else None
 
-    def unmatched(self) -> bool:
-        return False
+    def unmatched(self) -> str | None:
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -196,6 +201,8 @@ class RecordedRun:
     needs_weights_digest = True
     judges_inputs = True
     ref_output = None
+    native = None
+    plan = None
     name = "the same step run without CP"
 
     def __init__(self, directory: str) -> None:
@@ -271,12 +278,12 @@ class RecordedRun:
     def output(self, hooks: Any) -> Any:
         return None
 
-    def unmatched(self) -> bool:
-        return self.matched is None
-
-    def why_unmatched(self) -> str:
-        """What of this CP group no rank of the run without CP shares: its weights, and the inputs that match no rank
-        of that run (as the peers judged them: equal, or their shard)."""
+    def unmatched(self) -> str | None:
+        """None when a rank of the run without CP fed this CP group's inputs from its weights; else what of this
+        group no rank of that run shares: its weights, and the inputs that match no rank of that run (as the peers
+        judged them: equal, or their shard)."""
+        if self.matched is not None:
+            return None
         said = [] if self.weights_seen else ["the weights it started from differ from every rank's"]
         if self.judged is not None:
             wrong = [g.name for g in self.judged.inputs if g.placement is Placement.WRONG]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpdoctor.examinations.step.judgment.inputs import InputDiff, InputsJudged, input_diffs
+from cpdoctor.examinations.step.watcher.group import StepGroup
 from cpdoctor.examinations.step.watcher.messages import PeerRecord
 from cpdoctor.vocabulary import DType
 
@@ -273,32 +274,36 @@ def param_errors(first: Any, expected: Any, names: list[str], numels: list[int],
     return params
 
 
-def measure(
-    records: list[PeerRecord],
-    *,
-    ring: int,
-    ulysses: int,
-    dp: int,
-    dtype: str,
-    gather_dim: int,
-    out: Any,
-    ref_out: Any,
-    expected: Any,
-    own: Any = None,
-    param_names: list[str],
-    param_numels: list[int],
-    reference: str = "one fp64 process recomputing the recorded step",
-    recomputed: bool = True,
-    out_numel: int = 0,
-    native: Any = None,
-    judged: InputsJudged | None = None,
-) -> StepNumbers:
-    """The numbers of one CP group: `records` in group order (the first rank's first), `out`/`ref_out` the first
-    rank's output and the reference's, `expected` the flat parameter gradient a correct step ends with (the mean
-    of every CP group's reference), `own` this group's reference alone; `judged` the inputs and output gradients
-    against the run without CP (two runs: where every peer's output gradient is that run's or its shard of it, the
-    peers' are not compared with each other)."""
+@dataclass(frozen=True)
+class Against:
+    """What a CP group's numbers are measured against: the baseline's results (baseline.py, after `expected`)."""
 
+    ref_out: Any
+    """The baseline's output (None: two runs keep none)."""
+    expected: Any
+    """The flat parameter gradient a correct step ends with (the mean of every CP group's baseline)."""
+    own: Any
+    """This CP group's baseline alone."""
+    param_names: list[str]
+    param_numels: list[int]
+    reference: str = "one fp64 process recomputing the recorded step"
+    recomputed: bool = True
+    native: Any = None
+    """The gradient recomputed at the step's own precision and backend (None: not recomputed)."""
+    judged: InputsJudged | None = None
+    """Two runs: the inputs and output gradients against the run without CP."""
+
+
+def measure(
+    records: list[PeerRecord], group: StepGroup, against: Against, *, dtype: str, gather_dim: int, out: Any, out_numel: int
+) -> StepNumbers:
+    """The numbers of one CP group: `records` in group order (the first rank's first), `out` the first rank's
+    output. With two runs, where every peer's output gradient is that run's or its shard of it (`against.judged`),
+    the peers' are not compared with each other."""
+
+    a = against
+    ref_out, expected, own, param_names, param_numels = a.ref_out, a.expected, a.own, a.param_names, a.param_numels
+    judged, native, recomputed, dp = a.judged, a.native, a.recomputed, group.dp
     ranks = tuple(r.rank for r in records)
     right = judged is not None and judged.out_grads_right
     spread, differ = (0.0, []) if right else output_grad_spread(records)
@@ -308,8 +313,8 @@ def measure(
     baselines = param_errors(native, own, param_names, param_numels) if native is not None and own is not None else []
     return StepNumbers(
         ranks=ranks,
-        ring=ring,
-        ulysses=ulysses,
+        ring=group.ring,
+        ulysses=group.ulysses,
         dp=dp,
         dtype=dtype,
         forwards=tuple(r.forwards for r in records),
@@ -326,7 +331,7 @@ def measure(
         missing_grads=tuple(sorted({m for r in records for m in r.missing_grads})),
         own_rel_err=rel(first, own) if own is not None and dp > 1 and recomputed else None,
         own_residual=best_factor(first, own)[1] if own is not None and dp > 1 and recomputed else None,
-        reference=reference,
+        reference=a.reference,
         recomputed=recomputed,
         out_numel=out_numel,
         baseline_rel_err=rel(native, own) if baselines else None,

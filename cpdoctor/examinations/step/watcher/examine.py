@@ -18,7 +18,7 @@ from cpdoctor.examinations.step.judgment.baseline import Baseline
 from cpdoctor.examinations.step.judgment.evidence import StepEvidence, WatchedStep
 from cpdoctor.examinations.step.judgment.factors import Expectation, expectation, logs_of
 from cpdoctor.examinations.step.judgment.judge import StepSignature, first_bad_param, step_finding
-from cpdoctor.examinations.step.judgment.measure import measure
+from cpdoctor.examinations.step.judgment.measure import Against, measure
 from cpdoctor.examinations.step.judgment.reference import ReferenceTooLarge
 from cpdoctor.examinations.step.watcher import agree
 from cpdoctor.examinations.step.watcher.grads import Gradients
@@ -128,14 +128,7 @@ def judged(c: Closing, group: StepGroup, records: list[PeerRecord] | None, grads
 def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gradients, expected: Any, own: Any) -> Finding:
     module, hooks = c.recorded.module, c.recorded.hooks
     gather_dim = compat.output_gather_dim(module)
-    numbers = measure(
-        records,
-        ring=group.ring,
-        ulysses=group.ulysses,
-        dp=group.dp,
-        dtype=c.recorded.dtype,
-        gather_dim=gather_dim,
-        out=c.baseline.output(hooks),
+    against = Against(
         ref_out=c.baseline.ref_output,
         expected=expected,
         own=own,
@@ -143,9 +136,17 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
         param_numels=grads.numels,
         reference=c.baseline.name,
         recomputed=c.baseline.needs_inputs,
-        out_numel=hooks.calls[0].out_numel,
-        native=getattr(c.baseline, "native", None),
+        native=c.baseline.native,
         judged=c.baseline.judged,
+    )
+    numbers = measure(
+        records,
+        group,
+        against,
+        dtype=c.recorded.dtype,
+        gather_dim=gather_dim,
+        out=c.baseline.output(hooks),
+        out_numel=hooks.calls[0].out_numel,
     )
     seen = expectation(
         logs_of([r.events for r in records]),
@@ -160,10 +161,11 @@ def _finding(c: Closing, group: StepGroup, records: list[PeerRecord], grads: Gra
     finding = replace(
         finding,
         subject=f"training step {group.index}, {finding.subject.removeprefix('training step, ')}",
-        evidence=evidence(numbers, seen, c.baseline.name, getattr(c.baseline, "plan", None)),
+        evidence=evidence(numbers, seen, c.baseline.name, c.baseline.plan),
     )
-    if c.baseline.unmatched() and not numbers.inputs_differ:
-        return unmatched(finding, getattr(c.baseline, "why_unmatched", lambda: "")())
+    why = c.baseline.unmatched()
+    if why is not None and not numbers.inputs_differ:
+        return unmatched(finding, why)
     return finding
 
 
