@@ -260,7 +260,7 @@ class Capturing:
                 f"its first optimizer step ({type(optimizer).__name__}, {len(params)} parameters) updates parameters of no "
                 f"module that ran with gradients enabled (outermost modules that did: {seen})",
             )
-        chosen.recorder.optimizer_step(optimizer)  # the gradients as the optimizer step finds them (no clip before)
+        chosen.recorder.optimizer_step(optimizer, inside=False)  # the gradients as the optimizer step finds them (no clip before)
         forwards = chosen.hooks.forwards
         if spec.role is Role.WITHOUT_CP:
             from cpdoctor.examinations.step.runs.two_runs import RecordingWatch

@@ -119,7 +119,7 @@ class Hooks:
     keep_full: bool
     snapshot_weights: Any  # () -> {name: tensor}: the weights the forward uses (FSDP2: a collective on every rank)
     recorder: Any = None
-    """The watch's observe.Recorder: told each output, where the loss graph's paths end."""
+    """The watch's recorder.Recorder: told each output, where the loss graph's paths end."""
     calls: list[Forward] = field(default_factory=list)
     weights: dict | None = None
     autocast: tuple[bool, Any] = (False, None)
