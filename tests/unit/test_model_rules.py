@@ -11,7 +11,7 @@ from cpdoctor.examinations.measurement import Measurement
 from cpdoctor.examinations.model.judge import model_finding
 from cpdoctor.examinations.model.probe import ModelInfo, ModelMeasurement, OpLevel
 from cpdoctor.examinations.model.request import ModelRequest
-from cpdoctor.report import ParamRow, TensorRow, Verdict
+from cpdoctor.report import BlockRow, ParamRow, TensorRow, Verdict
 
 
 def row(err: float, base: float, world: int = 2, per_rank: bool = True) -> TensorRow:
@@ -81,3 +81,41 @@ def test_a_class_without_gradient_checkpointing_is_bad_input_for_checkpointing()
     with pytest.raises(BadInput, match="does not support gradient checkpointing"):
         check_model_takes(ModelRequest(model="x", ring=2, checkpointing=True), spec, 8, 2)
     check_model_takes(ModelRequest(model="x", ring=2), spec, 8, 2)  # without --checkpointing nothing is asked
+
+
+def block(name: str, out: float, grad: float) -> BlockRow:
+    return BlockRow(name, out, grad, 0, 5e-8, 1e-7)
+
+
+def test_the_first_bad_block_is_where_the_error_enters_forward_or_backward():
+    """A wrong output spreads forward, a wrong gradient alone backward: a backward defect in block 2 of 4 makes
+    the input gradients of blocks 0-2 wrong and is named at block 2, not at block 0; a forward defect in block 1
+    makes every later output and every gradient wrong and is named at block 1."""
+    from cpdoctor.examinations.model.judge import first_bad_block, judge_blocks
+
+    backward = judge_blocks([block("b.0", 5e-8, 0.3), block("b.1", 5e-8, 0.3), block("b.2", 5e-8, 0.2), block("b.3", 5e-8, 1e-7)], "fp32")
+    assert [b.verdict for b in backward] == [Verdict.FAIL] * 3 + [Verdict.PASS]
+    assert first_bad_block(backward).name == "b.2"
+    forward = judge_blocks([block("b.0", 5e-8, 0.3), block("b.1", 0.1, 0.3), block("b.2", 0.2, 0.3), block("b.3", 0.2, 0.2)], "fp32")
+    assert first_bad_block(forward).name == "b.1"
+    assert first_bad_block(judge_blocks([block("b.0", 5e-8, 1e-7)], "fp32")) is None
+
+
+def test_a_sequence_joined_from_two_split_streams_is_put_back_stream_by_stream():
+    """Flux2 joins text and image before its single-stream blocks: each rank holds [its text shard, its image shard],
+    which one contiguous concatenation puts in the wrong order (rel err ~1); put back stream by stream it is exact."""
+    import torch
+
+    from cpdoctor.examinations.measurement import compare
+    from cpdoctor.examinations.model.blocks import assemble
+
+    torch.manual_seed(0)
+    text, image = torch.randn(1, 8, 4), torch.randn(1, 32, 4)
+    whole = torch.cat([text, image], dim=1)
+    shards = [torch.cat([t, i], dim=1) for t, i in zip(text.chunk(2, dim=1), image.chunk(2, dim=1))]
+    plain = assemble(shards, whole)
+    assert compare(plain.double().reshape(-1), whole.double().reshape(-1)).rel_err > 0.1
+    joined = assemble(shards, whole, segments=frozenset({4, 16, 20}))
+    assert torch.equal(joined, whole)
+    contiguous = list(whole.chunk(2, dim=1))  # a plain split stays a plain concatenation with the same segments known
+    assert torch.equal(assemble(contiguous, whole, segments=frozenset({4, 16, 20})), whole)

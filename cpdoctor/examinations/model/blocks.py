@@ -88,11 +88,25 @@ class BlockRecorder:
         return BlockRecord(list(self.order), dict(self.outputs), {k: list(v) for k, v in self.grads.items()})
 
 
-def assemble(shards: list[Any], ref: Any, summed: bool = False) -> Any:
+def _split_dim(first: Any, ref: Any, w: int) -> int | None:
+    """The dimension the shards were split along: where the reference is `w` times longer and every other matches."""
+    for d in range(ref.ndim):
+        if ref.shape[d] == w * first.shape[d] and all(ref.shape[e] == first.shape[e] for e in range(ref.ndim) if e != d):
+            return d
+    return None
+
+
+def assemble(shards: list[Any], ref: Any, summed: bool = False, segments: frozenset[int] = frozenset()) -> Any:
     """The whole tensor from the ranks' shards: concatenated along the dimension where the reference is
     len(shards) times longer; when the tensor was not split, the rank-0 copy (an output: every rank holds it) or,
     with `summed`, the sum over the ranks (the gradient of an input every rank holds whole, such as LTX's 3-D
-    timestep embedding: each rank's holds its own tokens' part, as a parameter's does)."""
+    timestep embedding: each rank's holds its own tokens' part, as a parameter's does).
+
+    A block whose sequence the model concatenated from two streams the plan split separately (Flux2 joins text and
+    image before its single-stream blocks: each rank holds [its text shard, its image shard]) is not one contiguous
+    split: with `segments` (the shard lengths the split streams have, see `stream_lengths`) each way of cutting the
+    shards into two such streams is put back stream by stream as well, and the candidate nearest the reference is
+    returned. Only the block table reads this; the verdict compares the model's own output and gradients."""
     import torch
 
     first = shards[0]
@@ -100,11 +114,31 @@ def assemble(shards: list[Any], ref: Any, summed: bool = False) -> Any:
         return None
     if tuple(first.shape) == tuple(ref.shape):
         return torch.stack(list(shards)).sum(dim=0) if summed and all(s is not None for s in shards) else first
-    w = len(shards)
-    for d in range(ref.ndim):
-        if ref.shape[d] == w * first.shape[d] and all(ref.shape[e] == first.shape[e] for e in range(ref.ndim) if e != d):
-            return torch.cat([s for s in shards], dim=d)
-    return None
+    d = _split_dim(first, ref, len(shards))
+    if d is None or any(s is None for s in shards):
+        return None
+    candidates = [torch.cat(list(shards), dim=d)]
+    n = first.shape[d]
+    for a in sorted(x for x in segments if 0 < x < n and n - x in segments):
+        streams = [s.narrow(d, 0, a) for s in shards] + [s.narrow(d, a, n - a) for s in shards]
+        candidates.append(torch.cat(streams, dim=d))
+    if len(candidates) == 1:
+        return candidates[0]
+    from cpdoctor.examinations.measurement import compare
+
+    return min(candidates, key=lambda c: compare(c.double().reshape(-1), ref.double().reshape(-1)).rel_err)
+
+
+def stream_lengths(shard_record: BlockRecord, ref: BlockRecord, w: int) -> frozenset[int]:
+    """The shard lengths of the split sequences one rank's blocks saw (each output's length along its split
+    dimension): the streams a joined sequence may be made of."""
+    lengths = set()
+    for name, outs in shard_record.outputs.items():
+        for shard, whole in zip(outs, ref.outputs.get(name, [])):
+            d = None if shard is None or whole is None else _split_dim(shard, whole, w)
+            if d is not None:
+                lengths.add(int(shard.shape[d]))
+    return frozenset(lengths)
 
 
 def _flat(tensors: list[Any]) -> Any:
@@ -126,11 +160,16 @@ def block_errors(cp: list[BlockRecord], base: BlockRecord | None, ref: BlockReco
     """Per block in the reference's call order: the CP run's output and input-gradient errors (shards of every
     rank assembled) and the no-CP baseline's, against the reference."""
     rows = []
+    segments = stream_lengths(cp[0], ref, len(cp)) if cp else frozenset()
     for name in ref.order:
         ref_out, ref_grad = ref.outputs.get(name, []), ref.grads.get(name, [])
-        out_parts = [assemble([p.outputs.get(name, [None] * len(ref_out))[i] for p in cp], r) for i, r in enumerate(ref_out)]
+        out_parts = [
+            assemble([p.outputs.get(name, [None] * len(ref_out))[i] for p in cp], r, segments=segments) for i, r in enumerate(ref_out)
+        ]
         grad_parts = [
-            None if r is None else assemble([(p.grads.get(name) or [None] * len(ref_grad))[i] for p in cp], r, summed=True)
+            None
+            if r is None
+            else assemble([(p.grads.get(name) or [None] * len(ref_grad))[i] for p in cp], r, summed=True, segments=segments)
             for i, r in enumerate(ref_grad)
         ]
         out_c, grad_c = _error(out_parts, ref_out), _error(grad_parts, ref_grad)

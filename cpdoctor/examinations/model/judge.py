@@ -88,6 +88,10 @@ BLOCK_SLACK = WORST_PARAM_SLACK
 no-CP error + eps): one of many, like the worst parameter."""
 
 
+def _beyond(err: float | None, tol: float) -> bool:
+    return err is not None and not err <= BLOCK_SLACK * tol
+
+
 def judge_blocks(rows: list[BlockRow], dtype: str) -> list[BlockRow]:
     """Each block's row with its tolerances and verdict (FAIL when its output or its input gradient leaves the
     no-CP baseline, or is non-finite)."""
@@ -95,24 +99,29 @@ def judge_blocks(rows: list[BlockRow], dtype: str) -> list[BlockRow]:
     for row in rows:
         out_tol = tolerance(dtype, row.baseline_out_rel_err)
         grad_tol = tolerance(dtype, row.baseline_grad_rel_err)
-        out, grad = row.out_rel_err, row.grad_rel_err
-        bad = (
-            bool(row.nonfinite)
-            or (out is not None and not out <= BLOCK_SLACK * out_tol)
-            or (grad is not None and not grad <= BLOCK_SLACK * grad_tol)
-        )
+        bad = bool(row.nonfinite) or _beyond(row.out_rel_err, out_tol) or _beyond(row.grad_rel_err, grad_tol)
         judged.append(replace(row, out_tolerance=out_tol, grad_tolerance=grad_tol, verdict=Verdict.FAIL if bad else Verdict.PASS))
     return judged
 
 
 def first_bad_block(blocks: list[BlockRow]) -> BlockRow | None:
-    """The first block, in the order the forward runs them, whose error leaves the no-CP baseline."""
-    return next((b for b in blocks if b.verdict is Verdict.FAIL), None)
+    """The block where the error enters. A wrong output spreads forward (every later block's output) and into
+    every gradient, so when some output is off it is the first block, in the order the forward runs them, whose
+    output is. A wrong gradient alone spreads backward (every earlier block's input gradient, never an output),
+    so when every output is right it is the first block the backward runs, the last of the forward order, whose
+    input gradient is off: a backward defect of one block is named there, not at block 0."""
+    bad = [b for b in blocks if b.verdict is Verdict.FAIL]
+    forward = [b for b in bad if b.nonfinite or _beyond(b.out_rel_err, b.out_tolerance or 0.0)]
+    if forward:
+        return forward[0]
+    return bad[-1] if bad else None
 
 
 def _block_text(b: BlockRow) -> str:
+    backward = not (b.nonfinite or _beyond(b.out_rel_err, b.out_tolerance or 0.0))
+    where = ", where the error enters the backward (every block's output is right)" if backward else ""
     return (
-        f"first bad block: {b.name} (output {fmt_or_dash(b.out_rel_err)}, no-CP {fmt_or_dash(b.baseline_out_rel_err)}; "
+        f"first bad block: {b.name}{where} (output {fmt_or_dash(b.out_rel_err)}, no-CP {fmt_or_dash(b.baseline_out_rel_err)}; "
         f"input grad {fmt_or_dash(b.grad_rel_err)}, no-CP {fmt_or_dash(b.baseline_grad_rel_err)})"
     )
 

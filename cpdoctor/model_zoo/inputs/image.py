@@ -6,7 +6,8 @@ Read from diffusers' pipelines (the same in 0.39.0 and 0.42.1): `pipelines/flux/
 in `__call__`; `pipelines/flux2/pipeline_flux2.py` `Flux2Pipeline.prepare_latents` (`_prepare_latent_ids`,
 `_prepare_text_ids`: 4-axis ids with a batch dim); `pipelines/qwenimage/pipeline_qwenimage.py`
 `QwenImagePipeline.prepare_latents` (`_pack_latents`) and its transformer call (`img_shapes`, and
-`encoder_hidden_states_mask`, which the pipeline drops when it is all ones).
+`encoder_hidden_states_mask`, which the pipeline drops when it is all ones; where the forward still takes
+`txt_seq_lens`, as 0.36.0's does, the pipeline's `prompt_embeds_mask.sum(dim=1).tolist()`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ _IMAGE_PACK = 2  # the pipelines pack 2x2 latent pixels into one token
 
 def _packed_image_multiple(config: Mapping[str, Any]) -> int:
     return _IMAGE_VAE_SCALE * _IMAGE_PACK
+
+
+def _embeds_guidance(cls: type, config: Mapping[str, Any]) -> bool:
+    """The model embeds a guidance scale: its config says so (`guidance_embeds`), or its class has no such switch and
+    always does (Flux2 before the switch arrived, 0.36.0: its pipeline passes `guidance` on every call)."""
+    import inspect
+
+    if "guidance_embeds" in inspect.signature(cls.__init__).parameters:
+        return bool(config.get("guidance_embeds"))
+    return True
 
 
 def _build_packed_image(cls: type, config: Mapping[str, Any], shape: InputShape) -> ModelInputs:
@@ -45,7 +56,7 @@ def _build_packed_image(cls: type, config: Mapping[str, Any], shape: InputShape)
     }
     if "pooled_projections" in params and config.get("pooled_projection_dim"):
         kw["pooled_projections"] = rand((batch, int(config["pooled_projection_dim"])), device, dtype, generator)
-    if "guidance" in params and config.get("guidance_embeds"):
+    if "guidance" in params and _embeds_guidance(cls, config):
         kw["guidance"] = torch.full((batch,), 3.5, device=device, dtype=dtype)
     if "img_ids" in params:
         axes = len(config.get("axes_dims_rope") or (0, 0, 0))
@@ -63,7 +74,13 @@ def _build_packed_image(cls: type, config: Mapping[str, Any], shape: InputShape)
         kw["img_ids"], kw["txt_ids"] = img_ids, txt_ids
     if "img_shapes" in params:
         kw["img_shapes"] = [[(1, gh, gw)]] * batch
-    if "encoder_hidden_states_mask" in params and shape.text_mask:
+    # Qwen-Image's forward before `encoder_hidden_states_mask` alone sized its text rope (0.36.0) takes
+    # `txt_seq_lens`, and that pipeline passes it and the mask on every call, ones where nothing is padded (its
+    # plan names the mask, and that release's CP hook raises on a named input the call leaves out)
+    sized_by_lens = "txt_seq_lens" in params
+    if sized_by_lens:
+        kw["txt_seq_lens"] = [text_len] * batch  # the pipeline's prompt_embeds_mask.sum(dim=1).tolist()
+    if "encoder_hidden_states_mask" in params and (shape.text_mask or sized_by_lens):
         kw["encoder_hidden_states_mask"] = torch.ones((batch, text_len), device=device, dtype=torch.long)
     return ModelInputs(kw, gh * step, gw * step, None, text_len)
 
