@@ -297,7 +297,8 @@ RELEASE_REFUSALS: tuple[ReleaseRefusal, ...] = (
         "attention mask",
         r"Attention mask is not yet supported for templated attention",
         "masks under CP attention arrived with diffusers 0.37.0 (whose ring then needs cpdoctor.patch() to rotate them with the "
-        "keys): upgrade diffusers, or feed the model unpadded text of a length that divides (`cpdoctor plan` finds one)",
+        "keys): upgrade diffusers, or call the model without a text mask (unpadded text of a length that divides: `cpdoctor "
+        "plan` finds one; a pipeline that passes an all-ones mask on every call, as LTX's does, must leave it out)",
     ),
     ReleaseRefusal(
         "not supported by this release",

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cpdoctor.launch.spawn import free_port
+from cpdoctor.launch.spawn import PORT_TAKEN, PORT_TRIES, free_port
 
 
 def path_first(folder: str, path: str | None) -> str:
@@ -48,7 +48,17 @@ class ScriptRun:
 
 def run_under_torchrun(script: str, world_size: int, import_first: str, cwd: str, timeout_s: float) -> ScriptRun:
     """`torchrun --nproc-per-node W script` on this host, `import_first` first on the ranks' PYTHONPATH and
-    nothing of cpdoctor's on it (the script must need only torch and diffusers)."""
+    nothing of cpdoctor's on it (the script must need only torch and diffusers). A run whose rendezvous port was
+    taken before torchrun bound it (spawn.PORT_TRIES: our race, not the script's failure) is started again."""
+    run = _torchrun_once(script, world_size, import_first, cwd, timeout_s)
+    for _ in range(PORT_TRIES - 1):
+        if run.returncode in (0, None) or PORT_TAKEN not in run.stderr:
+            break
+        run = _torchrun_once(script, world_size, import_first, cwd, timeout_s)
+    return run
+
+
+def _torchrun_once(script: str, world_size: int, import_first: str, cwd: str, timeout_s: float) -> ScriptRun:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = import_first
     command = [

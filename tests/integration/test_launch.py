@@ -276,3 +276,21 @@ def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_our_race_and_the_laun
     import json
 
     assert json.loads(proc.stdout.splitlines()[-1]) == ["FAIL" if has_stale_kv_backward else "PASS", 2]
+
+
+def test_a_taken_port_under_torchrun_is_our_race_too(tmp_path, monkeypatch):
+    """The written repro runs under torchrun on a port free_port found: taken meanwhile, torchrun's own TCPStore
+    raises EADDRINUSE, and the script is started again on a fresh port rather than reported as failing."""
+    from cpdoctor.launch import script as script_mod
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = []
+    real = script_mod.free_port
+    monkeypatch.setattr(script_mod, "free_port", lambda: ports.append(p := taken.getsockname()[1] if not ports else real()) or p)
+    (tmp_path / "hello.py").write_text("import os\nopen(f\"rank{os.environ['RANK']}\", 'w').write('ran')\n")
+    run = script_mod.run_under_torchrun(str(tmp_path / "hello.py"), 2, str(tmp_path), str(tmp_path), timeout_s=120)
+    taken.close()
+    assert run.returncode == 0 and len(ports) == 2, run.stderr[-2000:]
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "ran"
