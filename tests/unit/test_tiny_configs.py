@@ -219,3 +219,42 @@ def test_a_tiny_config_runs_on_flash_kernels_head_dims_a_multiple_of_8():
     assert why is None and cost > 0
     derived = tiny.derive(cls).config
     assert derived["attention_head_dim"] % shrink.HEAD_DIM_MULTIPLE == 0
+
+
+class _QwenBefore037:
+    """The signature Qwen-Image's class had in diffusers 0.36.0 (transformer_qwenimage.py): its forward still takes
+    `txt_seq_lens`, and its pipeline passes it and the text mask on every call."""
+
+    _cp_plan: dict = {}
+
+    def __init__(self, in_channels: int = 4, joint_attention_dim: int = 8, guidance_embeds: bool = False) -> None: ...
+
+    def forward(self, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None, timestep=None,
+                img_shapes=None, txt_seq_lens=None, guidance=None, attention_kwargs=None, return_dict=True): ...  # fmt: skip
+
+
+class _Flux2Before037:
+    """The signature Flux2's class had in diffusers 0.36.0 (transformer_flux2.py): no `guidance_embeds` switch, the
+    guidance always embedded (its forward calls `guidance.to(...)`)."""
+
+    _cp_plan: dict = {}
+
+    def __init__(self, in_channels: int = 4, joint_attention_dim: int = 8) -> None: ...
+
+    def forward(self, hidden_states, encoder_hidden_states=None, timestep=None, img_ids=None, txt_ids=None, guidance=None,
+                joint_attention_kwargs=None, return_dict=True): ...  # fmt: skip
+
+
+def test_packed_image_inputs_follow_the_signature_of_the_release():
+    """What an older release's forward needs is read from its signature, as its pipeline passes it: Qwen-Image's
+    `txt_seq_lens` with the all-ones mask (0.36.0's CP hook raises on a plan input the call leaves out), and Flux2's
+    guidance where the class has no switch; with the switch, its value decides (off: no guidance)."""
+    from cpdoctor.model_zoo.inputs.base import InputShape
+    from cpdoctor.model_zoo.inputs.image import PACKED_IMAGE
+
+    config = {"in_channels": 4, "joint_attention_dim": 8, "guidance_embeds": False}
+    qwen = PACKED_IMAGE.build(_QwenBefore037, config, InputShape(64, 64, 8, batch=2)).kwargs
+    assert qwen["txt_seq_lens"] == [8, 8] and tuple(qwen["encoder_hidden_states_mask"].shape) == (2, 8)
+    assert "guidance" not in qwen
+    flux2 = PACKED_IMAGE.build(_Flux2Before037, {"in_channels": 4, "joint_attention_dim": 8}, InputShape(64, 64, 8)).kwargs
+    assert tuple(flux2["guidance"].shape) == (1,) and "txt_seq_lens" not in flux2
