@@ -94,8 +94,10 @@ class Packing:
 
 class ChunkMasks:
     """The attention mask as each KV chunk needs it. A key mask (no query dimension, over this rank's keys)
-    travels with its keys: `local` is this rank's chunk of it, packed with K and V. A mask that covers every
-    key already (one with a query dimension, or a ring of one) stays here as `full` and is sliced per chunk.
+    travels with its keys: `local` is this rank's chunk of it, packed with K and V. A mask with a query dimension
+    that covers every key (or any mask in a ring of one) stays here as `full` and is sliced per chunk. A key mask
+    over every key of a ring is refused: which key of the model's order sits in which rank's chunk is unknown
+    (stock diffusers refuses it too, with a shape error), and slicing it by rank would be silently wrong.
     For each chunk it also says which rows have no allowed key and whether no row has one, worked out when
     the chunk first arrives and kept for the backward."""
 
@@ -118,6 +120,14 @@ class ChunkMasks:
             raise ValueError(f"ring attention: an attention mask must be 2-, 3- or 4-D, got shape {tuple(attn_mask.shape)}")
         self.per_head = m.shape[1] > 1
         length = m.shape[-1]
+        if length == comm.world * chunk_len and comm.world > 1 and m.shape[-2] == 1:
+            raise ValueError(
+                f"ring attention: the key mask covers all {length} keys of the ring, not this rank's {chunk_len}: the "
+                "model's _cp_plan did not split it with the keys, and the order in which the model laid out the ranks' "
+                "keys cannot be read from it (a model that joins two streams the plan split, as Qwen-Image's forward "
+                "in diffusers 0.37.0 joins text and image, does not lay them out rank by rank); split the mask in "
+                "the plan as its keys are split"
+            )
         if length == comm.world * chunk_len:
             self.full = m
             return

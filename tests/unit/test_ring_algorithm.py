@@ -402,3 +402,14 @@ def test_fixed_ulysses_runs_for_a_fused_kernel(monkeypatch: pytest.MonkeyPatch) 
     assert _RecordingOriginal.calls == []
     ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, q, q))).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_a_key_mask_over_every_key_of_the_ring_is_refused_not_sliced():
+    """A key mask the plan left whole (diffusers 0.37.0's Qwen-Image builds [text mask, image ones] over the full
+    sequence while each rank holds [its text, its image]): slicing it rank by rank would mask the wrong keys
+    silently (out rel err 0.0037 measured), so the ring refuses it; a ring of one takes it, and a mask with a query
+    dimension over every key is still sliced (test_ring_is_exact's "rows")."""
+    whole = torch.ones(1, 2 * S_LOCAL, dtype=torch.bool)
+    with pytest.raises(ValueError, match="did not split it with the keys"):
+        ring.ChunkMasks(whole, S_LOCAL, ThreadComm(_Hub(2), 0))
+    assert ring.ChunkMasks(whole[:, :S_LOCAL], S_LOCAL, ThreadComm(_Hub(1), 0)).present
