@@ -26,14 +26,11 @@ def _packed_image_multiple(config: Mapping[str, Any]) -> int:
     return _IMAGE_VAE_SCALE * _IMAGE_PACK
 
 
-def _embeds_guidance(cls: type, config: Mapping[str, Any]) -> bool:
-    """The model embeds a guidance scale: its config says so (`guidance_embeds`), or its class has no such switch and
-    always does (Flux2 before the switch arrived, 0.36.0: its pipeline passes `guidance` on every call)."""
-    import inspect
-
-    if "guidance_embeds" in inspect.signature(cls.__init__).parameters:
-        return bool(config.get("guidance_embeds"))
-    return True
+def _embeds_guidance(config: Mapping[str, Any]) -> bool:
+    """The model embeds a guidance scale. `config` holds every `__init__` key of the class (`full_config` or
+    `model.config`), so a class with the `guidance_embeds` switch says it there, and one without it always embeds
+    the scale (Flux2 before the switch arrived, 0.36.0: its pipeline passes `guidance` on every call)."""
+    return bool(config.get("guidance_embeds", True))
 
 
 def _build_packed_image(cls: type, config: Mapping[str, Any], shape: InputShape) -> ModelInputs:
@@ -56,7 +53,7 @@ def _build_packed_image(cls: type, config: Mapping[str, Any], shape: InputShape)
     }
     if "pooled_projections" in params and config.get("pooled_projection_dim"):
         kw["pooled_projections"] = rand((batch, int(config["pooled_projection_dim"])), device, dtype, generator)
-    if "guidance" in params and _embeds_guidance(cls, config):
+    if "guidance" in params and _embeds_guidance(config):
         kw["guidance"] = torch.full((batch,), 3.5, device=device, dtype=dtype)
     if "img_ids" in params:
         axes = len(config.get("axes_dims_rope") or (0, 0, 0))

@@ -109,11 +109,14 @@ class ClipCalls:
         self.w = watching
         self.depth = 0
         """How deep inside a clip this thread is (FSDP1's clip calls torch's: one clip, observed once)."""
+        self._entry: Callable[[list[Any], bool], None] = lambda params, by_value: None
+        """The gradients as a clip found them, recorded (`install` makes it: `disabled` imports torch)."""
 
     def install(self) -> None:
         import torch
 
         w = self.w
+        self._entry = w.disabled(self._note_clip_entry)
         clip_grad, scale_name, value_name = training.clip_functions()
         if scale_name is not None:
             scaled = getattr(clip_grad, scale_name)
@@ -127,57 +130,52 @@ class ClipCalls:
         if fsdp1 is not None and hasattr(fsdp1, "FullyShardedDataParallel"):
             w.wrap(fsdp1.FullyShardedDataParallel, "clip_grad_norm_", self._fsdp1_clip)
 
+    def _clipping(self, params: list[Any], by_value: bool, run: Callable[[], Any], note: Callable[[Any], None]) -> Any:
+        """One clip as the watcher sees it: the outermost of nested clips (FSDP1's calls torch's) opens a gap in the
+        step, the gradients are taken as the clip found them, `run` clips, `note(result)` records what it did, and
+        the gap closes."""
+        outermost = not self.depth
+        if outermost:
+            self.w.gap("the clip")
+        self._entry(params, by_value)
+        self.depth += 1
+        try:
+            result = run()
+        finally:
+            self.depth -= 1
+        note(result)
+        if outermost:
+            self.w.settle("the clip")
+        return result
+
     def _clip_scale(self, original: Callable) -> Callable:
         """torch's `_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None)`: every norm clip."""
-        entry, note = self.w.disabled(self._note_clip_entry), self.w.disabled(self._note_clip_norm)
+        note = self.w.disabled(self._note_clip_norm)
 
         def clip(parameters: Any, max_norm: Any, total_norm: Any, *args: Any, **kwargs: Any) -> Any:
             params = listed(parameters)
-            outermost = not self.depth
-            if outermost:
-                self.w.gap("the clip")
-            entry(params, False)
-            self.depth += 1
-            try:
-                result = original(params, max_norm, total_norm, *args, **kwargs)
-            finally:
-                self.depth -= 1
-            note(params, max_norm, total_norm)
-            if outermost:
-                self.w.settle("the clip")
-            return result
+            run = lambda: original(params, max_norm, total_norm, *args, **kwargs)  # noqa: E731
+            return self._clipping(params, False, run, lambda _: note(params, max_norm, total_norm))
 
         return clip
 
     def _fsdp1_clip(self, original: Callable) -> Callable:
-        entry, note = self.w.disabled(self._note_clip_entry), self.w.disabled(self._note_clip_norm)
+        note = self.w.disabled(self._note_clip_norm)
 
         def clip(module: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
             params = list(module.parameters())
-            self.w.gap("the clip")
-            entry(params, False)
-            self.depth += 1
-            try:
-                total = original(module, max_norm, *args, **kwargs)
-            finally:
-                self.depth -= 1
-            note(params, max_norm, total)
-            self.w.settle("the clip")
-            return total
+            run = lambda: original(module, max_norm, *args, **kwargs)  # noqa: E731
+            return self._clipping(params, False, run, lambda total: note(params, max_norm, total))
 
         return clip
 
     def _clip_value(self, original: Callable) -> Callable:
-        entry, note = self.w.disabled(self._note_clip_entry), self.w.disabled(self._note_clip_value)
+        note = self.w.disabled(self._note_clip_value)
 
         def clip(parameters: Any, clip_value: Any, *args: Any, **kwargs: Any) -> Any:
             params = listed(parameters)
-            self.w.gap("the clip")
-            entry(params, True)
-            result = original(params, clip_value, *args, **kwargs)
-            note(params, clip_value)
-            self.w.settle("the clip")
-            return result
+            run = lambda: original(params, clip_value, *args, **kwargs)  # noqa: E731
+            return self._clipping(params, True, run, lambda _: note(params, clip_value))
 
         return clip
 
