@@ -14,9 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cpdoctor.examinations.step.judgment.diagnosis import block_of  # noqa: E402
 from cpdoctor.examinations.step.judgment.factors import Expectation, Reduction, expectation  # noqa: E402
 from cpdoctor.examinations.step.judgment.inputs import InputDiff, input_diffs  # noqa: E402
-from cpdoctor.examinations.step.judgment.judge import block_of, factor_candidates, step_finding  # noqa: E402
+from cpdoctor.examinations.step.judgment.judge import step_finding  # noqa: E402
 from cpdoctor.examinations.step.judgment.measure import (  # noqa: E402
     OutGrad,
     ParamError,
@@ -27,6 +28,7 @@ from cpdoctor.examinations.step.judgment.measure import (  # noqa: E402
     own_shard_only,
     reference_out_grads,
 )
+from cpdoctor.examinations.step.judgment.signature import factor_candidates  # noqa: E402
 from cpdoctor.examinations.step.watcher.events import (  # noqa: E402
     BackwardRoot,
     ClipNorm,

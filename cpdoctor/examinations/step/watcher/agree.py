@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import traceback
 
-from cpdoctor.examinations.step.judgment.judge import attention_crash, crash_command
+from cpdoctor.examinations.step.judgment.diagnosis import attention_crash, crash_command
 from cpdoctor.examinations.step.watcher.group import StepGroup
 from cpdoctor.examinations.step.watcher.messages import Arrival, Decision, ReferenceOutcome
 from cpdoctor.launch import watcher_comm

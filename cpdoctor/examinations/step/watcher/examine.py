@@ -15,11 +15,13 @@ from typing import Any
 from cpdoctor.attempt import Attempt
 from cpdoctor.compat import parallel_config as compat
 from cpdoctor.examinations.step.judgment.baseline import Baseline
+from cpdoctor.examinations.step.judgment.diagnosis import first_bad_param
 from cpdoctor.examinations.step.judgment.evidence import StepEvidence, WatchedStep
 from cpdoctor.examinations.step.judgment.factors import Expectation, expectation, logs_of
-from cpdoctor.examinations.step.judgment.judge import StepSignature, first_bad_param, step_finding
+from cpdoctor.examinations.step.judgment.judge import step_finding
 from cpdoctor.examinations.step.judgment.measure import Against, measure
 from cpdoctor.examinations.step.judgment.reference import ReferenceTooLarge
+from cpdoctor.examinations.step.judgment.signature import StepSignature
 from cpdoctor.examinations.step.watcher import agree
 from cpdoctor.examinations.step.watcher.grads import Gradients
 from cpdoctor.examinations.step.watcher.group import StepGroup
