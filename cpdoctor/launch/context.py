@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,9 @@ class DistContext:
     """This CP group's process group for sums (None: the default group, one replica)."""
     _world_report: Any = None
     """A gloo group of the whole world, for rank 0's decision on every rank (None: the report group is the world)."""
+    _found_groups: frozenset[int] = frozenset()
+    """The ids of the process groups registered when this context joined a training script's world: every other
+    group registered at `close` (report groups, CP meshes, the meshes diffusers flattens) is this context's."""
 
     @classmethod
     def join(cls, timeout_s: float, device_pref: str = "auto", group_size: int | None = None) -> DistContext:
@@ -89,12 +93,14 @@ class DistContext:
             dist.init_process_group(**kwargs)
         else:
             pg_backend = dist.get_backend()
+        found = frozenset() if owns_group else frozenset(id(g) for g in registered_groups())
         # A group of its own for reports: a rank that failed early gathers there while its peers may still be
         # inside a collective of the examination on the default group, and the two must never pair up.
         size = world_size if group_size is None else group_size
         if size == world_size:
             report_group = dist.new_group(backend="gloo", timeout=timeout * 2)
-            return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group)
+            return cls(rank, world_size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group,
+                       _found_groups=found)  # fmt: skip
         world_report = dist.new_group(backend="gloo", timeout=timeout * 2)
         mine = rank // size
         groups = [(dist.new_group(list(range(r * size, (r + 1) * size)), timeout=timeout),
@@ -102,7 +108,8 @@ class DistContext:
                   for r in range(world_size // size)]  # fmt: skip  # every rank creates every group, in one order
         group, report_group = groups[mine]
         return cls(rank % size, size, local_rank, device, pg_backend, timeout_s, report_group, owns_group=owns_group,
-                   replicas=world_size // size, _leader=mine * size, _group=group, _world_report=world_report)  # fmt: skip
+                   replicas=world_size // size, _leader=mine * size, _group=group, _world_report=world_report,
+                   _found_groups=found)  # fmt: skip
 
     def cp_mesh(self, ring: int, ulysses: int) -> Any:
         """The (ring, ulysses) device mesh diffusers' ParallelConfig.setup expects."""
@@ -183,6 +190,31 @@ class DistContext:
             if self.owns_group:
                 dist.destroy_process_group()
             else:
-                for group in (self._report_group, self._group, self._world_report):
-                    if group is not None:
-                        dist.destroy_process_group(group)
+                self._leave_the_scripts_world()
+
+    def _leave_the_scripts_world(self) -> None:
+        """Leave a training script's process as it was found: destroy every group this context created (the report
+        groups, the CP meshes and what diffusers flattened of them; the script's own groups stay), drop the meshes,
+        and collect now what only reference cycles still hold. A destroyed gloo group left to the collector runs
+        its destructor whenever a collection happens, at worst during interpreter finalization, where it aborted
+        the script at exit ("terminate called without an active exception", SIGABRT, docs/DECISIONS.md)."""
+        import torch.distributed as dist
+
+        known = [self._report_group, self._group, self._world_report]
+        created = [g for g in registered_groups() if id(g) not in self._found_groups]
+        for group in dict.fromkeys(g for g in known + created if g is not None):
+            with contextlib.suppress(Exception):  # one already destroyed (or broken) must not keep the rest
+                dist.destroy_process_group(group)
+        self._meshes.clear()
+        self._report_group = self._group = self._world_report = None
+        gc.collect()
+
+
+def registered_groups() -> list[Any]:
+    """The process groups torch's c10d has registered in this process, the default one included. c10d keeps them in
+    `distributed_c10d._world.pg_map` (private, no public listing): read where it exists, [] where it does not (then
+    `close` destroys only the groups it holds by name)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return list(pg_map) if isinstance(pg_map, dict) else []
