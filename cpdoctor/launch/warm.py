@@ -186,4 +186,4 @@ def _rank_main(job_path: str, out_dir: str, env: dict[str, str], log_path: str) 
     code = worker_main(job_path, out_dir)
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(code)
+    os._exit(code)  # as launch/__main__.py: no interpreter finalization after a gloo job
