@@ -134,14 +134,49 @@ def print_plan(request: Any) -> None:
         err.print(line, markup=False, highlight=False, style="yellow" if "warning:" in line else None)
 
 
+# the options only `model` takes (the shared ones are cli/options.py's)
+ModelName = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL",
+        help="short name (flux, ltx, wan, helios, ... see `cpdoctor plan --list`), class name, hub id (org/name, from the local Hugging Face cache), or a pipeline / transformer directory",
+    ),
+]
+Revision = Annotated[
+    Optional[str], typer.Option("--revision", help="Hub id only: branch, tag or commit in the local Hugging Face cache (default main).")
+]
+Variant = Annotated[
+    Optional[str], typer.Option("--variant", help="Weight file variant, e.g. fp16 or bf16 (diffusion_pytorch_model.fp16.safetensors).")
+]
+Download = Annotated[
+    bool,
+    flag("--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."),
+]
+AllowPickle = Annotated[
+    bool,
+    flag(
+        "--allow-pickle",
+        help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only).",
+    ),
+]
+ConfigFile = Annotated[
+    Optional[str],
+    typer.Option(
+        "--config",
+        help="A config.json for MODEL's class (e.g. a checkpoint's, full width): that model with seeded random weights instead of the tiny config; --blocks cuts it.",
+    ),
+]
+Blocks = Annotated[
+    Optional[int],
+    typer.Option(
+        "--blocks",
+        help="Examine the input embedders, the first N blocks of each block stack and the output layers, reading only their tensors (default: the most that fit in memory).",
+    ),
+]
+
+
 def model(
-    model_name: Annotated[
-        str,
-        typer.Argument(
-            metavar="MODEL",
-            help="short name (flux, ltx, wan, helios, ... see `cpdoctor plan --list`), class name, hub id (org/name, from the local Hugging Face cache), or a pipeline / transformer directory",
-        ),
-    ],
+    model_name: ModelName,
     ring: Ring = None,
     ulysses: Ulysses = None,
     backend: Backend = "auto",
@@ -155,37 +190,12 @@ def model(
     mask_pad: MaskPad = 0,
     device: Device = DeviceName.AUTO,
     patch: Patch = False,
-    revision: Annotated[
-        Optional[str], typer.Option("--revision", help="Hub id only: branch, tag or commit in the local Hugging Face cache (default main).")
-    ] = None,
-    variant: Annotated[
-        Optional[str], typer.Option("--variant", help="Weight file variant, e.g. fp16 or bf16 (diffusion_pytorch_model.fp16.safetensors).")
-    ] = None,
-    download: Annotated[
-        bool,
-        flag("--download", help="Hub id only: fetch the transformer's files when the local cache lacks them (never otherwise)."),
-    ] = False,
-    allow_pickle: Annotated[
-        bool,
-        flag(
-            "--allow-pickle",
-            help="Load pickle weights (.bin) when a checkpoint has no safetensors (unpickling runs code: trusted files only).",
-        ),
-    ] = False,
-    config: Annotated[
-        Optional[str],
-        typer.Option(
-            "--config",
-            help="A config.json for MODEL's class (e.g. a checkpoint's, full width): that model with seeded random weights instead of the tiny config; --blocks cuts it.",
-        ),
-    ] = None,
-    blocks: Annotated[
-        Optional[int],
-        typer.Option(
-            "--blocks",
-            help="Examine the input embedders, the first N blocks of each block stack and the output layers, reading only their tensors (default: the most that fit in memory).",
-        ),
-    ] = None,
+    revision: Revision = None,
+    variant: Variant = None,
+    download: Download = False,
+    allow_pickle: AllowPickle = False,
+    config: ConfigFile = None,
+    blocks: Blocks = None,
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
@@ -17,32 +17,42 @@ FUNCTION_FORM = re.compile(r"^[^-].*:[A-Za-z_][A-Za-z0-9_]*$")
 """`path/to/train.py:function`: one argument, a colon, an identifier. Anything else is a command (after `--`)."""
 
 
+# the options only `step` takes (the shared ones are cli/options.py's)
+Target = Annotated[
+    Optional[list[str]],
+    typer.Argument(
+        metavar="path/to/train.py:function | -- COMMAND...",
+        help="The script and its step function, or your launch command after -- (see below).",
+    ),
+]
+Nproc = Annotated[
+    Optional[int], typer.Option("--nproc", help="Ranks to start (default: dp × ring × ulysses, or 2; torchrun decides under torchrun).")
+]
+StepRing = Annotated[
+    Optional[int],
+    typer.Option("--ring", help="Ring degree handed to a function that takes its degrees, or to the command's {ring} (default 2)."),
+]
+StepUlysses = Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree handed to it (default 1).")]
+Dp = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size handed to it (default 1).")]
+StepReference = Annotated[Reference, typer.Option("--reference", help="Precision of the one-process recomputation.")]
+StepEmulate = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--emulate",
+        help="With a command: fake an environment in its processes where CPU ranks differ from GPU ones (diffusers-cpu, torchtitan-cpu).",
+    ),
+]
+
+
 def step(
-    target: Annotated[
-        Optional[list[str]],
-        typer.Argument(
-            metavar="path/to/train.py:function | -- COMMAND...",
-            help="The script and its step function, or your launch command after -- (see below).",
-        ),
-    ] = None,
-    nproc: Annotated[
-        Optional[int], typer.Option("--nproc", help="Ranks to start (default: dp × ring × ulysses, or 2; torchrun decides under torchrun).")
-    ] = None,
-    ring: Annotated[
-        Optional[int],
-        typer.Option("--ring", help="Ring degree handed to a function that takes its degrees, or to the command's {ring} (default 2)."),
-    ] = None,
-    ulysses: Annotated[Optional[int], typer.Option("--ulysses", help="Ulysses degree handed to it (default 1).")] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size handed to it (default 1).")] = None,
+    target: Target = None,
+    nproc: Nproc = None,
+    ring: StepRing = None,
+    ulysses: StepUlysses = None,
+    dp: Dp = None,
     device: Device = DeviceName.AUTO,
-    reference: Annotated[Reference, typer.Option("--reference", help="Precision of the one-process recomputation.")] = Reference.FP64,
-    emulate: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--emulate",
-            help="With a command: fake an environment in its processes where CPU ranks differ from GPU ones (diffusers-cpu, torchtitan-cpu).",
-        ),
-    ] = None,
+    reference: StepReference = Reference.FP64,
+    emulate: StepEmulate = None,
     timeout: Timeout = DEFAULT_TIMEOUT_S,
     json_path: JsonPath = None,
     junit_path: JunitPath = None,
@@ -59,26 +69,45 @@ def step(
     The function's contract: it runs on every rank inside the job's process group (cpdoctor starts it, or joins torchrun's: do not initialise or destroy it). It builds its model (enable_parallelism when cp > 1) and mesh from the degrees it is given, seeds weights and data the same way whatever the degrees, and runs its step inside `with watch_step(model):` (forward, loss, backward, gradient sync; optimizer.step() after the block).
 
     Exit 0 the step is right, 1 wrong / crash / hang, 2 bad input, 3 nothing examined (e.g. the step never called backward, the command never reached an optimizer step)."""
-    from cpdoctor import api
-    from cpdoctor.errors import BadInput
     from cpdoctor.report import render
 
     check_run_options(timeout, json_path, junit_path, markdown_path)
     words = list(target or [])
     quiet = "-" in (json_path, junit_path, markdown_path)
+    degrees = {"ring": ring, "ulysses": ulysses, "dp": dp}
     if len(words) == 1 and FUNCTION_FORM.match(words[0]):
-        if emulate:
-            raise BadInput("--emulate applies to a command (cpdoctor step -- COMMAND), not to a step function")
-        api.warm_ranks(models=True)
-        with waiting(f"running {words[0]}", quiet=quiet):
-            report = api.examine_step(
-                words[0], nproc=nproc, ring=ring, ulysses=ulysses, dp=dp, device=device, reference=reference, timeout_s=timeout
-            )
+        report = _run_function(words[0], degrees, nproc, device, reference, emulate, timeout, quiet)
     else:
-        if nproc is not None:
-            raise BadInput("--nproc is for a step function: your command starts its own processes (give it {nproc})")
-        if reference is not Reference.FP64:
-            raise BadInput("--reference is for a step function run once: a command is compared with its own run without CP")
-        with waiting(f"running {' '.join(words)} twice", quiet=quiet):
-            report = api.examine_command(words, ring=ring, ulysses=ulysses, dp=dp, emulate=tuple(emulate or ()), timeout_s=timeout)
+        report = _run_command(words, degrees, nproc, reference, emulate, timeout, quiet)
     emit(report, json_path, render, junit_path=junit_path, markdown_path=markdown_path, command="step")
+
+
+def _run_function(
+    target: str, degrees: dict[str, int | None], nproc: int | None, device: DeviceName, reference: Reference,
+    emulate: list[str] | None, timeout: float, quiet: bool,
+) -> Any:  # fmt: skip
+    """`cpdoctor step path/to/train.py:function`: the step function on its ranks (once, or twice with its degrees)."""
+    from cpdoctor import api
+    from cpdoctor.errors import BadInput
+
+    if emulate:
+        raise BadInput("--emulate applies to a command (cpdoctor step -- COMMAND), not to a step function")
+    api.warm_ranks(models=True)
+    with waiting(f"running {target}", quiet=quiet):
+        return api.examine_step(target, nproc=nproc, device=device, reference=reference, timeout_s=timeout, **degrees)
+
+
+def _run_command(
+    words: list[str], degrees: dict[str, int | None], nproc: int | None, reference: Reference, emulate: list[str] | None,
+    timeout: float, quiet: bool,
+) -> Any:  # fmt: skip
+    """`cpdoctor step -- COMMAND`: the user's own launch command, run without CP and with it."""
+    from cpdoctor import api
+    from cpdoctor.errors import BadInput
+
+    if nproc is not None:
+        raise BadInput("--nproc is for a step function: your command starts its own processes (give it {nproc})")
+    if reference is not Reference.FP64:
+        raise BadInput("--reference is for a step function run once: a command is compared with its own run without CP")
+    with waiting(f"running {' '.join(words)} twice", quiet=quiet):
+        return api.examine_command(words, emulate=tuple(emulate or ()), timeout_s=timeout, **degrees)

@@ -195,9 +195,9 @@ class DistContext:
     def _leave_the_scripts_world(self) -> None:
         """Leave a training script's process as it was found: destroy every group this context created (the report
         groups, the CP meshes and what diffusers flattened of them; the script's own groups stay), drop the meshes,
-        and collect now what only reference cycles still hold. A destroyed gloo group left to the collector runs
-        its destructor whenever a collection happens, at worst during interpreter finalization, where it aborted
-        the script at exit ("terminate called without an active exception", SIGABRT, docs/DECISIONS.md)."""
+        and collect now what only reference cycles still hold: a preflight left one mesh group registered in the
+        script's process and one destroyed group to the collector, whose gloo threads then lived on until the
+        interpreter's finalization (docs/DECISIONS.md: the exit abort itself is gloo's barrier race, fixed apart)."""
         import torch.distributed as dist
 
         known = [self._report_group, self._group, self._world_report]
